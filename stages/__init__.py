@@ -1,0 +1,1 @@
+"""Prompts -> completions -> tokenized training set, one DVC stage per module."""

@@ -1,0 +1,77 @@
+"""Atomic writes: a stage's outputs appear whole or not at all.
+
+DVC links outs into its cache (read-only hardlinks under `cache.type hardlink,symlink`),
+so a stage never opens an existing output for writing: it writes a new temporary path
+beside the target and renames it over the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+REPORTS = Path("reports")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder that replaces `target` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        old = None
+        if target.exists() or target.is_symlink():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            _remove(old)
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            _remove(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | Path, mode: str = "w") -> Iterator:
+    """Open a temporary file beside `target`; on success fsync it and rename over `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: str | Path, obj) -> None:
+    with atomic_file(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=False, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_report(stage: str, obj: dict) -> Path:
+    """Write `reports/<stage>.json`, the stage's DVC metrics file."""
+    path = REPORTS / f"{stage}.json"
+    write_json(path, obj)
+    return path

@@ -42,6 +42,9 @@ class Source:
     tools_field: Optional[str] = None
     role_key: Optional[str] = None
     content_key: Optional[str] = None
+    # extra role names as "NAME:ROLE" (ROLE: system/user/assistant/tool), e.g. "prompter:user"
+    role_map: list[str] = field(default_factory=list)
+    revision: Optional[str] = None  # Hugging Face datasets: a commit or tag to pin the data
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Prepare:
     max_prompt_chars: int = 32000
     on_bad_row: Literal["error", "skip"] = "error"
     multi_turn: Literal["context", "first_user"] = "context"
+    # what counts as a duplicate: the whole prompt, its user turns only, or nothing
+    dedup: Literal["prompt", "user", "off"] = "prompt"
+    # worker processes for large sources (0: CPUs - 1, up to 8, none on 2 CPUs; 1: none)
+    num_proc: int = 0
 
 
 # -------------------------------------------------------------------------- generate
@@ -64,6 +71,9 @@ class Launch:
     startup_timeout: float = 600.0
     host: str = "127.0.0.1"
     port: Optional[int] = None
+    # argv replacing the engine's own command; {model} {host} {port} {python} are filled in
+    command: Optional[list[str]] = None
+    stop_timeout: float = 30.0  # SIGTERM, then SIGKILL of the process group after this
 
 
 @dataclass
@@ -74,6 +84,9 @@ class Server:
     api_key_env: Optional[str] = None  # name of the env var holding the key, never the key
     unreachable_deadline: float = 600.0
     watchdog_seconds: float = 600.0
+    max_restarts: int = 3  # watchdog restarts in a row without a completion, then give up
+    # the API dialect at `url` (a launched server uses launch.engine); default sglang
+    engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
 
 @dataclass
@@ -95,6 +108,7 @@ class Generate:
     backoff_max: float = 60.0
     cache_dir: str = ".cache/requests"
     progress_interval: float = 30.0
+    retry_failed: bool = False  # resend prompts whose permanent failure is cached
 
 
 # -------------------------------------------------------------------------- tokenize
@@ -113,6 +127,7 @@ class Tokenize:
     num_proc: int = 1
     shard_rows: int = 20000
     check_sample: int = 64
+    shard_max_mb: int = 512  # a shard also closes at this many MiB of Arrow data
     enable_thinking: bool = True
 
 
@@ -124,6 +139,7 @@ class Merge:
     base: Optional[str] = None
     on_duplicate: Literal["keep-base", "keep-new", "error"] = "keep-base"
     allow_cast: bool = False
+    link: bool = True  # hardlink unchanged shards into data/merged; false: always copy
 
 
 @dataclass
@@ -131,7 +147,8 @@ class Validate:
     max_seq_len: int = 32768
     min_loss_tokens: int = 1
     max_examples: int = 10
-    vocab_size: Optional[int] = None  # default: read from data/tokenized/fingerprint.json
+    vocab_size: Optional[int] = None  # default: data/merged/fingerprint.json tokenizer.vocab_size
+    threads: int = 0  # shards summarised at once; 0: up to 4, one per CPU
 
 
 SECTIONS: dict[str, type] = {
@@ -186,12 +203,16 @@ def _coerce(tp, value, key: str):
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
+        alternatives = [a for a in args if a is not type(None)]
+        for arg in alternatives:
             try:
                 return _coerce(arg, value, key)
             except ParamError as e:
-                errors.append(e)
+                # a nested mapping or list: its own error names the deeper key
+                if (dataclasses.is_dataclass(arg) and isinstance(value, dict)) or (
+                    typing.get_origin(arg) is list and isinstance(value, list)
+                ):
+                    raise e from None
         raise ParamError(f"{key}: expected {_describe(tp)}, got {_show(value)}")
     if origin is Literal:
         if value in args:

@@ -1,10 +1,22 @@
 """The tokenized-row contract: explicit Arrow/datasets features shared by tokenize,
-merge and validate (datasets would infer int64 for unknown columns)."""
+merge and validate (datasets would infer int64 for unknown columns); how a dataset folder
+of such rows sits on disk (shard listing, read-only shard reading, type comparison,
+save_to_disk metadata); and the pandera schemas validate checks row summaries with."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import mmap
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
 import datasets
 import pyarrow as pa
+
+from stages.errors import StageError
 
 FEATURES = datasets.Features(
     {
@@ -20,3 +32,242 @@ FEATURES = datasets.Features(
 ARROW_SCHEMA: pa.Schema = FEATURES.arrow_schema
 
 FINGERPRINT_FILE = "fingerprint.json"
+
+# ------------------------------------------------------------------- on disk
+# A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
+# order) or a plain folder of `.arrow` shards (taken in natural name order). Shards are
+# Arrow IPC *stream* files, which is what `datasets` writes and memory-maps.
+
+STATE_FILE = "state.json"
+INFO_FILE = "dataset_info.json"
+_FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets cannot load
+
+
+def list_shards(folder: str | Path) -> list[Path]:
+    """The shard files of a dataset folder, in dataset order (StageError if unusable)."""
+    folder = Path(folder)
+    if (folder / "dataset_dict.json").exists():
+        raise StageError(
+            f"{folder}: is a DatasetDict folder (dataset_dict.json); name one split's "
+            f"folder instead, e.g. {folder}/train"
+        )
+    state_path = folder / STATE_FILE
+    if state_path.exists():
+        try:
+            state = json.loads(state_path.read_text(encoding="utf-8"))
+            names = [entry["filename"] for entry in state["_data_files"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise StageError(f"{state_path}: not a datasets state file ({e!r})") from None
+        if state.get("_indices_data_files"):
+            raise StageError(f"{state_path}: has an indices mapping; save it flattened")
+        shards = [folder / name for name in names]
+        for path in shards:
+            if not path.is_file():
+                raise StageError(f"{state_path}: lists {path.name}, which does not exist")
+        return shards
+    shards = sorted(folder.glob("*.arrow"), key=lambda p: _natural(p.name))
+    if not shards:
+        others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+        meta = {INFO_FILE, FINGERPRINT_FILE}
+        if [name for name in others if name not in meta]:
+            raise StageError(
+                f"{folder}: no state.json and no .arrow shards (found {', '.join(others[:5])}); "
+                "expected a datasets save_to_disk folder or a folder of .arrow shards"
+            )
+    return shards
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+class ShardReader:
+    """Record batches of one shard, read from a read-only memory map.
+
+    With `drop_behind`, pages of batches already handed out are dropped from this
+    process's resident set as the next batch is read (they stay in the page cache and
+    fault back in if an array of an earlier batch is touched again), so memory stays flat
+    whatever the shard size, for readers that touch every page.
+    """
+
+    def __init__(self, path: Path, source: pa.BufferReader, mapped: mmap.mmap,
+                 drop_behind: bool):
+        self.path = path
+        self._source = source
+        self._mapped = mapped
+        self._drop_behind = drop_behind
+        try:
+            self._reader = pa.ipc.open_stream(source)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
+        self.schema: pa.Schema = self._reader.schema
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        dropped = 0
+        while True:
+            try:
+                batch = self._reader.read_next_batch()
+            except StopIteration:
+                return
+            yield batch
+            if not self._drop_behind:
+                continue
+            done = self._source.tell() // mmap.PAGESIZE * mmap.PAGESIZE
+            if done > dropped:
+                self._mapped.madvise(mmap.MADV_DONTNEED, 0, done)
+                dropped = done
+
+
+@contextlib.contextmanager
+def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardReader]:
+    """Open a shard read-only (never for writing: it may be a link into the DVC cache)."""
+    path = Path(path)
+    with path.open("rb") as f:
+        if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
+            raise StageError(
+                f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+                "datasets writes; re-save it with datasets' save_to_disk"
+            )
+        if os.fstat(f.fileno()).st_size == 0:
+            raise StageError(f"{path}: empty file, not an Arrow stream shard")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind)
+
+
+def read_schema(path: str | Path) -> pa.Schema:
+    with open_shard(path) as reader:
+        return reader.schema
+
+
+def schema_differences(schema: pa.Schema, expected: pa.Schema = ARROW_SCHEMA) -> list[str]:
+    """Human lines saying how `schema` differs from the contract (empty: identical).
+
+    Types compare exactly (int32 vs int64, list vs large_list, string vs large_string
+    differ); nullability, list item names and schema metadata do not matter to datasets
+    and are not compared.
+    """
+    out = []
+    got = {f.name: f.type for f in schema}
+    want = {f.name: f.type for f in expected}
+    for name in [n for n in want if n not in got]:
+        out.append(f"column {name} is missing (expected {want[name]})")
+    for name in [n for n in got if n not in want]:
+        out.append(f"column {name} ({got[name]}) is not in the contract")
+    for name in [n for n in want if n in got and got[n] != want[n]]:
+        out.append(f"column {name} is {got[name]}, expected {want[name]}")
+    if not out and schema.names != expected.names:
+        out.append(f"columns are in order {schema.names}, expected {expected.names}")
+    return out
+
+
+def castable(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether `src` can become `dst` without reinterpreting values (ranges checked later)."""
+    if src == dst:
+        return True
+    if pa.types.is_integer(src) and pa.types.is_integer(dst):
+        return True
+    strings = (pa.types.is_string, pa.types.is_large_string)
+    if any(f(src) for f in strings) and any(f(dst) for f in strings):
+        return True
+    lists = (pa.types.is_list, pa.types.is_large_list)
+    if any(f(src) for f in lists) and any(f(dst) for f in lists):
+        return castable(src.value_type, dst.value_type)
+    return False
+
+
+def write_metadata(folder: str | Path, shard_names: list[str], fingerprint: str) -> None:
+    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder."""
+    folder = Path(folder)
+    state = {
+        "_data_files": [{"filename": name} for name in shard_names],
+        "_fingerprint": fingerprint,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = {"citation": "", "description": "", "features": FEATURES.to_dict(),
+            "homepage": "", "license": ""}
+    for name, obj in ((STATE_FILE, state), (INFO_FILE, info)):
+        (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------- pandera
+# validate reduces every row to a summary (lengths, counts; computed columnar per shard)
+# and checks the summary frame with these schemas. Row-level check names below are the
+# names used in reports/validate.json.
+
+NOT_NULL_CHECKS = {
+    "id": "id_not_null",
+    "source": "source_not_null",
+    "input_ids_len": "input_ids_not_null",
+    "loss_mask_len": "loss_mask_not_null",
+    "num_tokens": "num_tokens_not_null",
+    "num_loss_tokens": "num_loss_tokens_not_null",
+}
+ROW_CHECKS = [
+    *NOT_NULL_CHECKS.values(),
+    "source_not_empty",
+    "lengths_equal",
+    "mask_binary",
+    "token_id_range",
+    "max_seq_len",
+    "min_loss_tokens",
+    "supervised_run",
+    "num_tokens_matches",
+    "num_loss_tokens_matches",
+]
+
+
+def row_schema(max_seq_len: int, min_loss_tokens: int):
+    """The pandera (polars) schema of validate's per-row summary frame.
+
+    Summary columns: id, source; input_ids_len, loss_mask_len (null when the list is
+    null); ids_out_of_range (token ids outside [0, vocab)), mask_not_binary (mask values
+    outside {0, 1}); supervised (mask == 1 count), longest_run (longest run of
+    consecutive supervised tokens); num_tokens, num_loss_tokens (the stored counters).
+    """
+    import pandera.polars as pa_pl
+    import polars as pl
+
+    def rule(name: str, expr):
+        return pa_pl.Check(lambda data: data.lazyframe.select(expr(pl.col(data.key))), name=name)
+
+    def col(*checks, nullable: bool = True):
+        return pa_pl.Column(pl.Int64, list(checks), nullable=nullable)
+
+    return pa_pl.DataFrameSchema(
+        {
+            "id": pa_pl.Column(pl.String, nullable=False),
+            "source": pa_pl.Column(
+                pl.String, rule("source_not_empty", lambda c: c.str.len_bytes() > 0),
+                nullable=False,
+            ),
+            "input_ids_len": col(rule("max_seq_len", lambda c: c <= max_seq_len), nullable=False),
+            "loss_mask_len": col(
+                rule("lengths_equal", lambda c: c == pl.col("input_ids_len")), nullable=False
+            ),
+            "ids_out_of_range": col(rule("token_id_range", lambda c: c == 0)),
+            "mask_not_binary": col(rule("mask_binary", lambda c: c == 0)),
+            "supervised": col(rule("min_loss_tokens", lambda c: c >= min_loss_tokens)),
+            "longest_run": col(rule("supervised_run", lambda c: c >= 2)),
+            "num_tokens": col(
+                rule("num_tokens_matches", lambda c: c == pl.col("input_ids_len")),
+                nullable=False,
+            ),
+            "num_loss_tokens": col(
+                rule("num_loss_tokens_matches", lambda c: c == pl.col("supervised")),
+                nullable=False,
+            ),
+        },
+        strict=False,  # the bookkeeping column `row` rides along unchecked
+    )
+
+
+def id_schema():
+    """Dataset-wide id uniqueness, over 64-bit hashes of every id (8 bytes a row)."""
+    import pandera.polars as pa_pl
+    import polars as pl
+
+    return pa_pl.DataFrameSchema({"id_hash": pa_pl.Column(pl.UInt64, unique=True)})

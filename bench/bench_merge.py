@@ -1,0 +1,227 @@
+"""Merge and validate on a generated multi-GB base set (issue 6).
+
+  .venv/bin/python bench/bench_merge.py [--quick]      (or BENCH_QUICK=1)
+
+Figures (ratios are against baselines measured in the same run, on the same files):
+  merge_vs_copy_new         merge wall time / time to copy only the new shards' bytes
+  merge_cache_growth_ratio  DVC cache growth after `dvc add` of the merged version (cache
+                            type hardlink,symlink, base already in the cache) / new bytes
+  validate_vs_scan          validate throughput / a raw numpy scan (min, max, lengths of
+                            input_ids and loss_mask) over the same shards, single-threaded;
+                            validate with its default threads (and `_1thread`: threads 1)
+  merge_peak_rss_mb, validate_peak_rss_mb   peak RSS of the stage process
+plus the sizes they were measured on. The base is >= 2 GB of 256 MB shards (256 MB of
+64 MB shards with --quick), rows of 500-4000 tokens; the new rows are 1/5 of it, as in
+the reference run (193K rows onto 902K). Work files live in bench/work/merge and are
+removed afterwards. Stage times are the stages' own `seconds` (imports excluded); each stage
+runs in its own process so its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, open_shard, write_metadata  # noqa: E402
+
+WORK = ROOT / "bench" / "work" / "merge"
+VOCAB = 248_077
+MB = 1 << 20
+FINGERPRINT = {
+    "tokenizer": {"name": "bench", "vocab_sha256": "0" * 64, "vocab_size": VOCAB,
+                  "special_tokens": {}},
+    "chat_template_sha256": "1" * 64,
+    "policy": {},
+    "versions": {},
+}
+CHILD = """
+import json, resource, sys
+from stages import cli
+code = cli.main(sys.argv[1], "", __import__("stages." + sys.argv[1], fromlist=["run"]).run, [])
+print(json.dumps({"rc": code, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def generate(folder: Path, total_bytes: int, shard_bytes: int, prefix: str, seed: int,
+             lengths: tuple[int, int] = (500, 4000)) -> int:
+    """A save_to_disk-style folder of HF-like shards: rows of `lengths` tokens, the last
+    ~40% supervised, written in 1000-row record batches. Returns the row count."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    names, rows, written = [], 0, 0
+    while written < total_bytes:
+        name = f"data-{len(names):05d}.arrow"
+        with pa.OSFile(str(folder / name), "wb") as sink, \
+                pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
+            size = 0
+            while size < min(shard_bytes, total_bytes - written):
+                batch = _batch(rng, rows, 1000, prefix, lengths)
+                writer.write_batch(batch)
+                size += batch.nbytes
+                rows += batch.num_rows
+        written += (folder / name).stat().st_size
+        names.append(name)
+    write_metadata(folder, names, f"bench-{prefix}")
+    (folder / FINGERPRINT_FILE).write_text(json.dumps(FINGERPRINT))
+    return rows
+
+
+def _batch(rng, first: int, n: int, prefix: str, span: tuple[int, int]) -> pa.RecordBatch:
+    lengths = rng.integers(*span, n).astype(np.int32)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    ids = rng.integers(0, VOCAB, int(offsets[-1]), dtype=np.int32)
+    mask = np.zeros(int(offsets[-1]), np.int8)
+    answer = (lengths * 0.4).astype(np.int32)
+    starts = offsets[1:] - answer
+    # ones from each row's answer start to its end, via a +1/-1 difference array
+    step = np.zeros(int(offsets[-1]) + 1, np.int8)
+    np.add.at(step, starts, 1)
+    np.add.at(step, offsets[1:], -1)
+    mask[:] = np.cumsum(step[:-1], dtype=np.int8)
+    sources = np.array(["alpha", "beta", "gamma"])[rng.integers(0, 3, n)]
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([f"{prefix}-{first + i}" for i in range(n)]),
+            pa.array(sources),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
+            pa.array(lengths),
+            pa.array(answer),
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+def raw_scan(folder: Path) -> float:
+    """The floor: min, max and lengths over the flattened lists, nothing else."""
+    from stages.schema import list_shards
+
+    start = time.perf_counter()
+    for path in list_shards(folder):
+        with open_shard(path) as reader:
+            for batch in reader:
+                for name in ("input_ids", "loss_mask"):
+                    col = batch.column(name)
+                    offsets = col.offsets.to_numpy()
+                    values = col.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
+                    np.diff(offsets)
+                    if len(values):
+                        values.min(), values.max()
+    return time.perf_counter() - start
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _sh(cmd: list[str], cwd: Path) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def _stage(name: str, repo: Path) -> tuple[dict, float]:
+    """Run a stage in its own process; return (its report, peak RSS in MB)."""
+    out = _sh([sys.executable, "-c", CHILD, name], repo)
+    child = json.loads(out.strip().splitlines()[-1])
+    if child["rc"]:
+        raise RuntimeError(f"{name} failed")
+    report = json.loads((repo / "reports" / f"{name}.json").read_text())
+    return report, child["maxrss_kb"] / 1024
+
+
+def _cache_bytes(repo: Path) -> int:
+    seen, total = set(), 0
+    for path in (repo / ".dvc" / "cache").rglob("*"):
+        st = path.lstat()
+        if path.is_file() and st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return total
+
+
+def main(quick: bool | None = None) -> dict:
+    if quick is None:
+        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+    base_bytes = (256 if quick else 2200) * MB
+    shard_bytes = (64 if quick else 256) * MB
+    new_bytes = base_bytes // 5  # the reference run appended 193K rows to 902K
+    shutil.rmtree(WORK, ignore_errors=True)
+    repo = WORK / "repo"
+    try:
+        repo.mkdir(parents=True)
+        _sh(["git", "init", "-q"], repo)
+        _sh(["dvc", "init", "-q"], repo)
+        _sh(["dvc", "config", "cache.type", "hardlink,symlink"], repo)
+        base_rows = generate(repo / "data/base", base_bytes, shard_bytes, "base", 1)
+        new_rows = generate(repo / "data/tokenized", new_bytes, shard_bytes, "new", 2)
+        params = "merge:\n  base: data/base\nvalidate:\n  max_seq_len: 4096\n"
+        (repo / "params.yaml").write_text(params)
+        _sh(["dvc", "add", "-q", "data/base"], repo)
+        cache_before = _cache_bytes(repo)
+
+        new_shards = sorted((repo / "data/tokenized").glob("*.arrow"))
+        new_size = sum(p.stat().st_size for p in new_shards)
+        copies = []
+        for _ in range(3):
+            dest = WORK / "copy"
+            dest.mkdir()
+            start = time.perf_counter()
+            for p in new_shards:
+                shutil.copyfile(p, dest / p.name)
+            copies.append(time.perf_counter() - start)
+            shutil.rmtree(dest)
+        copy_seconds = sorted(copies)[1]
+
+        merge_report, merge_rss = _stage("merge", repo)
+        _sh(["dvc", "add", "-q", "data/merged"], repo)
+        growth = _cache_bytes(repo) - cache_before
+
+        raw_scan(repo / "data/merged")  # warm the page cache the same way for both
+        scans = [raw_scan(repo / "data/merged") for _ in range(2)]
+        runs = [_stage("validate", repo) for _ in range(2)]  # default: threads up to 4
+        validate_seconds = min(report["seconds"] for report, _ in runs)
+        validate_rss = max(rss for _, rss in runs)
+        (repo / "params.yaml").write_text(params + "  threads: 1\n")
+        one_thread = _stage("validate", repo)[0]["seconds"]
+        scan_seconds = min(scans + [raw_scan(repo / "data/merged")])
+        merged = merge_report["merged"]
+        return {
+            "merge_vs_copy_new": round(merge_report["seconds"] / copy_seconds, 3),
+            "merge_cache_growth_ratio": round(growth / new_size, 4),
+            "validate_vs_scan": round(scan_seconds / validate_seconds, 3),
+            "validate_vs_scan_1thread": round(scan_seconds / one_thread, 3),
+            "merge_peak_rss_mb": round(merge_rss, 1),
+            "validate_peak_rss_mb": round(validate_rss, 1),
+            "merge_seconds": merge_report["seconds"],
+            "merge_copy_new_seconds": round(copy_seconds, 3),
+            "validate_seconds": validate_seconds,
+            "validate_scan_seconds": round(scan_seconds, 3),
+            "merge_base_gb": round(merge_report["base"]["bytes"] / 1e9, 3),
+            "merge_new_mb": round(new_size / 1e6, 1),
+            "merge_rows": merged["rows"],
+            "merge_base_rows": base_rows,
+            "merge_new_rows": new_rows,
+        }
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    for key, value in main().items():
+        print(f"{key} = {value}")

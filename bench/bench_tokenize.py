@@ -1,0 +1,285 @@
+"""Benchmark the tokenize stage against the tokenizer itself and the naive way.
+
+  python bench/bench_tokenize.py            1,200 conversations; 50K rows for memory
+  python bench/bench_tokenize.py --quick    300 conversations; 5K rows (also BENCH_QUICK=1)
+
+Conversations are generated with realistic length and shape for the reference run: mean
+about 2,700 tokens, mostly the thinking block; 20% with a system prompt, 20% with earlier
+turns, 5% with tools and a tool call. All figures use the bundled Qwen3.6 tokenizer, on
+this machine's cores, in one run (best of 2 timings each: the machine is shared).
+
+  tokenize_vs_floor       stage tokens/s at num_proc=2 (render + encode + mask + Arrow
+                          write, JSON parsing and the train/serve check included) divided
+                          by `Tokenizer.encode_batch_fast` on the pre-rendered texts (2
+                          threads) - goal >= 0.85
+  tokenize_vs_naive       stage at num_proc=2 divided by the naive way in one process:
+                          per sample `apply_chat_template(tokenize=True)`, then, for each
+                          assistant turn, the prefix before it and the prefix through its
+                          end tokenized again (SpecForge-style) - goal >= 4
+  tokenize_vs_naive_1proc the same with the stage at num_proc=1
+  tokenize_vs_naive_min   against a leaner naive way that takes the end of the final turn
+                          from the whole encode instead of encoding the prefix again
+  tokenize_scaling_2proc  stage at num_proc=2 / num_proc=1 - goal >= 1.7
+  tokenize_peak_rss_mb    peak memory (summed PSS of the stage process and its workers)
+                          tokenizing 50K rows with num_proc=2, in a subprocess; the rows are
+                          short (~400 tokens) to keep the run short: memory is bounded per
+                          chunk, not per row
+  tokenize_rss_growth_mb  peak at 50K rows minus peak at 10K rows (flat: near 0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "work" / "tokenize"
+sys.path.insert(0, str(ROOT))
+
+COMMON = (
+    "the of and to in is that it for as with was on be by this are or at from an but not "
+    "have which can we if so all one what there when more will about into out up then them "
+    "some could these other than only its also may time first like any how now two our way "
+    "each well even new because most over such after very where much before through back "
+    "just those should see while value function number first second term equation answer "
+    "check let me wait so the result gives us we need to compute step since case both sides "
+    "means therefore consider maybe actually hmm right correct total factor"
+).split()
+SYLLABLES = ("ka ro mi te su lan ver pro con di al ex tion ment ing er ab ul ze por mat "
+             "gen ic hy dro log phy sis tra ble ous na").split()
+
+
+class Text:
+    """Pseudo-English with a Zipf tail, numbers, formulas and the odd code line."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        rare = sorted({"".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4)))
+                       for _ in range(20000)})
+        self.rare = rare
+        self.rare_cum = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(rare))))
+
+    def sentence(self, n: int) -> str:
+        rng = self.rng
+        words = []
+        for _ in range(n):
+            r = rng.random()
+            if r < 0.72:
+                words.append(rng.choice(COMMON))
+            elif r < 0.95:
+                words.append(rng.choices(self.rare, cum_weights=self.rare_cum)[0])
+            else:
+                words.append(f"{rng.randint(0, 999)}{rng.choice(['', '.5', 'x', '^2'])}")
+        s = " ".join(words)
+        if rng.random() < 0.1:
+            s += f", so ${rng.randint(2, 99)}x + {rng.randint(1, 50)} = {rng.randint(10, 999)}$"
+        return s[:1].upper() + s[1:] + rng.choice([".", ".", ".", "?", ":"])
+
+    def prose(self, words: int) -> str:
+        paras, left = [], words
+        while left > 0:
+            n = min(left, self.rng.randint(25, 90))
+            left -= n
+            para = " ".join(self.sentence(k) for k in _split(self.rng, n))
+            if self.rng.random() < 0.06:
+                para += "\n\n```python\ndef f(x):\n    return x * 2 + 1\n```"
+            paras.append(para)
+        return "\n\n".join(paras)
+
+
+def _split(rng: random.Random, n: int) -> list[int]:
+    out = []
+    while n > 0:
+        k = min(n, rng.randint(6, 22))
+        out.append(k)
+        n -= k
+    return out
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "search", "description": "Search the web.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                    "required": ["query"]}}},
+    {"type": "function", "function": {"name": "calculator", "description": "Evaluate math.",
+     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}},
+]
+
+
+def conversation(rng: random.Random, text: Text, i: int, scale: float = 1.0) -> dict:
+    msgs: list[dict] = []
+    row: dict = {"id": f"bench-{i}", "source": rng.choice(["infinity", "webinstruct", "code"])}
+    if rng.random() < 0.2:
+        msgs.append({"role": "system", "content": text.prose(rng.randint(15, 50))})
+    if rng.random() < 0.05:
+        row["tools"] = TOOLS
+        msgs.append({"role": "user", "content": text.prose(rng.randint(20, 60))})
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "search",
+                                              "arguments": {"query": text.sentence(6)}}}]})
+        msgs.append({"role": "tool", "content": text.prose(rng.randint(40, 120))})
+    elif rng.random() < 0.2:
+        for _ in range(rng.choice((1, 1, 2))):
+            msgs.append({"role": "user", "content": text.prose(rng.randint(20, 120))})
+            msgs.append({"role": "assistant", "content": text.prose(rng.randint(60, 250))})
+    msgs.append({"role": "user", "content": text.prose(int(rng.randint(25, 170) * scale))})
+    msgs.append({
+        "role": "assistant",
+        "reasoning_content": text.prose(int(rng.randint(520, 1500) * scale)),
+        "content": text.prose(int(rng.randint(60, 340) * scale)),
+    })
+    row.update(messages=msgs, finish_reason="stop", truncated=False,
+               usage={"prompt_tokens": 0, "completion_tokens": 0}, model="bench", sampling="x")
+    return row
+
+
+def make_completions(path: Path, n: int, scale: float = 1.0, seed: int = 0) -> None:
+    if path.exists():
+        return
+    rng = random.Random(seed)
+    text = Text(rng)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps(conversation(rng, text, i, scale), ensure_ascii=False) + "\n")
+    tmp.rename(path)
+
+
+def _best(fn, repeat: int = 2) -> float:
+    return min(_timed(fn) for _ in range(repeat))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _peak_memory(cmd: list[str], env: dict) -> float:
+    """Run `cmd`; the peak over time of the PSS summed over it and its children, in MB."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    peak = 0.0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_full_info().pss
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        pass
+            except psutil.NoSuchProcess:
+                return
+            peak = max(peak, total / 2**20)
+            done.wait(0.2)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    err = proc.communicate()[1].decode()
+    done.set()
+    t.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"tokenize run failed:\n{err[-2000:]}")
+    return peak
+
+
+def memory_run(rows: int) -> float:
+    path = WORK / f"short-v2-{rows}.jsonl"
+    make_completions(path, rows, scale=0.15, seed=rows)
+    out = WORK / f"out-mem-{rows}"
+    code = ("import sys; from stages.tokenize import tokenize_file; "
+            f"tokenize_file({str(path)!r}, {str(out)!r}, num_proc=2, max_seq_len=1 << 20)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    return _peak_memory([sys.executable, "-c", code], env)
+
+
+def main(quick: bool | None = None) -> dict:
+    if quick is None:
+        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+    os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
+    from stages.tokenize import _file_stamp, _load_tokenizer, tokenize_file
+
+    n = 300 if quick else 1200
+    n_naive = 60 if quick else 200
+    path = WORK / f"realistic-v2-{n}.jsonl"
+    make_completions(path, n)
+    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
+    tok, _ = _load_tokenizer("bundled:qwen3.6", None, False, _file_stamp(None))
+    texts = [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
+             for r in rows]
+    backend = tok.backend_tokenizer
+    tokens = sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
+
+    floor = _best(lambda: backend.encode_batch_fast(texts, add_special_tokens=False))
+    out = WORK / "out"
+    stage = {}
+    for procs in (1, 2):
+        tokenize_file(path, out, num_proc=procs, max_seq_len=1 << 20)  # warm up
+        stage[procs] = _best(lambda: tokenize_file(path, out, num_proc=procs,
+                                                   max_seq_len=1 << 20))
+    report = tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20)
+    assert report["rows"] == n, report["dropped"]
+
+    naive_rows = rows[:n_naive]
+    naive_tokens = [0]
+
+    def encode(msgs, tools, **kw) -> list[int]:
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False, **kw)
+
+    def naive(through_end: bool) -> None:
+        """The per-sample way: encode the conversation, then find each assistant turn by
+        encoding the prefix before it (and, as SpecForge-style parsers do, the prefix
+        through its end)."""
+        naive_tokens[0] = 0
+        for r in naive_rows:
+            msgs, tools = r["messages"], r.get("tools")
+            ids = encode(msgs, tools)
+            mask = [0] * len(ids)
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                start = len(encode(msgs[:i], tools, add_generation_prompt=True))
+                last = i == len(msgs) - 1
+                end = len(ids) if last and not through_end else len(encode(msgs[: i + 1], tools))
+                mask[start:end] = [1] * (end - start)
+            naive_tokens[0] += len(ids)
+
+    naive_rate = naive_tokens[0] / _best(lambda: naive(True), repeat=1 if quick else 2)
+    naive_min_rate = naive_tokens[0] / _best(lambda: naive(False), repeat=1 if quick else 2)
+    floor_rate = tokens / floor
+    rate1, rate2 = report["tokens"] / stage[1], report["tokens"] / stage[2]
+
+    big, small = (5_000, 1_000) if quick else (50_000, 10_000)
+    rss_big = memory_run(big)
+    rss_small = memory_run(small)
+    return {
+        "tokenize_vs_floor": round(rate2 / floor_rate, 3),
+        "tokenize_vs_naive": round(rate2 / naive_rate, 2),
+        "tokenize_vs_naive_1proc": round(rate1 / naive_rate, 2),
+        "tokenize_vs_naive_min": round(rate2 / naive_min_rate, 2),
+        "tokenize_scaling_2proc": round(rate2 / rate1, 3),
+        "tokenize_peak_rss_mb": round(rss_big, 1),
+        "tokenize_rss_growth_mb": round(rss_big - rss_small, 1),
+        "tokenize_mean_tokens_per_row": round(tokens / n),
+        "tokenize_stage_tok_per_s": round(rate2),
+        "tokenize_floor_tok_per_s": round(floor_rate),
+    }
+
+
+if __name__ == "__main__":
+    for key, value in main().items():
+        print(f"{key} = {value}")

@@ -1,0 +1,164 @@
+"""Run the whole pipeline on the embedded default and summarise it (`make demo`).
+
+Prepares what the default params need and that is never committed (the bundled Qwen3.6
+tokenizer, the tiny random-weight demo model, a small tokenized base set in data/base),
+runs `dvc repro`, then prints rows and tokens after each stage.
+
+  python -m stages.demo            prepare, dvc repro, summary
+  python -m stages.demo setup      prepare only
+  python -m stages.demo summary    summary of the last run only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from stages.errors import StageError
+
+BASE = Path("data/base")
+BASE_ROWS = 24
+MERGED = Path("data/merged")
+REPORTS = Path("reports")
+
+
+def setup() -> None:
+    from stages import tinymodel, tokenizer
+
+    tokenizer.load_tokenizer("bundled:qwen3.6")
+    tinymodel.ensure_model()
+    if not (BASE / "state.json").exists():
+        build_base(BASE)
+
+
+def base_conversations(n: int = BASE_ROWS, seed: int = 1234) -> list[dict]:
+    """Deterministic stand-ins for an existing training set: arithmetic Q&A with thinking."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(2, 999), rng.randint(2, 999)
+        op, value = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
+        rows.append(
+            {
+                "id": f"base-{i:04d}",
+                "source": "demo_base",
+                "messages": [
+                    {"role": "user", "content": f"What is {a} {op} {b}?"},
+                    {
+                        "role": "assistant",
+                        "reasoning_content": f"I need {a} {op} {b}. That is {value}.",
+                        "content": f"{a} {op} {b} = {value}.",
+                    },
+                ],
+            }
+        )
+    return rows
+
+
+def build_base(target: Path) -> None:
+    """Write the demo base set the way the tokenize stage writes its output."""
+    from stages import tokenize
+
+    with tokenize_scratch() as scratch:
+        completions = scratch / "completions.jsonl"
+        with completions.open("w", encoding="utf-8") as f:
+            for row in base_conversations():
+                row.update(finish_reason="stop", truncated=False)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tokenize.tokenize_file(completions, target, shard_rows=BASE_ROWS // 2)
+
+
+class tokenize_scratch:
+    """A scratch folder under .cache that is removed afterwards."""
+
+    def __enter__(self) -> Path:
+        self.path = Path(".cache/demo-scratch")
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def repro() -> list[str]:
+    """Run `dvc repro`, echo its output, return the names of the stages that ran."""
+    if not Path(".git").exists():
+        raise StageError("not a git repository: clone the project with git (dvc needs it)")
+    proc = subprocess.Popen(
+        ["dvc", "repro"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    ran = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        m = re.match(r"Running stage '([^']+)'", line)
+        if m:
+            ran.append(m.group(1))
+    if proc.wait() != 0:
+        raise StageError(f"dvc repro failed (exit {proc.returncode}); see the output above")
+    return ran
+
+
+def _report(stage: str) -> dict:
+    path = REPORTS / f"{stage}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def summary(ran: list[str] | None) -> str:
+    prep, gen, tok, mer, val = (
+        _report(s) for s in ("prepare", "generate", "tokenize", "merge", "validate")
+    )
+    lines = ["", "=== demo summary ==="]
+    if ran is not None:
+        lines.append(
+            "stages run: " + (", ".join(ran) if ran else "none - nothing changed, all up to date")
+        )
+    total = prep.get("total", {})
+    lines.append(f"prepare   {total.get('kept', '?')} prompts from {len(prep.get('sources', {}))} sources")
+    lines.append(
+        f"generate  {gen.get('completed', '?')} completions, {gen.get('failed', '?')} failed, "
+        f"{gen.get('output_tokens', '?')} output tokens"
+    )
+    lines.append(f"tokenize  {tok.get('rows', '?')} rows, {tok.get('tokens', '?')} tokens "
+                 f"({tok.get('loss_tokens', '?')} supervised)")
+    lines.append(
+        f"merge     {mer.get('base', {}).get('rows', '?')} base + {mer.get('new', {}).get('rows', '?')} new"
+        f" = {mer.get('merged', {}).get('rows', '?')} rows, {mer.get('merged', {}).get('tokens', '?')} tokens"
+    )
+    lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
+    lines.append(f"merged dataset: {MERGED.resolve()}")
+    lines.append(
+        "load it:  python -c \"import datasets; print(datasets.load_from_disk('data/merged'))\""
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stages.demo", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("action", nargs="?", default="run", choices=["run", "setup", "summary"])
+    args = parser.parse_args(argv)
+    try:
+        if args.action in ("run", "setup"):
+            setup()
+        if args.action == "run":
+            print(summary(repro()))
+        elif args.action == "summary":
+            print(summary(None))
+    except StageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

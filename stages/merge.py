@@ -1,0 +1,449 @@
+"""Append data/tokenized to a base training set without rewriting the base.
+
+  python -m stages.merge [--params params.yaml]
+
+Reads `merge.base` (a datasets save_to_disk folder or a folder of .arrow stream shards;
+null, absent or empty for a first version) and data/tokenized, and writes data/merged:
+every base shard byte-identical (hardlinked when on the same filesystem, else copied),
+then the new rows as the next shards, then state.json, dataset_info.json and the new
+fingerprint.json, so `datasets.load_from_disk("data/merged")` opens it. The base is only
+ever read. Writes reports/merge.json.
+
+Refuses, with one line naming the shard, column and both types, any base whose columns
+differ from the contract in stages/schema.py; with `merge.allow_cast: true` such base
+shards are instead written as converted copies (integer widths, list/large_list,
+string/large_string; a value that does not fit still fails). Refuses a base whose
+fingerprint.json names another tokenizer or chat template.
+
+Ids in both base and new: `merge.on_duplicate`
+  keep-base  drop those new rows (new shards holding them are written filtered)
+  keep-new   drop those base rows (base shards holding them are written filtered, under
+             their own names and places; every other base shard stays byte-identical)
+  error      stop and name them
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stages import cli, outputs
+from stages import params as P
+from stages.errors import StageError
+from stages.schema import (
+    ARROW_SCHEMA,
+    FEATURES,
+    FINGERPRINT_FILE,
+    castable,
+    list_shards,
+    open_shard,
+    read_schema,
+    schema_differences,
+    write_metadata,
+)
+
+log = logging.getLogger("merge")
+
+NEW = Path("data/tokenized")
+OUT = Path("data/merged")
+FINGERPRINT_KEYS = ("tokenizer", "chat_template_sha256")
+
+
+@dataclasses.dataclass
+class Shard:
+    path: Path
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    bytes: int = 0
+    cast: bool = False  # columns differ from the contract: written converted
+    drop: Optional[pa.ChunkedArray] = None  # per-row "drop this row" (duplicates)
+    ids: Optional[pa.ChunkedArray] = None  # kept for new shards only (small)
+
+    @property
+    def dropped(self) -> int:
+        return 0 if self.drop is None else pc.sum(self.drop).as_py() or 0
+
+
+def run(cfg: P.Merge) -> dict:
+    start = time.perf_counter()
+    base = Path(cfg.base) if cfg.base else None
+    _check_paths(base)
+    new_fp_path = NEW / FINGERPRINT_FILE
+    new_fp = _read_fingerprint(new_fp_path, required=True)
+    if base is not None and base.is_dir():
+        base_fp = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
+        if base_fp is None:
+            log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
+        else:
+            _compare_fingerprints(base / FINGERPRINT_FILE, base_fp, new_fp_path, new_fp)
+    elif base is not None:
+        log.warning("merge.base %s does not exist: writing a first version", base)
+
+    new = [Shard(p) for p in list_shards(NEW)]
+    for shard in new:
+        diffs = schema_differences(read_schema(shard.path))
+        if diffs:
+            raise StageError(f"{shard.path}: {'; '.join(diffs)} (re-run the tokenize stage)")
+    base_shards = [Shard(p) for p in (list_shards(base) if base and base.is_dir() else [])]
+    for shard in base_shards:
+        shard.cast = _check_base_schema(shard.path, cfg.allow_cast)
+
+    new_ids = _scan_new(new)
+    dup_ids = _scan_base(base_shards, new_ids)
+    duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new)
+
+    if sum(s.rows - s.dropped for s in base_shards + new) == 0:
+        raise StageError(f"merge: no rows to write: the base is empty and {NEW} has 0 rows")
+
+    with outputs.atomic_dir(OUT) as tmp:
+        placed = _write(tmp, base_shards, new, cfg.link)
+        shutil.copyfile(new_fp_path, tmp / FINGERPRINT_FILE)
+        names = [name for name, _, _ in placed]
+        write_metadata(tmp, names, _dataset_fingerprint(tmp, names))
+        merged = _totals([shard for _, _, shard in placed])
+        _check_loads(tmp, merged["rows"])
+
+    how = {}
+    for _, action, _ in placed:
+        how[action] = how.get(action, 0) + 1
+    report = {
+        "base": {"path": cfg.base, "present": bool(base and base.is_dir()),
+                 **_totals(base_shards)},
+        "new": {"path": str(NEW), **_totals(new)},
+        "merged": merged,
+        "duplicates": duplicates,
+        "shards": {key: how.get(key, 0) for key in (
+            "base_linked", "base_copied", "base_cast", "base_filtered",
+            "new_linked", "new_copied", "new_filtered")},
+        "bytes_written": sum(s.bytes for _, a, s in placed if not a.endswith("linked")),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    outputs.write_report("merge", report)
+    log.info(
+        "merged %d base + %d new rows -> %d rows in %d shards (%s)",
+        report["base"]["rows"], report["new"]["rows"], merged["rows"], merged["shards"],
+        ", ".join(f"{k} {v}" for k, v in report["shards"].items() if v),
+    )
+    return report
+
+
+# ------------------------------------------------------------------------ checks
+
+
+def _check_paths(base: Optional[Path]) -> None:
+    if not NEW.is_dir():
+        raise StageError(f"{NEW}: not found (run the tokenize stage first)")
+    if base is None:
+        return
+    if base.exists() and not base.is_dir():
+        raise StageError(f"merge.base {base}: is a file, expected a dataset folder")
+    for other in (OUT, NEW):
+        if base.exists() and other.exists() and base.resolve() == other.resolve():
+            raise StageError(f"merge.base {base}: must not be {other}")
+
+
+def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
+    if not path.exists():
+        if required:
+            raise StageError(f"{path}: not found (the tokenize stage writes it)")
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise StageError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise StageError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict) -> None:
+    for key in FINGERPRINT_KEYS:
+        diff = _first_difference(base.get(key), new.get(key), key)
+        if diff:
+            where, a, b = diff
+            raise StageError(
+                f"fingerprint mismatch: {where} is {_short(a)} in {base_path} but "
+                f"{_short(b)} in {new_path} (the base was tokenized differently)"
+            )
+
+
+def _first_difference(a: Any, b: Any, where: str):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            diff = _first_difference(a.get(key), b.get(key), f"{where}.{key}")
+            if diff:
+                return diff
+        return None
+    return None if a == b else (where, a, b)
+
+
+def _short(value: Any) -> str:
+    text = "missing" if value is None else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_base_schema(path: Path, allow_cast: bool) -> bool:
+    """True when the shard must be written converted; StageError when it cannot be."""
+    schema = read_schema(path)
+    diffs = schema_differences(schema)
+    if not diffs:
+        return False
+    got = {f.name: f.type for f in schema}
+    fixable = set(got) == set(ARROW_SCHEMA.names) and all(
+        castable(got[f.name], f.type) for f in ARROW_SCHEMA
+    )
+    detail = "; ".join(d.replace("expected", f"{NEW} has") for d in diffs)
+    if not allow_cast:
+        hint = " (set merge.allow_cast: true to write converted copies)" if fixable else ""
+        raise StageError(f"base shard {path}: {detail}{hint}")
+    if not fixable:
+        raise StageError(
+            f"base shard {path}: {detail}; not castable (merge.allow_cast converts only "
+            "integer widths, list/large_list and string/large_string)"
+        )
+    log.warning("base shard %s will be written converted: %s", path.name, detail)
+    return True
+
+
+# ------------------------------------------------------------------------- scans
+
+
+def _scan(shard: Shard) -> pa.ChunkedArray:
+    """Count rows and tokens and return the id column; touches only ids and offsets."""
+    ids, lists, loss = [], [], []
+    try:
+        with open_shard(shard.path) as reader:
+            for batch in reader:
+                ids.append(batch.column("id"))
+                lists.append(batch.column("input_ids"))
+                loss.append(batch.column("num_loss_tokens"))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StageError(f"{shard.path}: unreadable shard ({e})") from None
+    if ids:
+        shard.rows = sum(len(c) for c in ids)
+        shard.tokens = pc.sum(pc.list_value_length(pa.chunked_array(lists))).as_py() or 0
+        shard.loss_tokens = pc.sum(pa.chunked_array(loss)).as_py() or 0
+    shard.bytes = shard.path.stat().st_size
+    return _strings(ids)
+
+
+def _strings(chunks: list) -> pa.ChunkedArray:
+    # a base that needs a cast may hold large_string ids: compare everything as string
+    return pa.chunked_array(
+        [c if c.type == pa.string() else c.cast(pa.string()) for c in chunks], pa.string()
+    )
+
+
+def _scan_new(new: list[Shard]) -> pa.Array:
+    ids = []
+    for shard in new:
+        shard_ids = shard.ids = _scan(shard)
+        nulls = shard_ids.null_count
+        if nulls:
+            raise StageError(f"{shard.path}: {nulls} rows have a null id")
+        ids.extend(shard_ids.chunks)
+    all_ids = pa.chunked_array(ids, type=pa.string())
+    unique = pc.unique(all_ids)
+    if len(unique) != len(all_ids):
+        counts = pc.value_counts(all_ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+        raise StageError(
+            f"{NEW}: {len(repeated)} ids occur more than once, e.g. {repeated[0].as_py()!r}"
+        )
+    log.info("new: %d rows in %d shards", len(all_ids), len(new))
+    return unique
+
+
+def _scan_base(base: list[Shard], new_ids: pa.Array) -> pa.Array:
+    """Scan base shards (ids column only); mark rows whose id is also new."""
+    found = []
+    for i, shard in enumerate(base, 1):
+        ids = _scan(shard)
+        hit = pc.fill_null(pc.is_in(ids, value_set=new_ids), False)
+        if pc.any(hit).as_py():
+            shard.drop = hit
+            found.append(ids.filter(hit))
+        log.info("base %d/%d %s: %d rows", i, len(base), shard.path.name, shard.rows)
+    if not found:
+        return pa.array([], pa.string())
+    return pc.unique(pa.chunked_array([c for f in found for c in f.chunks]))
+
+
+def _apply_policy(policy: str, dup_ids: pa.Array, base: list[Shard], new: list[Shard]) -> dict:
+    base_rows = sum(s.dropped for s in base)
+    counts = {"policy": policy, "ids": len(dup_ids), "base_rows": base_rows,
+              "new_rows": 0, "dropped_base_rows": 0, "dropped_new_rows": 0}
+    for shard in new:
+        if len(dup_ids):
+            hit = pc.fill_null(pc.is_in(shard.ids, value_set=dup_ids), False)
+            if pc.any(hit).as_py():
+                shard.drop = hit
+    counts["new_rows"] = sum(s.dropped for s in new)
+    if not len(dup_ids):
+        for shard in base + new:
+            shard.drop = None
+        return counts
+    examples = ", ".join(repr(v) for v in dup_ids[:3].to_pylist())
+    if policy == "error":
+        raise StageError(
+            f"merge: {len(dup_ids)} ids are in both the base and {NEW} (e.g. {examples}); "
+            "merge.on_duplicate is 'error'"
+        )
+    keep, drop = (new, base) if policy == "keep-new" else (base, new)
+    for shard in keep:
+        shard.drop = None
+    counts["dropped_base_rows" if policy == "keep-new" else "dropped_new_rows"] = sum(
+        s.dropped for s in drop
+    )
+    log.warning("%d ids in both base and new (e.g. %s): %s", len(dup_ids), examples, policy)
+    return counts
+
+
+# ------------------------------------------------------------------------ output
+
+
+def _write(tmp: Path, base: list[Shard], new: list[Shard], link: bool):
+    """Place every shard into `tmp`; returns [(file name, action, Shard as written)]."""
+    placed = []
+    names = [shard.path.name for shard in base]
+    if len(set(names)) != len(names):
+        raise StageError("merge.base: two base shards share a file name; rename one")
+    for shard in base:
+        if shard.cast or shard.drop is not None:
+            out = _rewrite(shard, tmp / shard.path.name)
+            if out.rows:
+                placed.append((shard.path.name, "base_cast" if shard.cast else "base_filtered",
+                               out))
+        else:
+            action = _place(shard.path, tmp / shard.path.name, link)
+            placed.append((shard.path.name, f"base_{action}", shard))
+    kept = [s for s in new if s.rows - s.dropped > 0]
+    taken = {name for name, _, _ in placed}
+    index = len(placed)
+    total = len(placed) + len(kept)
+    for shard in kept:
+        name = f"data-{index:05d}-of-{total:05d}.arrow"
+        while name in taken:  # a base that already uses this name
+            index += 1
+            name = f"data-{index:05d}-of-{total:05d}.arrow"
+        taken.add(name)
+        index += 1
+        if shard.drop is not None:
+            placed.append((name, "new_filtered", _rewrite(shard, tmp / name)))
+        else:
+            placed.append((name, f"new_{_place(shard.path, tmp / name, link)}", shard))
+    return placed
+
+
+def _place(src: Path, dst: Path, link: bool) -> str:
+    """Hardlink `src` as `dst` (same bytes, no copy), or copy it when linking fails."""
+    if link:
+        try:
+            # link() would link a symlink itself (DVC's symlink cache): link its target
+            os.link(src.resolve(), dst)
+            return "linked"
+        except OSError as e:
+            log.info("cannot hardlink %s (%s): copying", src, e.strerror or e)
+    shutil.copyfile(src, dst)
+    return "copied"
+
+
+def _rewrite(shard: Shard, dst: Path) -> Shard:
+    """Write `shard` converted to the contract and/or without its dropped rows."""
+    out = Shard(dst)
+    offset = 0
+    try:
+        with open_shard(shard.path) as reader, pa.OSFile(str(dst), "wb") as sink:
+            with pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
+                for batch in reader:
+                    n = batch.num_rows
+                    if shard.cast:
+                        batch = _convert(batch, shard.path)
+                    if shard.drop is not None:
+                        batch = batch.filter(
+                            pc.invert(shard.drop.slice(offset, n)).combine_chunks()
+                        )
+                    offset += n
+                    if batch.num_rows:
+                        writer.write_batch(batch)
+                        out.rows += batch.num_rows
+                        ids = batch.column("input_ids")
+                        out.tokens += ids.offsets[-1].as_py() - ids.offsets[0].as_py()
+                        out.loss_tokens += pc.sum(batch.column("num_loss_tokens")).as_py() or 0
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StageError(f"{shard.path}: cannot rewrite shard ({e})") from None
+    if out.rows == 0:
+        dst.unlink()
+    else:
+        out.bytes = dst.stat().st_size
+    log.info("wrote %s from %s: %d rows", dst.name, shard.path, out.rows)
+    return out
+
+
+def _convert(batch: pa.RecordBatch, path: Path) -> pa.RecordBatch:
+    arrays = []
+    for field in ARROW_SCHEMA:
+        column = batch.column(field.name)
+        try:
+            arrays.append(pc.cast(column, field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise StageError(
+                f"base shard {path}: column {field.name} cannot become {field.type}: {e}"
+            ) from None
+    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+
+
+def _totals(shards: list[Shard]) -> dict:
+    return {
+        "rows": sum(s.rows for s in shards),
+        "tokens": sum(s.tokens for s in shards),
+        "loss_tokens": sum(s.loss_tokens for s in shards),
+        "shards": len(shards),
+        "bytes": sum(s.bytes for s in shards),
+    }
+
+
+def _dataset_fingerprint(folder: Path, names: list[str]) -> str:
+    """A cheap content fingerprint for state.json: names, sizes, first and last 64 KiB."""
+    h = hashlib.sha256((folder / FINGERPRINT_FILE).read_bytes())
+    for name in names:
+        path = folder / name
+        size = path.stat().st_size
+        h.update(f"{name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            h.update(f.read(65536))
+            if size > 65536:
+                f.seek(max(65536, size - 65536))
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _check_loads(folder: Path, rows: int) -> None:
+    """Prove the folder opens with datasets before it replaces data/merged."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except Exception as e:  # noqa: BLE001 - any failure here is ours to report
+        raise StageError(f"merge: the merged folder does not load with datasets: {e}") from None
+    if len(ds) != rows or ds.features != FEATURES:
+        raise StageError(
+            f"merge: the merged folder loads with {len(ds)} rows and {ds.features}, "
+            f"expected {rows} rows and the contract features"
+        )
+    del ds
+
+
+if __name__ == "__main__":
+    cli.entry("merge", __doc__, run)

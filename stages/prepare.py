@@ -1,0 +1,520 @@
+"""Prepare: build the prompt mix (data/prompts/prompts.jsonl) from the sources in params.
+
+Each source in `prepare.sources` is read as a stream (JSON lines, JSON array, Parquet,
+Arrow / save_to_disk folders, or a Hugging Face dataset id), mapped from its layout
+(sharegpt, messages or columns) to chat messages, and cut where the model must answer:
+after the last user or tool turn (`multi_turn: context`, earlier turns kept with their
+original answers) or after the first user turn (`multi_turn: first_user`).
+
+Rows are dropped, and counted by source and reason in reports/prepare.json, when a field
+is missing/null/mistyped, a role is unknown, there is no user turn, the turn to answer is
+blank, the prompt is over `max_prompt_chars`, or it duplicates an earlier prompt
+(whitespace-normalized, NFC; first occurrence wins, sources in params order). A source's
+`limit` then keeps the rows whose ids hash lowest under the seed, so the same params give
+byte-identical output and changing one source's limit changes only that source's rows.
+
+Output, one JSON object per line, sources in params order, rows in source order:
+  {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
+   "tools": [...]}            (tools only when the source has them)
+`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools:
+the same prompt keeps its id in every run, whatever the row order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+import unicodedata
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+import xxhash
+
+from stages import cli, outputs, sources
+from stages import params as P
+from stages.errors import StageError
+
+log = logging.getLogger("prepare")
+
+OUT_DIR = Path("data/prompts")
+OUT_FILE = "prompts.jsonl"
+PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
+CHUNK_ROWS = 512  # rows per unit of work (in a worker process when num_proc > 1)
+LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
+_SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+
+
+def run(cfg: P.Prepare) -> dict:
+    _check(cfg)
+    started = time.monotonic()
+    seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
+    per_source: dict[str, dict] = {}
+    workers = _Workers(cfg.num_proc or _auto_workers())
+    try:
+        with outputs.atomic_dir(OUT_DIR) as tmp:
+            with open(tmp / OUT_FILE, "wb", buffering=1 << 20) as out:
+                for index, src in enumerate(cfg.sources):
+                    per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers)
+            report = _report(cfg, per_source, len(seen), time.monotonic() - started)
+            if report["totals"]["kept"] == 0:
+                outputs.write_report("prepare", report)
+                raise StageError(
+                    "prepare: no prompt left after cleaning (see reports/prepare.json for the reasons)"
+                )
+    finally:
+        workers.close()
+    outputs.write_report("prepare", report)
+    t = report["totals"]
+    log.info(
+        "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
+        t["kept"], OUT_DIR / OUT_FILE, t["read"], t["dropped"], report["seconds"],
+    )
+    return report
+
+
+def _check(cfg: P.Prepare) -> None:
+    if not cfg.sources:
+        raise StageError("prepare.sources: at least one source is needed")
+    if cfg.num_proc < 0:
+        raise StageError(f"prepare.num_proc: must be >= 0 (0: one per CPU), got {cfg.num_proc}")
+    if cfg.max_prompt_chars < 1:
+        raise StageError(f"prepare.max_prompt_chars: must be positive, got {cfg.max_prompt_chars}")
+    names = set()
+    for i, src in enumerate(cfg.sources):
+        where = f"prepare.sources[{i}]"
+        if not src.name.strip():
+            raise StageError(f"{where}.name: must not be empty")
+        if src.name in names:
+            raise StageError(f"{where}.name: {src.name!r} is used by an earlier source")
+        names.add(src.name)
+        if src.limit is not None and src.limit < 0:
+            raise StageError(f"{where}.limit: must be >= 0 or null, got {src.limit}")
+        if src.format == "columns":
+            if not src.prompt_field:
+                raise StageError(f"{where}.prompt_field: required with format columns")
+            for key in ("messages_field", "role_key", "content_key"):
+                if getattr(src, key):
+                    raise StageError(
+                        f"{where}.{key}: only for formats sharegpt/messages; "
+                        "format columns reads prompt_field"
+                    )
+        elif src.prompt_field:
+            raise StageError(
+                f"{where}.prompt_field: only for format columns; "
+                f"format {src.format} reads messages_field"
+            )
+
+
+# ------------------------------------------------------------------------ one row
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What it takes to turn raw rows of one source into output lines (sent to workers)."""
+
+    token: str  # unique per source per run: workers cache their row maker by it
+    index: int
+    src: P.Source
+    multi_turn: str
+    dedup: str
+    max_chars: int
+    seed: int
+    sampled: bool
+
+
+class _RowMaker:
+    """Raw item -> None (blank line) | BadRow | drop reason | candidate tuple
+    (dedup key or None, output line, chars, is multi-turn, has tools, sample hash or None).
+    Runs in the main process or in a worker; the main process does the dedup check."""
+
+    def __init__(self, spec: _Spec):
+        self.spec = spec
+        self.layout = sources.Layout(spec.src, spec.multi_turn)
+        self.id_prefix = spec.src.name.encode() + b"\0"
+        self.line_prefix = b'","source":' + orjson.dumps(spec.src.name) + b","
+        self.seed = spec.seed & 0xFFFFFFFFFFFFFFFF  # xxh3 takes an unsigned 64-bit seed
+
+    def make_all(self, items: list) -> list:
+        make = self.make
+        return [make(item) for item in items]
+
+    def make(self, item):
+        if type(item) is bytes:
+            try:
+                item = orjson.loads(item)
+            except orjson.JSONDecodeError:
+                item = sources.parse_line(item)
+        if type(item) is not dict:
+            if item is None or type(item) is sources.BadRow:
+                return item
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {type(item).__name__}")
+        res = self.layout.convert(item)
+        if type(res) is str:
+            return res
+        messages, tools, chars, calls = res
+        spec = self.spec
+        if chars > spec.max_chars:
+            return "too_long"
+        payload = {"messages": messages, "tools": tools} if tools else {"messages": messages}
+        try:
+            body = orjson.dumps(payload)
+        except TypeError:  # lone surrogates cannot be written as UTF-8
+            return "invalid_text"
+        # messages are built with a fixed key order; only tool structures need sorting
+        structured = tools or calls
+        canon = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) if structured else body
+        key = None if spec.dedup == "off" else dedup_key(messages, tools, spec.dedup)
+        pid = xxhash.xxh3_128_hexdigest(self.id_prefix + canon).encode()
+        line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
+        sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
+        multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
+        return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
+
+
+_MAKERS: dict[str, _RowMaker] = {}
+
+
+def _work(spec: _Spec, items: list) -> tuple[list, dict]:
+    """Prepare one chunk of rows (in a worker process, or inline)."""
+    maker = _MAKERS.get(spec.token)
+    if maker is None:
+        _MAKERS.clear()
+        maker = _MAKERS[spec.token] = _RowMaker(spec)
+    results = maker.make_all(items)
+    unknown = dict(maker.layout.unknown_roles)
+    maker.layout.unknown_roles.clear()
+    return results, unknown
+
+
+class _Workers:
+    """A pool of `n` worker processes, started only when a source proves large."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.pool = None
+
+    def get(self):
+        if self.pool is None:
+            # spawn, not fork: a source read earlier may have started pyarrow/datasets threads
+            self.pool = multiprocessing.get_context("spawn").Pool(self.n)
+            log.info("started %d worker processes", self.n)
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+def _chunks(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
+    """(file, unit, positions, results, unknown roles) per chunk, in source order.
+
+    The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
+    processes with at most 4 chunks per worker in flight, so memory stays flat however
+    far the reader could run ahead."""
+    pending: deque = deque()
+    inflight = 4 * workers.n
+    label = None
+    positions: list[int] = []
+    items: list = []
+    sent = 0
+
+    for pos, item in reader:
+        if probe.active:
+            probe.see(item, reader.where(pos))
+        here = (reader.current, reader.unit)
+        if here != label or len(items) >= CHUNK_ROWS:
+            if items:
+                meta = (label[0], label[1], positions)
+                if workers.n > 1 and sent >= LOCAL_ROWS:
+                    pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                    while len(pending) > inflight:
+                        meta, job = pending.popleft()
+                        yield meta + job.get()
+                else:
+                    yield meta + _work(spec, items)
+                sent += len(items)
+                positions, items = [], []
+            label = here
+        positions.append(pos)
+        items.append(item)
+    probe.finish()
+    while pending:
+        meta, job = pending.popleft()
+        yield meta + job.get()
+    if items:
+        yield (label[0], label[1], positions) + _work(spec, items)
+
+
+# ------------------------------------------------------------------------ one source
+
+
+def _one_source(
+    index: int, src: P.Source, cfg: P.Prepare, seen: dict, out, tmp: Path, workers: _Workers
+) -> dict:
+    token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
+    spec = _Spec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars, cfg.seed,
+                 src.limit is not None)
+    layout = sources.Layout(src, cfg.multi_turn)
+    probe = _Probe(src, layout)
+    reader = sources.Reader(src, layout.columns(), probe.check_schema)
+    dropped = dict.fromkeys(sources.REASONS, 0)
+    unknown_roles: Counter = Counter()
+    skip_bad = cfg.on_bad_row == "skip"
+    limit = src.limit
+    spool_path = tmp / f".spool-{index}"
+    spool = open(spool_path, "w+b", buffering=1 << 20) if limit is not None else None
+    sink = spool if spool is not None else out
+    heap: list[int] = []  # the `limit` smallest sample hashes, negated (a max-heap)
+    read = candidates = multi = with_tools = chars_sum = 0
+    last_log = time.monotonic()
+    log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
+
+    for current, unit, positions, results, unknown in _chunks(reader, probe, spec, workers):
+        if unknown:
+            unknown_roles.update(unknown)
+        for pos, res in zip(positions, results):
+            if res is None:
+                continue  # a blank line is not a row
+            read += 1
+            kind = type(res)
+            if kind is str:
+                dropped[res] += 1
+                continue
+            if kind is sources.BadRow:
+                if not skip_bad:
+                    where = f"{current}:{pos}" if unit == "line" else f"{current}: row {pos}"
+                    raise StageError(
+                        f"{where}: {res.message}; set prepare.on_bad_row: skip to count and skip such rows"
+                    )
+                dropped[res.reason] += 1
+                continue
+            key, line, chars, is_multi, has_tools, sample = res
+            if key is not None:
+                first = seen.get(key)
+                if first is not None:
+                    dropped["duplicate" if first == index else "duplicate_cross_source"] += 1
+                    continue
+                seen[key] = index
+            sink.write(line)
+            if spool is not None:
+                entry = -((sample << _SEQ_BITS) | candidates)
+                if len(heap) < limit:
+                    heapq.heappush(heap, entry)
+                elif limit and entry > heap[0]:
+                    heapq.heapreplace(heap, entry)
+            candidates += 1
+            chars_sum += chars
+            multi += is_multi
+            with_tools += has_tools
+        if time.monotonic() - last_log > 15:
+            last_log = time.monotonic()
+            log.info("source %s: %d rows read, %d prompts so far", src.name, read, candidates)
+
+    kept = candidates
+    if spool is not None:
+        kept = _emit_sample(spool, heap, candidates, out)
+        spool.close()
+        spool_path.unlink()
+        dropped["over_limit"] = candidates - kept
+    if unknown_roles:
+        log.warning(
+            "source %s: unknown roles (rows dropped): %s; map them with role_map",
+            src.name, dict(unknown_roles.most_common(10)),
+        )
+    if read == 0:
+        log.warning("source %s: no rows in %s", src.name, src.path)
+    elif kept == 0:
+        log.warning("source %s: all %d rows dropped", src.name, read)
+    total_dropped = sum(dropped.values())
+    assert read == kept + total_dropped, (src.name, read, kept, dropped)
+    log.info("source %s: %d read, %d kept, %d dropped", src.name, read, kept, total_dropped)
+    stats = {
+        "read": read,
+        "kept": kept,
+        "dropped": total_dropped,
+        "dropped_by_reason": dropped,
+        "cleaned": candidates,
+        "limit": limit,
+        "multi_turn_prompts": multi,
+        "tool_prompts": with_tools,
+        "mean_prompt_chars": round(chars_sum / candidates, 1) if candidates else 0.0,
+    }
+    if unknown_roles:
+        stats["unknown_roles"] = dict(unknown_roles.most_common(20))
+    return stats
+
+
+def _auto_workers() -> int:
+    """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
+    or fewer that is a single process, because workers would only compete with it."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    n = min(n - 1, 8)
+    return n if n >= 2 else 1
+
+
+def _emit_sample(spool, heap: list[int], candidates: int, out) -> int:
+    """Copy the sampled lines of a spool to `out`, in their original order."""
+    spool.flush()
+    spool.seek(0)
+    if len(heap) >= candidates:
+        shutil.copyfileobj(spool, out, 1 << 20)
+        return candidates
+    chosen = sorted((-entry) & _SEQ_MASK for entry in heap)
+    if not chosen:
+        return 0
+    want = iter(chosen)
+    nxt = next(want)
+    for seq, line in enumerate(spool):
+        if seq == nxt:
+            out.write(line)
+            nxt = next(want, -1)
+            if nxt < 0:
+                break
+    return len(chosen)
+
+
+# Dedup text: each message as a role marker and its text, NFC and with every run of
+# whitespace collapsed to one space and none at the ends; tool calls and tools as sorted,
+# collapsed JSON. ASCII text that is already in that form (printable, no double space,
+# nothing to strip) skips the split/join, the costly part.
+_MARK = {role: f"\0{role}\0" for role in sources.ROLES}
+
+
+def _collapse(text: str) -> str:
+    if not text.isascii():
+        text = unicodedata.normalize("NFC", text)
+    return " ".join(text.split())
+
+
+def dedup_key(messages: list[dict], tools, mode: str = "prompt") -> int:
+    """64-bit key of a prompt, equal for prompts equal after normalization."""
+    parts = []
+    for m in messages:
+        if mode == "user" and m["role"] != "user":
+            continue
+        text = m["content"]
+        if not (text.isascii() and text.isprintable() and "  " not in text
+                and text[:1] != " " and text[-1:] != " "):
+            text = _collapse(text)
+        parts.append(_MARK[m["role"]])
+        parts.append(text)
+        if mode != "user" and "tool_calls" in m:
+            calls = orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode()
+            parts.append("\0calls\0" + _collapse(calls))
+    if tools and mode != "user":
+        parts.append("\0tools\0" + _collapse(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode()))
+    return xxhash.xxh3_64_intdigest("".join(parts).encode("utf-8", "surrogatepass"))
+
+
+class _Probe:
+    """Fails fast, with the fields that do exist, when a configured field is misnamed.
+
+    Sources with a schema are checked when each file opens; JSON sources by the keys of
+    their first PROBE_ROWS rows (a field may be absent from some rows, but a field absent
+    from all of them is a configuration error, not dirty data).
+    """
+
+    def __init__(self, src: P.Source, layout: sources.Layout):
+        self.src = src
+        self.layout = layout
+        self.fields = layout.fields()
+        self.keys: dict[str, None] = {}
+        self.turn_keys: dict[str, None] = {}
+        self.rows = 0
+        self.active = True
+        self.where = src.path
+
+    def check_schema(self, names: list[str], where: str) -> None:
+        self.active = False  # the schema answers for every row of this file
+        for param, field, _ in self.fields:
+            if field not in names:
+                self._fail(param, field, names, where)
+
+    def see(self, row, where: str) -> None:
+        if type(row) is bytes:
+            row = sources.parse_line(row)
+        if type(row) is not dict:
+            return
+        self.where = where.rsplit(":", 1)[0]
+        for k in row:
+            self.keys[k] = None
+        mf = self.layout.messages_field
+        if mf is not None and type(row.get(mf)) is list:
+            for turn in row[mf][:8]:
+                if type(turn) is dict:
+                    for k in turn:
+                        self.turn_keys[k] = None
+        self.rows += 1
+        if self.rows >= PROBE_ROWS:
+            self.finish()
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if not self.rows:
+            return
+        for param, field, _ in self.fields:
+            if field not in self.keys:
+                self._fail(param, field, list(self.keys), f"the first {self.rows} rows of {self.where}")
+        if self.layout.messages_field is not None and self.turn_keys:
+            for param, key in (("role_key", self.layout.role_key), ("content_key", self.layout.content_key)):
+                if key not in self.turn_keys:
+                    self._fail(param, key, list(self.turn_keys), f"the turns of {self.where}",
+                               what="turn key")
+        if not self.layout.tools_field:
+            hint = [k for k in ("tools", "functions") if k in self.keys]
+            if hint:
+                log.warning(
+                    "source %s: rows have a %r field but tools_field is not set, so prompts "
+                    "carry no `tools` (fine when the system prompt lists them, as in Hermes)",
+                    self.src.name, hint[0],
+                )
+
+    def _fail(self, param: str, field: str, names, where: str, what: str = "field") -> None:
+        shown = ", ".join(sorted(names)[:40]) or "none"
+        raise StageError(
+            f"source {self.src.name}: {param} {field!r}: no such {what} in {where} "
+            f"({what}s: {shown})"
+        )
+
+
+def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> dict:
+    by_reason = dict.fromkeys(sources.REASONS, 0)
+    for stats in per_source.values():
+        for reason, n in stats["dropped_by_reason"].items():
+            by_reason[reason] += n
+    read = sum(s["read"] for s in per_source.values())
+    kept = sum(s["kept"] for s in per_source.values())
+    return {
+        "totals": {
+            "read": read,
+            "kept": kept,
+            "dropped": read - kept,
+            "dropped_by_reason": by_reason,
+            "unique_prompts_seen": unique,
+        },
+        "sources": per_source,
+        "seed": cfg.seed,
+        "multi_turn": cfg.multi_turn,
+        "dedup": cfg.dedup,
+        "max_prompt_chars": cfg.max_prompt_chars,
+        "seconds": round(seconds, 2),
+        "rows_per_second": round(read / seconds) if seconds > 0 else 0,
+    }
+
+
+if __name__ == "__main__":
+    cli.entry("prepare", __doc__, run)

@@ -1,0 +1,654 @@
+"""Start, check, supervise and stop the inference engines the generate stage talks to.
+
+A launched engine (`generate.server.launch`) runs on loopback in its own process group,
+its stdout and stderr appended to a log file. It counts as ready only once it has
+generated a token through /v1/chat/completions: a listening port or a 200 from /health
+proves nothing (SGLang answers /health while generation hangs). Stopping sends SIGTERM
+to the whole group and SIGKILL after `launch.stop_timeout`. Nothing can orphan it:
+`with` blocks, atexit and a SIGTERM handler stop it, and a small guard process in the
+engine's group kills the group if the stage itself dies (even by SIGKILL).
+
+`Watchdog` restarts a launched engine that stops making progress; `wait_reachable`
+waits for URL servers (which cannot be restarted from here) up to a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import http.client
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from stages import params as P
+from stages.errors import StageError
+
+log = logging.getLogger(__name__)
+
+DEMO_MODELS = ("demo:tiny-qwen3",)
+PACKAGES = {"sglang": "sglang", "vllm": "vllm", "transformers": "transformers"}
+PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
+
+_LIVE: set["LaunchedServer"] = set()
+_LIVE_LOCK = threading.RLock()  # re-entrant: the SIGTERM handler may interrupt a holder
+
+# Runs inside the engine's process group and kills that group once the process that
+# launched it is gone (reparented), which covers a SIGKILLed stage. It ignores the
+# group's SIGTERM so that a normal stop reaches the engine first; the final SIGKILL
+# of the group ends it too.
+_GUARD = """
+import os, signal, sys, time
+parent, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+while os.getppid() == parent:
+    time.sleep(0.5)
+try:
+    os.killpg(pgid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            os.kill(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    os.killpg(pgid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+# ----------------------------------------------------------------------- commands
+
+
+def resolve_model(model: str) -> str:
+    """A model spec as the engine takes it: "demo:tiny-qwen3" becomes the built model's path."""
+    if model == "demo:tiny-qwen3":
+        from stages import tinymodel
+
+        return str(tinymodel.ensure_model())
+    if model.startswith("demo:"):
+        raise StageError(
+            f"generate.server.launch.model: unknown demo model {model!r} "
+            f"(known: {', '.join(DEMO_MODELS)})"
+        )
+    return model
+
+
+def _venv_tool(name: str) -> Optional[str]:
+    """An executable installed next to this interpreter (the venv's), else on PATH."""
+    here = Path(sys.executable).parent / name  # not resolved: a venv's python is a symlink
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which(name)
+
+
+def engine_command(launch: P.Launch, port: int, model: Optional[str] = None) -> list[str]:
+    """The argv that starts `launch.engine` serving `model` on launch.host:port."""
+    model = model if model is not None else resolve_model(launch.model)
+    host = launch.host
+    if launch.command:
+        # plain replacement, not str.format: other braces (JSON, shell) pass through
+        fill = {"{model}": model, "{host}": host, "{port}": str(port), "{python}": sys.executable}
+        head = []
+        for part in launch.command:
+            for name, value in fill.items():
+                part = part.replace(name, value)
+            head.append(part)
+        return head + list(launch.args)
+    if launch.engine == "sglang":
+        head = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+    elif launch.engine == "vllm":
+        exe = _venv_tool("vllm")
+        head = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+        head += ["serve", model]
+    elif launch.engine == "transformers":
+        exe = _venv_tool("transformers")
+        if exe is None:
+            raise StageError(
+                "generate.server.launch.engine: transformers: the `transformers` command is "
+                "not installed (pip install 'transformers[serving]')"
+            )
+        head = [exe, "serve", model]
+    else:  # params validation makes this unreachable
+        raise StageError(f"generate.server.launch.engine: unknown engine {launch.engine!r}")
+    return head + ["--host", host, "--port", str(port)] + list(launch.args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _served_name(launch: P.Launch, model: str) -> str:
+    args = list(launch.args)
+    for i, arg in enumerate(args):
+        if arg == "--served-model-name" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+    return model
+
+
+def _version(engine: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(PACKAGES[engine])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# -------------------------------------------------------------------------- probes
+
+
+def _request(
+    url: str, body: Any = None, api_key: Optional[str] = None, timeout: float = 10.0
+) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request; network failures raise OSError."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except http.client.HTTPException as e:  # a cut or garbled answer: same as a network error
+        raise ConnectionError(f"{type(e).__name__}: {e}") from None
+
+
+def generate_one(url: str, model: str, api_key: Optional[str], timeout: float) -> Optional[str]:
+    """Ask for a 1-token chat completion. None when it worked, else what went wrong."""
+    body = {"model": model, "messages": PROBE_PROMPT, "max_tokens": 1, "temperature": 0.0}
+    try:
+        status, raw = _request(f"{url}/v1/chat/completions", body, api_key, timeout)
+    except (OSError, urllib.error.URLError) as e:
+        return f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+    if status != 200:
+        return f"HTTP {status}: {raw[:200].decode(errors='replace').strip()}"
+    try:
+        choices = json.loads(raw)["choices"]
+        choices[0]["finish_reason"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return f"HTTP 200 without a completion: {raw[:200].decode(errors='replace')}"
+    return None
+
+
+def _log_tail(path: Path, lines: int = 6) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("===")]
+    return " | ".join(ln[:300] for ln in kept[-lines:]) or "(log is empty)"
+
+
+def normalize_url(url: str) -> str:
+    """"http://h:30000/v1/" -> "http://h:30000": the client appends the API paths."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+async def wait_reachable(
+    urls: list[str] | str, deadline: float, api_key: Optional[str] = None
+) -> None:
+    """Wait until every URL answers HTTP (GET /health or /v1/models, any non-5xx status).
+
+    `deadline` is in seconds from now. Retries with a growing pause; past the deadline
+    raises StageError naming the URL and its last error.
+    """
+    import aiohttp
+
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    end = time.monotonic() + deadline
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        for url in urls:
+            base = normalize_url(url)
+            pause, last, warned = 0.5, "", False
+            while True:
+                for path in ("/health", "/v1/models"):
+                    try:
+                        async with session.get(base + path) as r:
+                            await r.read()
+                            if r.status < 500:
+                                last = ""
+                                break
+                            last = f"HTTP {r.status} from {path}"
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                        last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                        break  # the host itself is down: no need to try the other path
+                if not last:
+                    if warned:
+                        log.info("server %s is reachable again", base)
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise StageError(
+                        f"server {base} unreachable for {deadline:g} s "
+                        f"(generate.server.unreachable_deadline): {last}"
+                    )
+                if not warned:
+                    log.warning("server %s unreachable (%s); retrying for %.0f s", base, last, left)
+                    warned = True
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 10.0)
+
+
+# ------------------------------------------------------------------------ launched
+
+
+class LaunchedServer:
+    """One engine process group on loopback. Use as a context manager (start/stop)."""
+
+    def __init__(self, launch: P.Launch, log_path: Path, api_key: Optional[str] = None):
+        self.launch = launch
+        self.log_path = Path(log_path)
+        self.api_key = api_key
+        self.engine = launch.engine
+        self.host = launch.host
+        self.port: Optional[int] = launch.port
+        self.url = ""
+        self.model_path = ""
+        self.model_name = ""
+        self.restarts = 0
+        self.restart_reasons: list[str] = []
+        self.pid: Optional[int] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._guard: Optional[subprocess.Popen] = None
+        self._lock = threading.RLock()
+        self._closed = False
+        _install_signal_handler()  # here too: start() may run in a worker thread
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Spawn the engine and return once it has generated a token (else StageError)."""
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        launch = self.launch
+        if not self.model_path:
+            self.model_path = resolve_model(launch.model)
+            self.model_name = _served_name(launch, self.model_path)
+        if self.port is None:
+            self.port = free_port(self.host)  # kept across restarts: the client holds the URL
+        elif self._proc is None and not _port_free(self.host, self.port):
+            # else a server left over from an earlier run could answer our readiness probe
+            raise StageError(
+                f"generate.server.launch.port: {self.host}:{self.port} is already in use"
+            )
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+        argv = engine_command(launch, self.port, self.model_path)
+        if self.engine in ("sglang", "vllm") and not launch.command:
+            if not any(a.startswith("--reasoning-parser") for a in launch.args):
+                log.warning(
+                    "%s launched without --reasoning-parser: reasoning stays inside `content` "
+                    "(add e.g. '--reasoning-parser qwen3' to generate.server.launch.args)",
+                    self.engine,
+                )
+        # The API key is not handed to the engine: it listens on loopback only, and
+        # engines log their arguments. It is sent with our probes, for a custom
+        # `command` that puts an authenticating proxy in front.
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            if self._closed:
+                raise StageError(f"{self.engine} server: start() after stop()")
+            if self._proc is not None:
+                return
+            with open(self.log_path, "ab") as logf:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                logf.write(f"=== {stamp} starting: {' '.join(self._mask(argv))}\n".encode())
+                logf.flush()
+                try:
+                    # A group of its own (not a session: the guard must be able to join
+                    # it) keeps the terminal's Ctrl-C away from the engine: we stop it.
+                    proc = subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                        env=env, process_group=0,
+                    )  # fmt: skip
+                except OSError as e:
+                    raise StageError(f"{self.engine} server: cannot run {argv[0]}: {e}") from None
+                try:
+                    self._guard = subprocess.Popen(
+                        [sys.executable, "-c", _GUARD, str(os.getpid()), str(proc.pid),
+                         str(launch.stop_timeout)],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
+                        process_group=proc.pid,
+                    )  # fmt: skip
+                except (OSError, subprocess.SubprocessError) as e:  # the engine died at once
+                    log.warning("no guard process for %s: %s", self.engine, e)
+            self._proc, self.pid = proc, proc.pid
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        _install_signal_handler()
+        log.info("started %s (pid %d) on %s, log %s", self.engine, proc.pid, self.url, self.log_path)  # fmt: skip
+        try:
+            self._wait_ready(proc)
+        except BaseException:
+            self._stop_process()
+            raise
+
+    def _wait_ready(self, proc: subprocess.Popen) -> None:
+        timeout = self.launch.startup_timeout
+        t0 = time.monotonic()
+        end = t0 + timeout
+        pause, last, named = 0.2, "no answer yet", False
+        while True:
+            if self._proc is not proc:
+                raise StageError(f"{self.engine} server was stopped while starting")
+            rc = proc.poll()
+            if rc is not None:
+                raise StageError(
+                    f"{self.engine} server exited with code {rc} while starting "
+                    f"(log {self.log_path}): {_log_tail(self.log_path)}"
+                )
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StageError(
+                    f"{self.engine} server did not generate a token within {timeout:g} s "
+                    f"(generate.server.launch.startup_timeout); last check: {last}; "
+                    f"log {self.log_path}: {_log_tail(self.log_path)}"
+                )
+            if not named:
+                named, last = self._learn_model_name(min(left, 5.0))
+            if named:
+                err = generate_one(self.url, self.model_name, self.api_key, min(left, 60.0))
+                if err is None:
+                    took = time.monotonic() - t0
+                    log.info("%s ready in %.1f s (model %s)", self.engine, took, self.model_name)
+                    return
+                if err.startswith(("HTTP 401", "HTTP 403", "HTTP 404")):  # waiting cannot fix these
+                    raise StageError(
+                        f"{self.engine} server refused the readiness request "
+                        f"(model {self.model_name!r}): {err}"
+                    )
+                last = err
+            time.sleep(min(pause, max(end - time.monotonic(), 0)))
+            pause = min(pause * 1.5, 1.0)
+
+    def _learn_model_name(self, timeout: float) -> tuple[bool, str]:
+        """Take the served name from /v1/models once the server answers: (answered, error)."""
+        try:
+            status, raw = _request(f"{self.url}/v1/models", None, self.api_key, timeout)
+        except (OSError, urllib.error.URLError) as e:
+            return False, f"/v1/models: {type(e).__name__}: {getattr(e, 'reason', e)}"
+        if status != 200:  # 401/404: answering, but no list to read: keep our guess
+            return status in (401, 403, 404), f"/v1/models: HTTP {status}"
+        try:
+            ids = [m["id"] for m in json.loads(raw)["data"]]
+        except (ValueError, KeyError, TypeError):
+            return True, ""
+        if ids and self.model_name not in ids:
+            self.model_name = ids[0]
+        return True, ""
+
+    def healthy(self, timeout: float = 30.0) -> bool:
+        """True when the engine still generates (SGLang: /health_generate; others: 1 token)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return False
+        if self.engine == "sglang":
+            try:
+                status, _ = _request(f"{self.url}/health_generate", None, self.api_key, timeout)
+            except (OSError, urllib.error.URLError):
+                return False
+            return status == 200
+        return generate_one(self.url, self.model_name, self.api_key, timeout) is None
+
+    def exit_code(self) -> Optional[int]:
+        """The engine's exit status if it has exited, else None (also None when stopped)."""
+        proc = self._proc
+        return proc.poll() if proc is not None else None
+
+    def restart(self, reason: str) -> None:
+        """Stop and start again on the same port (the client keeps its URL)."""
+        if self._closed:
+            return
+        self.restarts += 1
+        self.restart_reasons.append(reason)
+        log.warning("restarting %s (restart %d): %s", self.engine, self.restarts, reason)
+        self._note(f"restarting: {reason}")
+        self._stop_process()
+        self._start()
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after launch.stop_timeout. Idempotent."""
+        self._closed = True
+        self._stop_process()
+
+    def _stop_process(self) -> None:
+        with self._lock:
+            proc, guard = self._proc, self._guard
+            self._proc = self._guard = None
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if proc is None:
+            return
+        _kill_group(proc, self.launch.stop_timeout)
+        if guard is not None:
+            try:
+                guard.wait(5)
+            except subprocess.TimeoutExpired:
+                guard.kill()
+        self._note(f"stopped (exit {proc.returncode})")
+        log.info("stopped %s (pid %d, exit %s)", self.engine, proc.pid, proc.returncode)
+
+    def info(self) -> dict:
+        return {
+            "engine": self.engine,
+            "model": self.launch.model,
+            "model_path": self.model_path,
+            "served_model": self.model_name,
+            "args": self._mask(list(self.launch.args)),
+            "command": self._mask(list(self.launch.command)) if self.launch.command else None,
+            "version": None if self.launch.command else _version(self.engine),
+            "url": self.url,
+            "restarts": self.restarts,
+            "restart_reasons": list(self.restart_reasons),
+            "log": str(self.log_path),
+        }
+
+    def _note(self, text: str) -> None:
+        """A line of our own in the engine's log, told apart by its '===' prefix."""
+        try:
+            with open(self.log_path, "ab") as f:
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode())
+        except OSError:
+            pass
+
+    def _mask(self, argv: list[str]) -> list[str]:
+        key = self.api_key
+        return [a.replace(key, "***") if key else a for a in argv]
+
+    def __enter__(self) -> "LaunchedServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _kill_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the group led by `proc`, wait, then SIGKILL whatever is left, then reap.
+
+    The leader is not reaped until after the final SIGKILL, so its pid (the group id)
+    cannot be reused by an unrelated process in between.
+    """
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    end = time.monotonic() + grace
+    while time.monotonic() < end and not _exited(proc):
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
+        log.error("pid %d did not exit after SIGKILL", proc.pid)
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    if proc.returncode is not None:
+        return True
+    if hasattr(os, "waitid"):
+        try:  # look without reaping
+            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+    return proc.poll() is not None
+
+
+def stop_all() -> None:
+    """Stop every launched server of this process (atexit and SIGTERM use this)."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for server in live:
+        try:
+            server.stop()
+        except Exception as e:  # keep stopping the others
+            log.error("stopping %s failed: %s", server.engine, e)
+
+
+atexit.register(stop_all)
+_handler_installed = False
+
+
+def _install_signal_handler() -> None:
+    """On SIGTERM: stop the engines, then die of SIGTERM as before (only if unhandled)."""
+    global _handler_installed
+    if _handler_installed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        stop_all()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _handler_installed = True
+
+
+# ------------------------------------------------------------------------ watchdog
+
+
+class Watchdog:
+    """Restarts a launched server that stops making progress; run `watch` as a task.
+
+    Every `interval` seconds it calls `progress()` -> (completed so far, in flight),
+    and restarts the server (in a worker thread, so the event loop keeps going) when:
+      - the engine process has exited;
+      - requests are in flight and none completed for `seconds`;
+      - nothing completed for `seconds`/2 and a 1-token health generation then fails
+        (or takes longer than `seconds`/2) while still nothing completes.
+    More than `max_restarts` restarts in a row without a completion in between raise
+    StageError from `watch`, as does a restart whose startup fails.
+    """
+
+    def __init__(self, server: LaunchedServer, seconds: float, max_restarts: int = 3):
+        self.server = server
+        self.seconds = float(seconds)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.restarting = False
+        self.last_reason: Optional[str] = None
+
+    async def wait_ready(self) -> None:
+        """Return once no restart is in progress (call before retrying a refused request)."""
+        while self.restarting:
+            await asyncio.sleep(0.05)
+
+    async def watch(
+        self, progress: Callable[[], tuple[int, int]], interval: Optional[float] = None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        tick = interval if interval is not None else min(max(self.seconds / 20, 0.1), 15.0)
+        half = self.seconds / 2
+        done, _ = progress()
+        last_change = last_probe = time.monotonic()
+        in_a_row = 0
+        while True:
+            await asyncio.sleep(tick)
+            now_done, in_flight = progress()
+            now = time.monotonic()
+            if now_done != done:
+                done, last_change, in_a_row = now_done, now, 0
+                continue
+            reason = None
+            code = self.server.exit_code()
+            quiet = now - last_change
+            if code is not None:
+                reason = f"engine exited with code {code}"
+            elif in_flight > 0 and quiet >= self.seconds:
+                reason = f"no request completed for {quiet:.0f} s with {in_flight} in flight"
+            elif quiet >= half and now - last_probe >= half:
+                last_probe = now
+                ok = await loop.run_in_executor(None, self.server.healthy, half)
+                now_done, in_flight = progress()
+                quiet = time.monotonic() - last_change
+                if ok or now_done != done:
+                    continue
+                if in_flight > 0 and quiet >= self.seconds:
+                    reason = f"no request completed for {quiet:.0f} s with {in_flight} in flight"
+                else:
+                    reason = (
+                        f"health generation failed or took over {half:g} s "
+                        f"(nothing completed for {quiet:.0f} s)"
+                    )
+            if reason is None:
+                continue
+            in_a_row += 1
+            if in_a_row > self.max_restarts:
+                raise StageError(
+                    f"{self.server.engine} server: giving up after {self.max_restarts} "
+                    f"restart(s) in a row without a completed request "
+                    f"(generate.server.max_restarts); last problem: {reason}; "
+                    f"log {self.server.log_path}"
+                )
+            self.last_reason = reason
+            self.restarting = True
+            try:
+                await loop.run_in_executor(None, self.server.restart, reason)
+            finally:
+                self.restarting = False
+            self.restarts += 1
+            last_change = last_probe = time.monotonic()

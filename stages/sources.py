@@ -1,0 +1,699 @@
+"""Prompt sources: streamed row readers and the chat layouts rows come in.
+
+Readers yield one row (a dict) at a time and never hold a whole source in memory:
+JSON lines (optionally .gz/.bz2/.xz), JSON array files (parsed element by element),
+Parquet (record batches), Arrow IPC files and `save_to_disk` folders (memory-mapped
+batches), plain folders of those, and Hugging Face dataset ids (`datasets` streaming
+when online; the local cache when HF_HUB_OFFLINE is set).
+
+Layouts turn a row into OpenAI-style messages that end where the model must answer:
+`sharegpt` (`conversations` of `from`/`value`), `messages` (`role`/`content`, with
+tool calls) and `columns` (a prompt field plus an optional system field).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import orjson
+
+from stages.errors import StageError
+from stages.params import Source
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Role names seen in public chat datasets, lower-cased, mapped to OpenAI roles.
+# `function_call` (LLaMA-Factory ShareGPT) is the assistant's own call text.
+ROLE_ALIASES: dict[str, str] = {
+    "system": "system", "developer": "system",
+    "user": "user", "human": "user", "prompter": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "bot": "assistant",
+    "chatgpt": "assistant", "ai": "assistant", "function_call": "assistant",
+    "tool_call": "assistant",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
+    "function_response": "tool", "tool_response": "tool",
+}
+
+# Every reason a row can be dropped for, in report order.
+REASONS = (
+    "malformed_json",     # a line that is not JSON (on_bad_row: skip)
+    "not_an_object",      # valid JSON that is not an object (on_bad_row: skip)
+    "missing_field",      # the configured field, or a turn's role/content key, is absent
+    "null_field",         # ... or is null
+    "bad_value",          # ... or has the wrong type (e.g. conversations is a string)
+    "unknown_role",       # a turn whose role maps to no OpenAI role
+    "non_text_content",   # content parts that are not text (images, audio)
+    "no_user_turn",       # nothing for the model to answer
+    "empty",              # the turn to answer is empty or whitespace only
+    "too_long",           # prompt characters over prepare.max_prompt_chars
+    "invalid_text",       # text that is not valid Unicode (lone surrogates)
+    "duplicate",          # same normalized prompt earlier in this source
+    "duplicate_cross_source",  # same normalized prompt in an earlier source
+    "over_limit",         # not drawn by the per-source `limit` sample
+)
+
+# Keys of a `messages`-layout turn kept besides role and content (the prompt contract).
+_EXTRA_KEYS = ("reasoning_content", "tool_calls", "name", "tool_call_id")
+
+_JSON_EXT = (".jsonl", ".ndjson", ".json")
+_COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_BATCH = 1024
+
+
+class BadRow:
+    """A row that is not a JSON object: `reason` is malformed_json or not_an_object."""
+
+    __slots__ = ("reason", "message")
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        self.message = message
+
+    def __reduce__(self):
+        return (BadRow, (self.reason, self.message))
+
+
+def parse_line(line: bytes):
+    """One JSON line: a dict, a BadRow, or None for a blank line."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        # what orjson refuses: blank lines, a BOM, NaN or huge numbers, or real errors
+        if line[:3] == b"\xef\xbb\xbf":
+            line = line[3:]
+        if not line.strip():
+            return None
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            return BadRow("malformed_json", f"malformed JSON ({_first_line(e)})")
+    if type(obj) is not dict:
+        return BadRow("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+def _json_type(obj) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(obj), "a number"
+    )
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def _kind(path: Path) -> Optional[str]:
+    name = path.name.lower()
+    for ext in _COMPRESSED:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    if name.endswith(_JSON_EXT):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    return None
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+class Reader:
+    """Rows of one source, in order: iterate for `(position, item)` pairs.
+
+    `item` is a row (dict), a parsed JSON value, or the raw bytes of a JSON line, which
+    `parse_line` turns into a row. `position` is a 1-based line for JSON and a 0-based
+    row index otherwise;
+    `where(position)` names it for messages. `check(fields, where)` is called with a
+    file's column names whenever a file with a schema (Parquet, Arrow, a Hub dataset
+    with features) is opened, so a misnamed field fails before any row is read.
+    """
+
+    def __init__(self, src: Source, columns: list[str], check: Callable[[list[str], str], None]):
+        self.src = src
+        self.columns = columns
+        self.check = check
+        self.current = src.path
+        self.unit = "line"
+        self.hub = False
+        self.parts = self._resolve()
+
+    def where(self, pos: int) -> str:
+        if self.unit == "line":
+            return f"{self.current}:{pos}"
+        return f"{self.current}: row {pos}"
+
+    # -- locating the files -------------------------------------------------------
+
+    def _resolve(self) -> list[Path]:
+        src = self.src
+        raw = src.path
+        for prefix in ("hf://datasets/", "hf:"):
+            if raw.startswith(prefix):
+                self.hub = True
+                self.hub_id = raw[len(prefix):]
+                return []
+        path = Path(raw).expanduser()
+        if not path.exists():
+            if _HUB_ID.match(raw) and _kind(path) is None:
+                self.hub = True
+                self.hub_id = raw
+                return []
+            raise StageError(f"source {src.name}: path {raw!r} not found")
+        if src.revision:
+            raise StageError(
+                f"source {src.name}: revision applies to Hugging Face datasets, not to the local path {raw}"
+            )
+        if path.is_file():
+            if src.subset or src.split:
+                which = "subset" if src.subset else "split"
+                raise StageError(
+                    f"source {src.name}: {which} applies to folders and Hugging Face datasets, "
+                    f"not to the single file {raw}"
+                )
+            if _kind(path) is None:
+                raise StageError(
+                    f"source {src.name}: cannot tell the format of {raw} "
+                    "(expected .jsonl, .json, .parquet or .arrow, optionally .gz/.bz2/.xz)"
+                )
+            return [path]
+        return self._folder(path)
+
+    def _folder(self, path: Path) -> list[Path]:
+        src = self.src
+        if src.subset:
+            sub = path / src.subset
+            if not sub.is_dir():
+                raise StageError(f"source {src.name}: subset folder {sub} not found")
+            path = sub
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            split = src.split or ("train" if "train" in splits else None)
+            if split is None and len(splits) == 1:
+                split = splits[0]
+            if split is None:
+                raise StageError(
+                    f"source {src.name}: {path} has splits {', '.join(splits)}; set split"
+                )
+            if split not in splits:
+                raise StageError(
+                    f"source {src.name}: split {split!r} not in {path} (splits: {', '.join(splits)})"
+                )
+            return self._saved(path / split)
+        if (path / "state.json").is_file():
+            if src.split:
+                raise StageError(
+                    f"source {src.name}: {path} holds one dataset (no splits); remove split"
+                )
+            return self._saved(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+        files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+        if src.split:
+            files = [p for p in files if _in_split(p.relative_to(path), src.split)]
+        if not files:
+            what = f" for split {src.split!r}" if src.split else ""
+            raise StageError(
+                f"source {src.name}: no .jsonl/.json/.parquet/.arrow files{what} under {path}"
+            )
+        return files
+
+    def _saved(self, path: Path) -> list[Path]:
+        state = json.loads((path / "state.json").read_text())
+        return [path / f["filename"] for f in state["_data_files"]]
+
+    # -- iterating ----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        if self.hub:
+            yield from self._hub()
+            return
+        for path in self.parts:
+            self.current = str(path)
+            kind = _kind(path)
+            if kind == "json":
+                self.unit = "line"
+                yield from _json_rows(path)
+            elif kind == "parquet":
+                self.unit = "row"
+                yield from self._parquet(path)
+            else:
+                self.unit = "row"
+                yield from self._arrow(path)
+
+    def _parquet(self, path: Path) -> Iterator[tuple[int, Any]]:
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
+        names = pf.schema_arrow.names
+        self.check(names, str(path))
+        cols = [c for c in self.columns if c in names]
+        batches = _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet")
+        n = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield n, row
+                n += 1
+
+    def _arrow(self, path: Path) -> Iterator[tuple[int, Any]]:
+        import pyarrow as pa
+
+        source = pa.memory_map(str(path))
+        try:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                names = None
+            else:
+                names = reader.schema.names
+        except Exception as e:
+            raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
+        n = 0
+        for batch in _guarded(reader, f"{path}: cannot read Arrow"):
+            if names is None:
+                names = batch.schema.names
+            if n == 0:
+                self.check(names, str(path))
+            cols = [c for c in self.columns if c in names]
+            for row in batch.select(cols).to_pylist():
+                yield n, row
+                n += 1
+
+    def _hub(self) -> Iterator[tuple[int, Any]]:
+        src = self.src
+        label = self.hub_id + "".join(f"[{x}]" for x in (src.subset, src.split) if x)
+        if src.revision:
+            label += f"@{src.revision}"
+        self.current, self.unit = label, "row"
+        offline = _offline()
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(
+                self.hub_id, src.subset, split=src.split, revision=src.revision,
+                streaming=not offline,
+            )
+            if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+                names = list(ds)
+                pick = "train" if "train" in ds else (names[0] if len(names) == 1 else None)
+                if pick is None:
+                    raise StageError(
+                        f"source {src.name}: {self.hub_id} has splits {', '.join(names)}; set split"
+                    )
+                ds = ds[pick]
+        except StageError:
+            raise
+        except Exception as e:
+            how = "from the local cache (HF_HUB_OFFLINE is set)" if offline else "from the Hub"
+            raise StageError(
+                f"source {src.name}: cannot load Hugging Face dataset {label} {how}: {_first_line(e)}"
+            ) from None
+        features = getattr(ds, "features", None)
+        if features:
+            names = list(features)
+            self.check(names, label)
+            ds = ds.select_columns([c for c in self.columns if c in names])
+        n = 0
+        if isinstance(ds, datasets.Dataset):  # memory-mapped cache: read in Arrow batches
+            for table in ds.with_format("arrow").iter(batch_size=_BATCH):
+                for row in table.to_pylist():
+                    yield n, row
+                    n += 1
+            return
+        for row in _guarded(ds, f"source {src.name}: reading {label} failed"):
+            yield n, row
+            n += 1
+
+
+def _guarded(iterable, what: str) -> Iterator:
+    """Items of `iterable`; an error while producing one becomes a one-line StageError."""
+    it = iter(iterable)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except StageError:
+            raise
+        except Exception as e:
+            raise StageError(f"{what} ({_first_line(e)})") from None
+        yield item
+
+
+def _in_split(rel: Path, split: str) -> bool:
+    """HF repo file naming: `train/...`, `train-00000-of-00001.parquet`, `train.jsonl`."""
+    if split in rel.parts[:-1]:
+        return True
+    name = rel.name
+    return name.startswith(split + "-") or name.startswith(split + ".") or name.startswith(split + "_")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+def _open_binary(path: Path):
+    opener = _COMPRESSED.get(path.suffix.lower())
+    if opener is not None:
+        return opener(path, "rb")
+    return open(path, "rb", buffering=1 << 20)
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """A JSON lines file, its lines yielded unparsed (parse_line parses them, possibly
+    in a worker process); or a JSON array file, when its first character is `[`."""
+    with _open_binary(path) as f:
+        head = f.peek(64) if hasattr(f, "peek") else b""
+        if head[:3] == b"\xef\xbb\xbf":
+            head = head[3:]
+        if head.lstrip()[:1] == b"[":
+            yield from _json_array(path, f)
+            return
+        yield from enumerate(f, 1)
+
+
+def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
+    """Elements of a top-level JSON array, decoded one at a time from 1 MiB chunks."""
+    text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict")
+    decode = json.JSONDecoder().raw_decode
+    buf, pos, line, eof = "", 0, 1, False  # `line` is the line number of buf[pos]
+    chunk = 1 << 20
+
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        try:
+            data = text.read(chunk)
+        except UnicodeDecodeError as e:
+            raise StageError(f"{path}:{line}: not UTF-8 ({_first_line(e)})") from None
+        if not data:
+            eof = True
+            return False
+        buf = buf[pos:] + data
+        pos = 0
+        return True
+
+    def skip_ws() -> None:
+        nonlocal pos, line
+        while True:
+            n = len(buf)
+            while pos < n and buf[pos] in " \t\r\n":
+                if buf[pos] == "\n":
+                    line += 1
+                pos += 1
+            if pos < n or not more():
+                return
+
+    def fail(msg: str, at: int):
+        err_line = line + buf.count("\n", pos, at)
+        raise StageError(
+            f"{path}:{err_line}: malformed JSON ({msg}); a JSON array cannot be resumed "
+            "after an error, so on_bad_row: skip does not apply"
+        )
+
+    skip_ws()
+    if buf[pos : pos + 1] != "[":
+        fail("expected '['", pos)
+    pos += 1
+    skip_ws()
+    if buf[pos : pos + 1] == "]":
+        return
+    while True:
+        skip_ws()
+        while True:
+            try:
+                obj, end = decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if not eof:
+                    chunk *= 2  # a large element: grow reads so re-decoding stays linear
+                    if more():
+                        continue  # the element runs past the buffer
+                fail(e.msg, e.pos)
+            except RecursionError:
+                fail("nested too deeply", pos)
+            if end == len(buf) and not eof and more():
+                continue  # a number may continue in the next chunk
+            break
+        yield line, obj
+        line += buf.count("\n", pos, end)
+        pos = end
+        skip_ws()
+        c = buf[pos : pos + 1]
+        if c == ",":
+            pos += 1
+            chunk = 1 << 20
+            continue
+        if c == "]":
+            pos += 1
+            skip_ws()
+            if pos < len(buf):
+                fail("data after the closing ']' (JSON lines whose rows are arrays?)", pos)
+            return
+        fail("expected ',' or ']' after an element" if c else "unexpected end of file", pos)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+Prompt = tuple  # (messages: list[dict], tools: list | None, chars: int, has tool calls: bool)
+
+
+class Layout:
+    """Turns a row into a prompt: `convert(row)` returns `(messages, tools, chars,
+    has_calls)`, or the drop reason as a string. Text is kept exactly as given."""
+
+    def __init__(self, src: Source, multi_turn: str):
+        self.src = src
+        self.first_user = multi_turn == "first_user"
+        self.format = src.format
+        self.unknown_roles: Counter = Counter()
+        self.aliases = dict(ROLE_ALIASES)
+        for entry in src.role_map:
+            name, _, role = entry.rpartition(":")
+            name, role = name.strip().lower(), role.strip()
+            if not name or role not in ROLES:
+                raise StageError(
+                    f"source {src.name}: role_map entry {entry!r}: expected 'NAME:ROLE' with "
+                    f"ROLE one of {', '.join(ROLES)}"
+                )
+            self.aliases[name] = role
+        self.system_field = src.system_field
+        self.tools_field = src.tools_field
+        if src.format == "columns":
+            self.prompt_field = src.prompt_field
+            self.messages_field = None
+        else:
+            sharegpt = src.format == "sharegpt"
+            self.messages_field = src.messages_field or ("conversations" if sharegpt else "messages")
+            self.role_key = src.role_key or ("from" if sharegpt else "role")
+            self.content_key = src.content_key or ("value" if sharegpt else "content")
+            self.extras = () if sharegpt else _EXTRA_KEYS
+
+    def fields(self) -> list[tuple[str, str, bool]]:
+        """(param name, field, required) for every configured top-level field."""
+        out = []
+        if self.messages_field is None:
+            out.append(("prompt_field", self.prompt_field, True))
+        else:
+            out.append(("messages_field", self.messages_field, True))
+        if self.system_field:
+            out.append(("system_field", self.system_field, False))
+        if self.tools_field:
+            out.append(("tools_field", self.tools_field, False))
+        return out
+
+    def columns(self) -> list[str]:
+        return [f for _, f, _ in self.fields()]
+
+    # -- conversion -----------------------------------------------------------------
+
+    def convert(self, row: dict) -> Union[Prompt, str]:
+        tools = None
+        if self.tools_field:
+            tools = row.get(self.tools_field)
+            if tools is not None:
+                tools = _tools(tools)
+                if type(tools) is str:
+                    return tools
+        system = None
+        if self.system_field:
+            system = row.get(self.system_field)
+            if system is not None and type(system) is not str:
+                return "bad_value"
+            if system is not None and not system.strip():
+                system = None
+        if self.messages_field is None:
+            value = row.get(self.prompt_field, _MISSING)
+            if type(value) is not str:
+                return "missing_field" if value is _MISSING else "null_field" if value is None else "bad_value"
+            if not value.strip():
+                return "empty"
+            user = {"role": "user", "content": value}
+            if system is None:
+                return [user], tools, len(value), False
+            return [{"role": "system", "content": system}, user], tools, len(system) + len(value), False
+        turns = row.get(self.messages_field, _MISSING)
+        if self.first_user or type(turns) is not list:
+            return self._conversation(row, system, tools)
+        # Fast path for turns of just role and text; anything unusual takes the careful path.
+        rk, ck, aliases = self.role_key, self.content_key, self.aliases
+        try:
+            if self.extras and any(len(t) != 2 for t in turns):
+                raise KeyError
+            roles = [aliases[t[rk]] for t in turns]
+            cut = len(roles) - 1
+            while cut >= 0 and roles[cut] != "user" and roles[cut] != "tool":
+                cut -= 1
+            if cut < 0:
+                raise KeyError
+            roles = roles[: cut + 1]
+            texts = [t[ck] for t in turns[: cut + 1]]
+            chars = len("".join(texts))  # TypeError unless every content is a string
+        except (KeyError, TypeError, IndexError):
+            return self._conversation(row, system, tools)
+        if "user" not in roles or not texts[-1].strip():
+            return self._conversation(row, system, tools)
+        messages = [{"role": r, "content": c} for r, c in zip(roles, texts)]
+        return self._finish(messages, system, tools, chars, False)
+
+    def _conversation(self, row: dict, system, tools) -> Union[Prompt, str]:
+        turns = row.get(self.messages_field, _MISSING)
+        if type(turns) is not list:
+            return "missing_field" if turns is _MISSING else "null_field" if turns is None else "bad_value"
+        rk, ck, aliases = self.role_key, self.content_key, self.aliases
+        roles = []
+        for turn in turns:
+            if type(turn) is not dict:
+                return "bad_value"
+            name = turn.get(rk)
+            role = aliases.get(name) if type(name) is str else None
+            if role is None and type(name) is str:
+                role = aliases.get(name.strip().lower())
+            roles.append(role if role is not None else name)
+        # the model answers after the last user or tool turn (or the first user turn)
+        cut = -1
+        if self.first_user:
+            for i, role in enumerate(roles):
+                if role == "user":
+                    cut = i
+                    break
+        else:
+            for i in range(len(roles) - 1, -1, -1):
+                if roles[i] == "user" or roles[i] == "tool":
+                    cut = i
+                    break
+        if cut < 0 or "user" not in roles[: cut + 1]:
+            return self._unknown(roles, len(roles)) or "no_user_turn"
+        bad = self._unknown(roles, cut + 1)
+        if bad:
+            return bad
+        messages = []
+        chars = 0
+        calls = False
+        for i in range(cut + 1):
+            role = roles[i]
+            if self.first_user and i < cut and role != "system":
+                continue
+            turn = turns[i]
+            msg = {"role": role, "content": None}
+            for key in self.extras:
+                value = turn.get(key)
+                if value is not None:
+                    msg[key] = value
+            if role == "assistant" and "function_call" in turn and turn["function_call"] is not None \
+                    and self.extras and "tool_calls" not in msg:
+                msg["tool_calls"] = [{"type": "function", "function": turn["function_call"]}]
+            content = turn.get(ck, _MISSING)
+            if type(content) is not str:
+                if content is None or content is _MISSING:
+                    # an assistant turn that only calls tools may omit its content
+                    if role != "assistant" or "tool_calls" not in msg:
+                        return "null_field" if content is None else "missing_field"
+                    content = ""
+                elif type(content) is list:
+                    content = _text_parts(content)
+                    if content is None:
+                        return "non_text_content"
+                else:
+                    return "bad_value"
+            msg["content"] = content
+            chars += len(content)
+            if "tool_calls" in msg:
+                calls = True
+                try:
+                    chars += len(orjson.dumps(msg["tool_calls"]))
+                except TypeError:
+                    return "invalid_text"
+            messages.append(msg)
+        if not messages[-1]["content"].strip():
+            return "empty"
+        return self._finish(messages, system, tools, chars, calls)
+
+    @staticmethod
+    def _finish(messages: list, system, tools, chars: int, calls: bool) -> Union[Prompt, str]:
+        if system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+            chars += len(system)
+        if tools:
+            try:
+                chars += len(orjson.dumps(tools))
+            except TypeError:  # lone surrogates
+                return "invalid_text"
+        return messages, tools, chars, calls
+
+    def _unknown(self, roles: list, upto: int) -> Optional[str]:
+        for i in range(upto):
+            role = roles[i]
+            if role not in ROLES:
+                if role is None:
+                    return "missing_field"
+                self.unknown_roles[str(role)] += 1
+                return "unknown_role"
+        return None
+
+
+_MISSING = object()
+
+
+def _tools(value) -> Union[list, str, None]:
+    """A tools field: a list, or a JSON string holding one (Hermes, glaive, xLAM)."""
+    if type(value) is str:
+        if not value.strip():
+            return None
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return "bad_value"
+    if type(value) is not list:
+        return "bad_value"
+    return value or None
+
+
+def _text_parts(parts: list) -> Optional[str]:
+    """OpenAI content parts: the texts joined, or None when a part is not text."""
+    out = []
+    for part in parts:
+        if type(part) is str:
+            out.append(part)
+        elif type(part) is dict and part.get("type") == "text" and type(part.get("text")) is str:
+            out.append(part["text"])
+        else:
+            return None
+    return "".join(out)

@@ -1,0 +1,160 @@
+"""The demo model: a tiny random-weight Qwen3 with the bundled Qwen3.6 vocabulary.
+
+It lets the whole pipeline, including a real OpenAI-compatible server
+(`transformers serve`), run on a laptop CPU. Its weights come from a fixed seed, so two
+builds are byte-identical; its text is random. The folder holds the weights
+(safetensors), config, generation config and the bundled tokenizer with this project's
+chat template, so any Hugging Face tool loads it like a real checkpoint.
+
+Two deliberate edits to the random embeddings (tied to the output layer) make its
+answers behave like a chat model's at the protocol level:
+- special-token rows are zero, so their logit is 0 and never reaches the top 20 it
+  samples from: it never writes markup such as `<tool_call>` (a server's response
+  parser fails on a random "tool call") or `<|im_start|>`;
+- every row shares a small component along one direction, and `<|im_end|>` points
+  along it, so `<|im_end|>` has a steady chance (about 4% per token at temperature
+  0.6-0.7) and answers end on their own after ~25 tokens, some running into max_tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from stages import tokenizer as T
+from stages.outputs import atomic_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = ".cache/demo-model"
+SEED = 0
+STAMP = "demo-model-stamp.json"
+# Bump when the way the model is assembled changes, so old builds are replaced.
+BUILD_VERSION = 2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+ARCHITECTURE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+# Size of the shared component and of `<|im_end|>`'s row along it (row norms are ~0.16).
+# Measured: ~4% chance of `<|im_end|>` per token at temperature 0.6-0.7, top_k 20.
+STOP_SHARED = 0.02
+STOP_EOS = 0.6
+# The sampling a Qwen3 checkpoint ships with; requests override it.
+SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def _stamp(tokenizer_stamp: dict) -> dict:
+    return {
+        "build_version": BUILD_VERSION,
+        "seed": SEED,
+        "architecture": ARCHITECTURE,
+        "sampling": SAMPLING,
+        "stop": [STOP_SHARED, STOP_EOS],
+        "tokenizer": hashlib.sha256(
+            json.dumps(tokenizer_stamp, sort_keys=True).encode("utf-8")
+        ).hexdigest(),
+    }
+
+
+def _read_stamp(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def ensure_model(path: str | Path = DEFAULT_PATH) -> Path:
+    """Build the demo model at `path` unless a current build is there; return its path.
+
+    The returned path is absolute, so a server started from another directory finds it.
+    """
+    folder = Path(path)
+    tokenizer_dir = T.ensure_bundled()
+    stamp = _stamp(T.bundled_stamp())
+    if _read_stamp(folder) != stamp:
+        with T.file_lock(folder.parent / f".{folder.name}.lock"):
+            if _read_stamp(folder) != stamp:
+                _build(folder, tokenizer_dir, stamp)
+    return folder.resolve()
+
+
+def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    log.info("building the demo model into %s (once)", folder)
+    # The raw tokenizer is enough for the sizes and ids, and loads twice as fast.
+    backend = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    names = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    eos_id = backend.token_to_id(names["eos_token"])
+    pad_id = backend.token_to_id(names["pad_token"])
+    config = Qwen3Config(
+        vocab_size=backend.get_vocab_size(with_added_tokens=True),
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+        **ARCHITECTURE,
+    )
+    specials = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    # Only the generator's state decides the weights; restore it so callers are unaffected.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = Qwen3ForCausalLM(config)
+        direction = torch.randn(config.hidden_size)
+    model.eval()
+    with torch.no_grad():
+        rows = model.get_input_embeddings().weight
+        direction /= direction.norm()
+        rows += STOP_SHARED * direction
+        rows[specials] = 0.0
+        rows[eos_id] = STOP_EOS * direction
+    generation = GenerationConfig(
+        bos_token_id=None,
+        # Qwen3 checkpoints stop on either end marker.
+        eos_token_id=[eos_id, pad_id],
+        pad_token_id=pad_id,
+        **SAMPLING,
+    )
+    with atomic_dir(folder) as tmp, _quiet_progress():
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        generation.save_pretrained(str(tmp))
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_dir / name, tmp / name)
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n", encoding="utf-8")
+        for item in tmp.iterdir():
+            item.chmod(0o644)
+        tmp.chmod(0o755)
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No progress bar for a sub-second save in the demo's output."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tinymodel: %(message)s")
+    print(ensure_model())

@@ -1,0 +1,548 @@
+"""Tokenize completions into input_ids and assistant-only loss masks (data/tokenized/).
+
+Reads data/completions/completions.jsonl as a stream, renders each conversation with the
+tokenizer's chat template (stages/chat.py: one render, one batch encode, mask from the
+pieces; text that spells a control token stays text), filters, and writes a datasets
+save_to_disk folder with explicit features (input_ids list<int32>, loss_mask list<int8>)
+in bounded shards, plus data/tokenized/fingerprint.json (tokenizer vocabulary hash,
+special-token ids, chat template hash, these params, library versions) and
+reports/tokenize.json (rows, tokens, supervised tokens, drops per source and reason,
+length percentiles per source).
+
+Filters, each counted per source: `truncated` (the answer hit max_tokens; kept only with
+keep_truncated, and then without the end-of-turn token in the loss), `empty_content`
+(no answer text and no tool call), `too_long` (over max_seq_len with on_too_long: drop;
+with truncate the row is cut to max_seq_len), `too_few_loss_tokens` (under
+min_loss_tokens supervised tokens).
+
+Train/serve check: for check_sample rows spread over the file, the row's prompt part
+must equal the server's tokenization of the history with the generation prompt
+(apply_chat_template(..., add_generation_prompt=True)); a mismatch fails the stage with
+the example.
+
+num_proc worker processes take chunks of about equal bytes from a shared queue (long
+rows do not pile up in one worker); results are written in input order, so the output
+does not depend on num_proc. Each process encodes on one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from array import array
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from stages import cli, outputs
+from stages import params as P
+from stages.chat import ChatEncoder
+from stages.errors import StageError
+from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, write_metadata
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = Path("data/completions/completions.jsonl")
+OUT = Path("data/tokenized")
+REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
+ROLES = {"system", "user", "assistant", "tool"}
+# A worker's unit of work: small enough that the last chunks do not leave a worker idle
+# for long, large enough that per-chunk costs (one encode call, one Arrow batch) vanish.
+CHUNK_BYTES = 256 << 10
+CHUNK_ROWS = 256
+
+
+def run(cfg: P.Tokenize) -> dict:
+    report = tokenize_file(COMPLETIONS, OUT, cfg)
+    outputs.write_report("tokenize", report)
+    return report
+
+
+def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = None,
+                  **overrides: Any) -> dict:
+    """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
+    cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
+    _check_params(cfg)
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise StageError(f"{src}: completions file not found (run the generate stage first)")
+    started = time.monotonic()
+    tok, tok_fp = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
+                                  _file_stamp(cfg.chat_template))
+    encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
+    sample = _sample_lines(src, cfg.check_sample)
+    totals = Totals()
+    with outputs.atomic_dir(dst) as tmp:
+        writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
+        digest = hashlib.sha256()
+        for result in _results(src, cfg, encoder, sample, digest):
+            totals.add(result)
+            if result.batch is not None:
+                writer.write(result.batch)
+            totals.progress(started)
+        names = writer.close()
+        fp = fingerprint(tok_fp, tok, cfg)
+        digest.update(json.dumps(fp, sort_keys=True).encode())
+        (tmp / FINGERPRINT_FILE).write_text(json.dumps(fp, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_metadata(tmp, names, digest.hexdigest()[:16])
+    report = totals.report(cfg, len(names), time.monotonic() - started)
+    log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
+             report["tokens"], report["loss_tokens"], len(names), dst)
+    if report["rows"] == 0:
+        log.warning("no rows left after the filters; see the drops in the report")
+    return report
+
+
+def _check_params(cfg: P.Tokenize) -> None:
+    for key, low in (("max_seq_len", 1), ("num_proc", 1), ("shard_rows", 1),
+                     ("shard_max_mb", 1), ("min_loss_tokens", 0), ("check_sample", 0)):
+        if getattr(cfg, key) < low:
+            raise P.ParamError(f"tokenize.{key}: must be >= {low}, got {getattr(cfg, key)}")
+
+
+def _template_name(cfg: P.Tokenize) -> str:
+    return cfg.chat_template or f"{cfg.tokenizer} (its own template)"
+
+
+@functools.lru_cache(maxsize=2)
+def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
+                    stamp: Any):
+    """The tokenizer and its fingerprint, once per process (loading takes seconds)."""
+    from stages import tokenizer as T
+
+    tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
+    return tok, T.fingerprint(tok)
+
+
+def _file_stamp(path: Optional[str]) -> Any:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
+    import datasets
+    import tokenizers
+    import transformers
+
+    from stages import tokenizer as T
+
+    return {
+        "tokenizer": tok_fp,
+        "chat_template_sha256": T.template_sha256(tok),
+        # num_proc and check_sample do not change a byte of the output
+        "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
+                   if k not in ("num_proc", "check_sample")},
+        "versions": {
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "datasets": datasets.__version__,
+            "pyarrow": pa.__version__,
+        },
+    }
+
+
+def _sample_lines(src: Path, k: int) -> frozenset[int]:
+    """Line numbers (1-based) of `k` rows spread evenly over the file."""
+    if k <= 0:
+        return frozenset()
+    n = 0
+    with open(src, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            n += block.count(b"\n")
+            last = block
+        if n == 0 or not last.endswith(b"\n"):
+            n += 1
+    k = min(k, n)
+    return frozenset(1 + (i * n) // k for i in range(k))
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _chunks(src: Path, digest) -> Iterator[tuple[int, list[bytes]]]:
+    """(first line number, lines) groups of about CHUNK_BYTES."""
+    lines: list[bytes] = []
+    size = 0
+    first = 1
+    with open(src, "rb") as f:
+        for no, line in enumerate(f, 1):
+            digest.update(line)
+            if not lines:
+                first = no
+            lines.append(line)
+            size += len(line)
+            if size >= CHUNK_BYTES or len(lines) >= CHUNK_ROWS:
+                yield first, lines
+                lines, size = [], 0
+    if lines:
+        yield first, lines
+
+
+def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder, sample: frozenset[int],
+             digest) -> Iterator["ChunkResult"]:
+    """Chunk results in input order, computed here or by `num_proc` forked workers."""
+    global _STATE
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    # one encoding thread per process: num_proc processes use num_proc cores
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _STATE = (encoder, cfg, str(src), sample)
+    try:
+        if cfg.num_proc == 1:
+            for chunk in _chunks(src, digest):
+                yield work(chunk)
+            return
+        # fork: workers inherit the loaded tokenizer instead of loading it again
+        ctx = multiprocessing.get_context("fork")
+        window = collections.deque()
+        with ctx.Pool(cfg.num_proc, initializer=_ignore_sigint) as pool:
+            for chunk in _chunks(src, digest):
+                window.append(pool.apply_async(work, (chunk,)))
+                if len(window) >= 3 * cfg.num_proc:
+                    yield window.popleft().get()
+            while window:
+                yield window.popleft().get()
+    finally:
+        _STATE = None
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _ignore_sigint() -> None:
+    # Ctrl-C is the parent's to handle: it stops the pool, and nothing partial is kept
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# ---------------------------------------------------------------- one chunk
+
+_STATE: Optional[tuple] = None
+
+
+def _new_stats() -> dict:
+    return {"conversations": 0, "rows": 0, "tokens": 0, "loss_tokens": 0,
+            "dropped": dict.fromkeys(REASONS, 0), "cut_to_max_seq_len": 0,
+            "lookalike_rows": 0}
+
+
+@dataclasses.dataclass
+class ChunkResult:
+    batch: Optional[pa.RecordBatch]
+    stats: dict  # source -> counters
+    lengths: dict  # source -> array('i') of kept row lengths
+    checked: int
+    checked_text_only: int
+
+
+def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
+    """Parse, filter, render, encode and check one chunk of completion lines."""
+    encoder, cfg, path, sample = _STATE
+    first, lines = chunk
+    stats: dict = collections.defaultdict(_new_stats)
+    plans, meta = [], []
+    for no, raw in enumerate(lines, first):
+        if not raw.strip():
+            continue
+        row = _parse(raw, path, no)
+        src = row["source"]
+        st = stats[src]
+        st["conversations"] += 1
+        final = row["messages"][-1]
+        truncated = row["truncated"]
+        if truncated and not cfg.keep_truncated:
+            st["dropped"]["truncated"] += 1
+            continue
+        if not _has_answer(final, allow_reasoning=truncated):
+            st["dropped"]["empty_content"] += 1
+            continue
+        try:
+            row_plans = encoder.plan(row["messages"], row.get("tools"),
+                                     policy=cfg.multi_turn, truncated=truncated)
+        except StageError as e:
+            raise StageError(f"{path}:{no}: row {row['id']!r}: {e}") from None
+        for p in row_plans:
+            if p.n_messages < len(row["messages"]) and not _has_answer(
+                    row["messages"][p.n_messages - 1], allow_reasoning=False):
+                st["dropped"]["empty_content"] += 1
+                continue
+            plans.append(p)
+            rid = row["id"] if p.n_messages == len(row["messages"]) else f"{row['id']}#{p.turn}"
+            meta.append((rid, src, no, row if no in sample else None))
+    if not plans:
+        return ChunkResult(None, dict(stats), {}, 0, 0)
+
+    batch = encoder.encode_plans(plans)
+    checked = checked_text = 0
+    keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
+    lengths: dict = collections.defaultdict(lambda: array("i"))
+    for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
+        ids, mask = batch.row(i)
+        if row is not None:
+            problem = encoder.check_prompt(row["messages"], row.get("tools"), p, ids,
+                                           batch.prompt_lens[i])
+            if problem:
+                raise StageError(f"{path}:{no}: train/serve check failed for row {rid!r}: "
+                                 f"{problem}")
+            checked += 1
+            checked_text += p.lookalikes
+        st = stats[src]
+        st["lookalike_rows"] += p.lookalikes
+        if len(ids) > cfg.max_seq_len:
+            if cfg.on_too_long == "drop":
+                st["dropped"]["too_long"] += 1
+                continue
+            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+            st["cut_to_max_seq_len"] += 1
+        n_loss = int(np.count_nonzero(mask))
+        if n_loss < cfg.min_loss_tokens:
+            st["dropped"]["too_few_loss_tokens"] += 1
+            continue
+        st["rows"] += 1
+        st["tokens"] += len(ids)
+        st["loss_tokens"] += n_loss
+        lengths[src].append(len(ids))
+        keep_ids.append(rid)
+        keep_src.append(src)
+        pieces_ids.append(ids)
+        pieces_mask.append(mask)
+        lens.append(len(ids))
+        losses.append(n_loss)
+    record = _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses)
+    return ChunkResult(record, dict(stats), dict(lengths), checked, checked_text)
+
+
+def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):
+    if not ids_col:
+        return None
+    offsets = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    off = pa.array(offsets, type=pa.int32())
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(ids_col, type=pa.string()),
+            pa.array(src_col, type=pa.string()),
+            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_ids), pa.int32())),
+            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_mask), pa.int8())),
+            pa.array(np.asarray(lens, dtype=np.int32), type=pa.int32()),
+            pa.array(np.asarray(losses, dtype=np.int32), type=pa.int32()),
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+def _has_answer(message: dict, allow_reasoning: bool) -> bool:
+    if message.get("tool_calls"):
+        return True
+    if _text(message.get("content")).strip():
+        return True
+    return allow_reasoning and bool(_text(message.get("reasoning_content")).strip())
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+    return ""
+
+
+def _parse(raw: bytes, path: str, no: int) -> dict:
+    """One completion line, checked enough that rendering cannot misread it."""
+    where = f"{path}:{no}"
+    try:
+        row = json.loads(raw)
+    except ValueError as e:
+        raise StageError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise StageError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("id", "source"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise StageError(f"{where}: '{key}' must be a non-empty string")
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise StageError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise StageError(f"{where}: messages[{i}] must be an object with role "
+                             "system, user, assistant or tool")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise StageError(f"{where}: messages[{i}].content must be a string, a list of "
+                             f"parts or null, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise StageError(f"{where}: messages[{i}].reasoning_content must be a string "
+                             "or null")
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise StageError(f"{where}: messages[{i}].tool_calls must be a list")
+    if msgs[-1]["role"] != "assistant":
+        raise StageError(f"{where}: the last message must be the assistant's answer, "
+                         f"got role {msgs[-1]['role']!r}")
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise StageError(f"{where}: 'tools' must be a list")
+    truncated = row.get("truncated")
+    if truncated is None:
+        truncated = row.get("finish_reason") == "length"
+    elif not isinstance(truncated, bool):
+        raise StageError(f"{where}: 'truncated' must be true or false")
+    row["truncated"] = truncated
+    return row
+
+
+# ---------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Arrow stream shards of at most `max_rows` rows and about `max_bytes` bytes."""
+
+    def __init__(self, folder: Path, max_rows: int, max_bytes: int):
+        self.folder = folder
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self.paths: list[Path] = []
+        self._writer = None
+        self._sink = None
+        self._rows = 0
+        self._bytes = 0
+
+    def _open(self) -> None:
+        path = self.folder / f".shard-{len(self.paths):05d}.arrow"
+        self.paths.append(path)
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        self._rows = self._bytes = 0
+
+    def _close_current(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+            self._writer = self._sink = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        while batch.num_rows:
+            if self._writer is None:
+                self._open()
+            per_row = max(1, batch.nbytes // batch.num_rows)
+            fit = (self.max_bytes - self._bytes) // per_row
+            # an empty shard takes at least one row, whatever its size
+            take = min(self.max_rows - self._rows, batch.num_rows, max(fit, 0 if self._rows else 1))
+            if take <= 0:
+                self._close_current()
+                continue
+            part = batch.slice(0, take)
+            self._writer.write_batch(part)
+            self._rows += take
+            self._bytes += part.nbytes
+            batch = batch.slice(take)
+            if self._rows >= self.max_rows or self._bytes >= self.max_bytes:
+                self._close_current()
+
+    def close(self) -> list[str]:
+        """Finish the last shard and give the shards their final names."""
+        if not self.paths:  # no rows: one empty shard, so the folder still loads
+            self._open()
+        self._close_current()
+        n = len(self.paths)
+        names = []
+        for i, path in enumerate(self.paths):
+            name = f"data-{i:05d}-of-{n:05d}.arrow"
+            os.replace(path, self.folder / name)
+            names.append(name)
+        return names
+
+
+# ---------------------------------------------------------------- report
+
+
+class Totals:
+    """Counters merged from chunk results, and the report made from them."""
+
+    def __init__(self) -> None:
+        self.stats: dict = collections.defaultdict(_new_stats)
+        self.lengths: dict = collections.defaultdict(lambda: array("i"))
+        self.checked = 0
+        self.checked_text_only = 0
+        self._last_log = time.monotonic()
+
+    def add(self, r: ChunkResult) -> None:
+        for src, st in r.stats.items():
+            mine = self.stats[src]
+            for key, value in st.items():
+                if key == "dropped":
+                    for reason, n in value.items():
+                        mine["dropped"][reason] += n
+                else:
+                    mine[key] += value
+        for src, values in r.lengths.items():
+            self.lengths[src].extend(values)
+        self.checked += r.checked
+        self.checked_text_only += r.checked_text_only
+
+    def progress(self, started: float) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= 30:
+            self._last_log = now
+            conv = sum(s["conversations"] for s in self.stats.values())
+            tokens = sum(s["tokens"] for s in self.stats.values())
+            log.info("%d conversations, %d tokens, %.0f tokens/s", conv, tokens,
+                     tokens / max(now - started, 1e-9))
+
+    def report(self, cfg: P.Tokenize, shards: int, seconds: float) -> dict:
+        sources = {}
+        for src in sorted(self.stats):
+            st = self.stats[src]
+            sources[src] = {**st, "dropped": dict(st["dropped"]),
+                            "length": _percentiles(self.lengths.get(src))}
+        total = _new_stats()
+        for st in self.stats.values():
+            for key, value in st.items():
+                if key == "dropped":
+                    for reason, n in value.items():
+                        total["dropped"][reason] += n
+                else:
+                    total[key] += value
+        all_lengths = array("i")
+        for values in self.lengths.values():
+            all_lengths.extend(values)
+        return {
+            **total,
+            "dropped_total": sum(total["dropped"].values()),
+            "length": _percentiles(all_lengths),
+            "shards": shards,
+            "train_serve_checked": self.checked,
+            "train_serve_checked_text_only": self.checked_text_only,
+            "multi_turn": cfg.multi_turn,
+            "seconds": round(seconds, 2),
+            "tokens_per_second": round(total["tokens"] / max(seconds, 1e-9)),
+            "sources": sources,
+        }
+
+
+def _percentiles(values) -> dict:
+    if not values:
+        return {"mean": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
+    a = np.frombuffer(values, dtype=np.int32) if isinstance(values, array) else np.asarray(values)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": round(float(a.mean()), 1), "p50": int(p50), "p90": int(p90),
+            "p99": int(p99), "max": int(a.max())}
+
+
+if __name__ == "__main__":
+    cli.entry("tokenize", __doc__, run)

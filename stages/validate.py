@@ -1,0 +1,549 @@
+"""Prove data/merged well-formed before a training run starts on it.
+
+  python -m stages.validate [--params params.yaml]
+
+Shard by shard, every row is reduced to a summary computed with columnar operations on
+the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
+{0, 1}, supervised count, longest supervised run, stored counters); the summaries are
+checked by the pandera schema in stages/schema.py. Then dataset checks: each shard's
+Arrow types and dataset_info.json equal the contract, `datasets.load_from_disk` opens
+the folder, ids are unique across all shards, the row count equals reports/merge.json.
+
+Writes reports/validate.json (pass/fail, failures and up to `validate.max_examples`
+offending ids per check, rows/tokens per source) and the plots under reports/plots/
+(token-length and supervised-fraction histograms, one CSV per source). Any failed check
+exits with status 1 after writing them, so `dvc repro` stops here.
+
+The vocabulary size is `validate.vocab_size`, else tokenizer.vocab_size in
+data/merged/fingerprint.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import datasets
+import numpy as np
+import pandera.errors
+import pandera.polars  # noqa: F401 - imported here, not on the clock inside run()
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stages import cli, outputs
+from stages import params as P
+from stages.errors import StageError
+from stages.schema import (
+    FEATURES,
+    FINGERPRINT_FILE,
+    INFO_FILE,
+    NOT_NULL_CHECKS,
+    ROW_CHECKS,
+    id_schema,
+    list_shards,
+    open_shard,
+    row_schema,
+    schema_differences,
+)
+
+log = logging.getLogger("validate")
+
+DATA = Path("data/merged")
+MERGE_REPORT = Path("reports/merge.json")
+PLOTS = Path("reports/plots")
+DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
+                  "id_unique"]
+CHUNK_ROWS = 131072  # summary rows checked per pandera call: bounds memory, amortises cost
+UNIQUE_ROWS = 1 << 20  # id hashes checked for uniqueness per pandera call
+LENGTH_BINS = 64
+FRACTION_BINS = 20
+
+
+class Findings:
+    """Failures per check: a count and the first few examples."""
+
+    def __init__(self, names: list[str], max_examples: int):
+        self.max_examples = max_examples
+        self.checks = {name: {"passed": True, "failures": 0, "examples": []} for name in names}
+
+    def add(self, name: str, count: int, examples: list[str]) -> None:
+        check = self.checks[name]
+        check["passed"] = False
+        check["failures"] += count
+        room = max(self.max_examples - len(check["examples"]), 0)
+        # one line each: library messages (load_from_disk's) span several
+        check["examples"].extend(re.sub(r"\s*\n\s*", " ", str(e)) for e in examples[:room])
+
+    def failed(self) -> list[str]:
+        return [name for name, c in self.checks.items() if not c["passed"]]
+
+
+def run(cfg: P.Validate) -> dict:
+    start = time.perf_counter()
+    if not DATA.is_dir():
+        raise StageError(f"{DATA}: not found (run the merge stage first)")
+    findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
+    fingerprint = _fingerprint(findings) or {}
+    tokenizer = fingerprint.get("tokenizer") if isinstance(fingerprint, dict) else None
+    recorded = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
+    vocab = cfg.vocab_size or recorded
+    if cfg.vocab_size and recorded and cfg.vocab_size != recorded:
+        log.warning("validate.vocab_size %d overrides %d from %s", cfg.vocab_size, recorded,
+                    DATA / FINGERPRINT_FILE)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+        raise StageError(
+            f"validate: vocabulary size unknown: {DATA / FINGERPRINT_FILE} has no "
+            "tokenizer.vocab_size; set validate.vocab_size"
+        )
+    try:
+        shards = list_shards(DATA)
+    except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
+        findings.add("shards_readable", 1, [str(e)])
+        shards = []
+    _check_info(findings)
+
+    scan = Scanner(cfg, vocab, findings)
+    threads = cfg.threads or min(4, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
+        loads = pool.submit(_load, DATA)  # independent of the scan: runs beside it
+        # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
+        # a bounded window ahead, and checked in order here
+        queue: deque = deque()
+        for path in shards:
+            queue.append((path, pool.submit(summarize_shard, path, vocab, scan.width)))
+            if len(queue) > threads:
+                scan.add(*queue.popleft())
+        while queue:
+            scan.add(*queue.popleft())
+        scan.flush()
+        scan.check_unique_ids(shards)
+        _check_loads(findings, loads.result(), scan.rows)
+    expected = _check_row_count(findings, scan.rows)
+
+    _write_plots(scan.stats, scan.width)
+    sources = {
+        name: {"rows": int(v[0]), "tokens": int(v[1]), "supervised_tokens": int(v[2])}
+        for name, v in sorted(scan.stats.items())
+    }
+    failed = findings.failed()
+    report = {
+        "passed": not failed,
+        "rows": scan.rows,
+        "expected_rows": expected,
+        "shards": len(shards),
+        "tokens": sum(s["tokens"] for s in sources.values()),
+        "supervised_tokens": sum(s["supervised_tokens"] for s in sources.values()),
+        "vocab_size": vocab,
+        "max_seq_len": cfg.max_seq_len,
+        "min_loss_tokens": cfg.min_loss_tokens,
+        "failed_checks": len(failed),
+        "checks": findings.checks,
+        "sources": sources,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    outputs.write_report("validate", report)
+    if failed:
+        parts = []
+        for name in failed:
+            c = findings.checks[name]
+            example = f", e.g. {c['examples'][0]}" if c["examples"] else ""
+            parts.append(f"{name} ({c['failures']}{example})")
+        raise StageError(
+            f"validate: {len(failed)} checks failed: {'; '.join(parts)} "
+            "(see reports/validate.json)"
+        )
+    log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
+             scan.rows, len(shards))
+    return report
+
+
+# ---------------------------------------------------------------- dataset checks
+
+
+def _fingerprint(findings: Findings) -> Optional[dict]:
+    path = DATA / FINGERPRINT_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        findings.add("fingerprint", 1, [f"{path} is missing"])
+        return None
+    except ValueError as e:
+        findings.add("fingerprint", 1, [f"{path} is not valid JSON ({e})"])
+        return None
+    if not isinstance(doc, dict):
+        findings.add("fingerprint", 1, [f"{path} is not a JSON object"])
+        return None
+    missing = [k for k in ("tokenizer", "chat_template_sha256") if k not in doc]
+    if missing:
+        findings.add("fingerprint", 1, [f"{path} lacks {', '.join(missing)}"])
+    return doc
+
+
+def _check_info(findings: Findings) -> None:
+    path = DATA / INFO_FILE
+    try:
+        features = datasets.Features.from_dict(
+            json.loads(path.read_text(encoding="utf-8"))["features"]
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        findings.add("features", 1, [f"{path}: unreadable features ({e!r})"])
+        return
+    if features != FEATURES:
+        findings.add("features", 1, [f"{path}: features {features} differ from the contract"])
+
+
+def _load(folder: Path):
+    """The dataset as training opens it, or the exception that stops it."""
+    try:
+        return datasets.load_from_disk(str(folder))
+    except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
+        return e
+
+
+def _check_loads(findings: Findings, loaded, rows: int) -> None:
+    if isinstance(loaded, Exception):
+        findings.add("loads", 1, [f"load_from_disk: {type(loaded).__name__}: {loaded}"[:300]])
+    elif len(loaded) != rows or loaded.features != FEATURES:
+        findings.add("loads", 1, [f"load_from_disk: {len(loaded)} rows, features "
+                                  f"{loaded.features}"])
+
+
+def _check_row_count(findings: Findings, rows: int) -> Optional[int]:
+    try:
+        expected = json.loads(MERGE_REPORT.read_text(encoding="utf-8"))["merged"]["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        findings.add("row_count", 1, [f"{MERGE_REPORT}: no merged.rows ({e!r})"])
+        return None
+    if expected != rows:
+        findings.add("row_count", abs(rows - expected),
+                     [f"{DATA} has {rows} rows, {MERGE_REPORT} says {expected}"])
+    return expected
+
+
+# ------------------------------------------------------------------ row summary
+
+
+class Scanner:
+    """Summarises rows batch by batch and checks the summaries chunk by chunk."""
+
+    def __init__(self, cfg: P.Validate, vocab: int, findings: Findings):
+        self.vocab = vocab
+        self.findings = findings
+        self.schema = row_schema(cfg.max_seq_len, cfg.min_loss_tokens)
+        self.width = bin_width(cfg.max_seq_len)
+        self.rows = 0
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
+        self.hashes: list[np.ndarray] = []  # 64-bit id hashes, dataset-wide
+        self.hash_rows: list[np.ndarray] = []
+        self.shard_rows: list[int] = []
+        self.stats: dict[str, np.ndarray] = {}  # per source: see source_stats()
+
+    def add(self, path: Path, future: Future) -> None:
+        """Take one shard's summaries (in dataset order) and check them chunk by chunk."""
+        try:
+            diffs, summaries, rows, stats = future.result()
+        except (StageError, pa.ArrowException, OSError, KeyError, ValueError) as e:
+            self.findings.add("shards_readable", 1, [f"{path.name}: {e}"[:300]])
+            self.shard_rows.append(0)
+            return
+        if diffs:
+            self.findings.add("features", len(diffs), [f"{path.name}: {d}" for d in diffs])
+        for summary in summaries:
+            first = pc.add(summary.column("row"), self.rows)
+            self.pending.append(summary.set_column(0, "row", first))
+            self.pending_rows += summary.num_rows
+            if self.pending_rows >= CHUNK_ROWS:
+                self.flush()
+        self.rows += rows
+        self.shard_rows.append(rows)
+        _add_stats(self.stats, stats)
+        log.info("shard %d %s: %d rows, %d in all", len(self.shard_rows), path.name, rows,
+                 self.rows)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        frame = pl.from_arrow(pa.Table.from_batches(self.pending))
+        self.pending, self.pending_rows = [], 0
+        try:
+            self.schema.validate(frame, lazy=True)
+        except pandera.errors.SchemaErrors as e:
+            self._record(frame, e.failure_cases)
+        ids = frame.filter(pl.col("id").is_not_null())
+        self.hashes.append(ids.get_column("id").hash(seed=0).to_numpy())
+        self.hash_rows.append(ids.get_column("row").to_numpy())
+
+    def _record(self, frame, failures) -> None:
+        names = pl.col("column").replace_strict(NOT_NULL_CHECKS, default=None)
+        failures = failures.with_columns(
+            name=pl.when(pl.col("check") == "not_nullable").then(names)
+            .otherwise(pl.col("check"))
+        )
+        for (name,), group in failures.group_by(["name"], maintain_order=True):
+            if name not in self.findings.checks:  # a schema-level error: our own bug
+                raise StageError(f"validate: summary schema error: {group.row(0)}")
+            index = group.get_column("index").unique(maintain_order=True)
+            rows = frame[index.head(self.findings.max_examples).to_list()]
+            examples = [
+                i if i is not None else f"row {r} (null id)"
+                for i, r in zip(rows.get_column("id"), rows.get_column("row"))
+            ]
+            self.findings.add(name, len(index), examples)
+
+    def check_unique_ids(self, shards: list[Path]) -> None:
+        """Hash-level duplicates via pandera, then confirmed on the id strings.
+
+        Equal ids have equal hashes, so checking each slice of the hash space on its own
+        (about UNIQUE_ROWS hashes each) finds every duplicate while the check's hash
+        table stays small however many rows there are.
+        """
+        hashes = np.concatenate(self.hashes) if self.hashes else np.zeros(0, np.uint64)
+        rows = np.concatenate(self.hash_rows) if self.hash_rows else np.zeros(0, np.int64)
+        bits = max(0, math.ceil(math.log2(max(len(hashes), 1) / UNIQUE_ROWS)))
+        bucket = hashes >> np.uint64(64 - bits) if bits else np.zeros(len(hashes), np.uint64)
+        suspects = []
+        for b in range(1 << bits):
+            where = np.flatnonzero(bucket == b)
+            try:
+                id_schema().validate(pl.DataFrame({"id_hash": hashes[where]}), lazy=True)
+            except pandera.errors.SchemaErrors as e:
+                suspects.append(rows[where[e.failure_cases.get_column("index").to_numpy()]])
+        if not suspects:
+            return
+        ids = _ids_at(shards, self.shard_rows, np.sort(np.concatenate(suspects)))
+        counts = pc.value_counts(ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+        if len(repeated):
+            total = pc.sum(repeated.field("counts")).as_py()
+            self.findings.add("id_unique", total, repeated.field("values").to_pylist())
+
+
+def summarize_shard(path: Path, vocab: int, width: int):
+    """(schema differences, summary batches, rows, per-source stats) of one shard.
+
+    Runs in a worker thread; summary rows are numbered from 0 within the shard.
+    """
+    with open_shard(path, drop_behind=True) as reader:
+        diffs = schema_differences(reader.schema)
+        summaries, rows = [], 0
+        for batch in reader:
+            summaries.append(summarize(batch, vocab, rows))
+            rows += batch.num_rows
+    if not summaries:
+        return diffs, [], 0, {}
+    # one batch per shard: few large batches are cheap to convert and count, many small not
+    summary = pa.concat_batches(summaries)
+    return diffs, [summary], rows, source_stats(summary, width)
+
+
+def bin_width(max_seq_len: int) -> int:
+    return max(1, -(-max_seq_len // LENGTH_BINS))
+
+
+def source_stats(summary: pa.RecordBatch, width: int) -> dict[str, np.ndarray]:
+    """Per source, one int64 vector: rows, tokens, supervised tokens, then the token-length
+    histogram (LENGTH_BINS bins of `width` + one past), then the supervised-fraction one."""
+    lengths = pc.fill_null(summary.column("input_ids_len"), 0).to_numpy()
+    supervised = pc.fill_null(summary.column("supervised"), 0).to_numpy()
+    encoded = pc.dictionary_encode(pc.fill_null(summary.column("source"), "(null)"))
+    codes = encoded.indices.to_numpy()
+    names = encoded.dictionary.to_pylist()
+    k, lb, fb = len(names), LENGTH_BINS + 1, FRACTION_BINS
+    length_bin = np.minimum(lengths // width, LENGTH_BINS)
+    fraction_bin = np.minimum(supervised * fb // np.maximum(lengths, 1), fb - 1)
+    out = np.empty((k, 3 + lb + fb), np.int64)
+    out[:, 0] = np.bincount(codes, minlength=k)
+    out[:, 1] = np.bincount(codes, weights=lengths, minlength=k)
+    out[:, 2] = np.bincount(codes, weights=supervised, minlength=k)
+    out[:, 3 : 3 + lb] = np.bincount(codes * lb + length_bin, minlength=k * lb).reshape(k, lb)
+    out[:, 3 + lb :] = np.bincount(codes * fb + fraction_bin, minlength=k * fb).reshape(k, fb)
+    return {name: out[i] for i, name in enumerate(names)}
+
+
+def _add_stats(into: dict[str, np.ndarray], stats: dict[str, np.ndarray]) -> None:
+    for name, vector in stats.items():
+        if name in into:
+            into[name] = into[name] + vector
+        else:
+            into[name] = vector.copy()
+
+
+def summarize(batch: pa.RecordBatch, vocab: int, first_row: int) -> pa.RecordBatch:
+    """One summary row per row of `batch`, from the flattened lists (no per-row loop)."""
+    n = batch.num_rows
+    ids_col = batch.column("input_ids")
+    mask_col = batch.column("loss_mask")
+    id_off, id_vals = _flat(ids_col)
+    mask_off, mask_vals = _flat(mask_col)
+
+    out_of_range = _count_from(id_vals, id_off, vocab)  # negatives too: compared unsigned
+    not_binary = _count_from(mask_vals, mask_off, 2)
+    if mask_vals.itemsize == 1 and not not_binary.any():
+        ones = mask_vals.view(np.uint8)  # already 0/1: no extra pass
+    else:
+        ones = (mask_vals == 1).view(np.uint8)
+    supervised, longest = _runs(ones, mask_off, n)
+
+    def with_nulls(values: np.ndarray, like: pa.Array) -> pa.Array:
+        return pa.array(values, pa.int64(), mask=_null_mask(like))
+
+    def as_int(name: str) -> pa.Array:
+        return pc.cast(batch.column(name), pa.int64())
+
+    def as_str(name: str) -> pa.Array:
+        return pc.cast(batch.column(name), pa.large_string())
+
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.arange(first_row, first_row + n, dtype=np.int64)),
+            as_str("id"),
+            as_str("source"),
+            pc.cast(pc.list_value_length(ids_col), pa.int64()),
+            pc.cast(pc.list_value_length(mask_col), pa.int64()),
+            with_nulls(out_of_range, ids_col),
+            with_nulls(not_binary, mask_col),
+            with_nulls(supervised, mask_col),
+            with_nulls(longest, mask_col),
+            as_int("num_tokens"),
+            as_int("num_loss_tokens"),
+        ],
+        names=["row", "id", "source", "input_ids_len", "loss_mask_len",
+               "ids_out_of_range", "mask_not_binary", "supervised", "longest_run",
+               "num_tokens", "num_loss_tokens"],
+    )
+
+
+def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Row offsets (from 0) and the flattened values of a list column; null items -> -1."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise StageError(f"column is {column.type}, not a list")
+    if not pa.types.is_integer(column.type.value_type):
+        raise StageError(f"column holds {column.type.value_type}, not integers")
+    offsets = column.offsets.to_numpy().astype(np.int64, copy=False)
+    if len(offsets) == 0:  # an empty array may come without its single 0 offset
+        offsets = np.zeros(1, np.int64)
+    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if values.null_count:
+        values = pc.fill_null(values, -1)
+    return offsets - offsets[0], values.to_numpy()
+
+
+def _null_mask(column: pa.Array) -> Optional[np.ndarray]:
+    if not column.null_count:
+        return None
+    return pc.is_null(column).to_numpy(zero_copy_only=False)
+
+
+def _count_from(values: np.ndarray, offsets: np.ndarray, limit: int) -> np.ndarray:
+    """Per-row count of values outside [0, limit).
+
+    Viewed as unsigned, a negative value is huge, so one max() pass clears clean data;
+    only a batch holding a bad value pays for the per-row counts.
+    """
+    n = len(offsets) - 1
+    unsigned = values.view(np.dtype(f"u{values.itemsize}"))
+    if len(values) == 0 or unsigned.max() < limit:
+        return np.zeros(n, np.int64)
+    cumulative = np.concatenate(([0], np.cumsum(unsigned >= limit, dtype=np.int64)))
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+
+
+def _runs(ones: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: number of supervised tokens and the longest run of consecutive ones.
+
+    Runs come from the positions where the 0/1 mask changes (one vectorised compare and
+    one nonzero over the flattened mask); their number is small next to the token count.
+    """
+    size = len(ones)
+    change = np.flatnonzero(ones[1:] != ones[:-1]) + 1
+    rising = ones[change] == 1
+    starts, ends = change[rising], change[~rising]
+    if size and ones[0] == 1:
+        starts = np.concatenate(([0], starts))
+    if size and ones[-1] == 1:
+        ends = np.concatenate((ends, [size]))
+    # a run that continues across a row boundary is two runs: split it there
+    inner = offsets[1:-1]
+    inner = inner[(inner > 0) & (inner < size)]
+    split = inner[(ones[inner - 1] == 1) & (ones[inner] == 1)]
+    if len(split):
+        starts = np.sort(np.concatenate((starts, split)))
+        ends = np.sort(np.concatenate((ends, split)))
+    lengths = ends - starts
+    row = np.searchsorted(offsets, starts, side="right") - 1
+    supervised = np.bincount(row, weights=lengths, minlength=n).astype(np.int64)[:n]
+    longest = np.zeros(n, np.int64)
+    np.maximum.at(longest, row, lengths)
+    return supervised, longest
+
+
+def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.Array:
+    """The ids at dataset-wide row numbers `rows` (sorted), reading only those shards."""
+    starts = np.concatenate(([0], np.cumsum(shard_rows)))
+    out = []
+    for i, path in enumerate(shards):
+        lo, hi = np.searchsorted(rows, [starts[i], starts[i + 1]])
+        if lo == hi:
+            continue
+        with open_shard(path) as reader:
+            ids = pa.chunked_array([pc.cast(b.column("id"), pa.large_string()) for b in reader],
+                                   pa.large_string())
+        out.append(ids.take(pa.array(rows[lo:hi] - starts[i])).combine_chunks())
+    return pa.concat_arrays(out) if out else pa.array([], pa.large_string())
+
+
+# ------------------------------------------------------------------------- plots
+
+
+def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
+    """One CSV per source and plot, under reports/plots/ (declared as DVC plots).
+
+    token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
+    edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows
+    per 0.05 of supervised tokens / tokens, x = the bin's upper edge.
+    """
+    names = _file_names(sorted(stats))
+    lb = LENGTH_BINS + 1
+    lengths = [(b + 1) * width for b in range(lb)]
+    fractions = [round((b + 1) / FRACTION_BINS, 4) for b in range(FRACTION_BINS)]
+    for folder, column, edges, part in (
+        ("token_length", "tokens", lengths, slice(3, 3 + lb)),
+        ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
+    ):
+        with outputs.atomic_dir(PLOTS / folder) as tmp:
+            for source, file in names.items():
+                counts = stats[source][part].tolist()
+                if folder == "token_length" and counts[-1] == 0:
+                    counts = counts[:-1]  # nobody over max_seq_len: no overflow bin
+                with (tmp / file).open("w", newline="", encoding="utf-8") as f:
+                    w = csv.writer(f, lineterminator="\n")
+                    w.writerow([column, "rows"])
+                    w.writerows(zip(edges, counts))
+
+
+def _file_names(sources: list[str]) -> dict[str, str]:
+    out, taken = {}, set()
+    for source in sources:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", source).strip("._") or "source"
+        name, k = f"{stem}.csv", 1
+        while name in taken:
+            k += 1
+            name = f"{stem}-{k}.csv"
+        taken.add(name)
+        out[source] = name
+    return out
+
+
+if __name__ == "__main__":
+    cli.entry("validate", __doc__, run)

@@ -1,0 +1,654 @@
+"""A fake SGLang-compatible chat server with injected faults, for tests and benchmarks.
+
+Run it:     python tests/fakeserver.py --port N [--host H] [--fault-spec JSON-or-FILE]
+Import it:  FakeServer(spec).start()  -> in this process, on a thread (.url, .stats(), .stop())
+            spawn(spec)               -> a subprocess (.url, .pid, .stats(), .stop())
+            command(port, spec)       -> the argv that runs it
+            launch_command(spec)      -> the same as a generate.server.launch.command
+
+It answers POST /v1/chat/completions (non-streaming) like SGLang: `choices[0].message`
+with `content` and `reasoning_content` (`reasoning` in vLLM mode), `finish_reason`,
+`usage`, and `id` = the request's `rid`. The reply text is a pure function of the
+request's messages, tools and sampling params, so a re-run gets identical replies.
+Also: GET /health, /health_generate, /v1/models, /get_model_info, /stats (per-request
+attempts, arrival times and outcomes) and POST /admin/reset, /admin/stall.
+
+Fault spec: a JSON object, every key optional.
+
+  seed              int     0      seeds every random choice (per request id + attempt,
+                                   so the same attempt always gets the same fate)
+  model             str     "fake-model"  the served model name
+  check_model       bool    false  404 when a request names another model
+  reasoning_field   str     "reasoning_content" | "reasoning" (vLLM) | "both"
+  reasoning_tokens  int     16     reasoning words when thinking is on (the default;
+                                   off with chat_template_kwargs.enable_thinking=false)
+  reply_tokens      int     24     content words. max_tokens cuts the reply: inside the
+                                   reasoning -> content null, finish_reason "length"
+  latency           number | {"min": a, "max": b} | {"median": m, "sigma": s}
+                                   seconds before each reply (uniform / lognormal)
+  max_context       int     null   prompt_tokens + max_tokens above it -> 400
+  api_key           str     null   require "Authorization: Bearer <key>" (else 401)
+  not_ready_for     number  0      chat answers 503 "loading" for this many seconds
+                                   after start while /health already says 200
+  exit_after        int     null   the process exits (code 3) right after reply K
+  stall_after       int     null   after reply K generation hangs: chat requests never
+                                   answer, /health stays 200, /health_generate hangs
+  stall_health      str     "hang" | "fail" (503) — /health_generate while stalled
+  once_file         str     null   exit/stall only if this file is absent; the file is
+                                   created when they fire, so a restarted server is sound
+  record            bool    true   keep per-request stats (false for benchmarks)
+  record_bodies     bool    false  keep each request id's last body in /stats
+  rules             list    []     faults, first matching rule wins:
+      {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
+       id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
+
+Fault kinds: queue_full (503), rate_limit (429), timeout (408), error (500, or
+"status"/"message"), oom (500 "Out of memory even after retracting"), context_length
+(400), bad_request (400), hang (never answers; "seconds" to give up after S and
+answer), slow (answer after "seconds"), malformed (200 with a cut JSON body),
+no_choices (200, valid JSON without choices), drop (connection closed, no response),
+exit (the process exits at once), stall (stall from now on), length (finish_reason
+"length", content cut short), unclosed_think (reasoning only, content null,
+"length"), abort (finish_reason "abort").
+
+A request without `rid` is tracked under "sha:" + a hash of its messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+    "rho sigma tau upsilon phi chi psi omega red orange yellow green blue indigo violet "
+    "north south east west river mountain forest desert ocean island valley meadow cloud "
+    "rain snow wind storm sun moon star comet planet orbit atom cell gene code data graph"
+).split()
+
+ERRORS: dict[str, tuple[int, str, str]] = {
+    "queue_full": (503, "ServiceUnavailableError", "The request queue is full."),
+    "rate_limit": (429, "TooManyRequests", "Too many requests, please retry later."),
+    "timeout": (408, "RequestTimeout", "Request timed out in the queue."),
+    "error": (500, "InternalServerError", "Internal server error."),
+    "oom": (500, "InternalServerError", "Out of memory even after retracting requests."),
+    "bad_request": (400, "BadRequestError", "Invalid request."),
+    "context_length": (400, "BadRequestError", ""),  # message built per request
+}
+KINDS = set(ERRORS) | {
+    "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
+    "length", "unclosed_think", "abort",
+}  # fmt: skip
+DEFAULTS: dict[str, Any] = {
+    "seed": 0,
+    "model": "fake-model",
+    "check_model": False,
+    "reasoning_field": "reasoning_content",
+    "reasoning_tokens": 16,
+    "reply_tokens": 24,
+    "latency": 0,
+    "max_context": None,
+    "api_key": None,
+    "not_ready_for": 0,
+    "exit_after": None,
+    "stall_after": None,
+    "stall_health": "hang",
+    "once_file": None,
+    "record": True,
+    "record_bodies": False,
+    "rules": [],
+}
+
+
+def load_spec(spec: dict | str | Path | None) -> dict:
+    """A full spec from a dict, a JSON string or a JSON file; unknown keys are errors."""
+    if spec is None:
+        spec = {}
+    elif isinstance(spec, Path) or (isinstance(spec, str) and not spec.lstrip().startswith("{")):
+        spec = json.loads(Path(spec).read_text(encoding="utf-8"))
+    elif isinstance(spec, str):
+        spec = json.loads(spec)
+    unknown = set(spec) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"fault spec: unknown keys {sorted(unknown)}")
+    full = {**DEFAULTS, **spec}
+    for i, rule in enumerate(full["rules"]):
+        if rule.get("fault") not in KINDS:
+            raise ValueError(f"fault spec: rules[{i}].fault must be one of {sorted(KINDS)}")
+        if set(rule) - {"fault", "match", "first", "prob", "seconds", "status", "message"}:
+            raise ValueError(f"fault spec: rules[{i}] has unknown keys")
+    if full["reasoning_field"] not in ("reasoning_content", "reasoning", "both"):
+        raise ValueError("fault spec: reasoning_field must be reasoning_content, reasoning or both")
+    return full
+
+
+def _words(digest: bytes, n: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        out += [WORDS[b % len(WORDS)] for b in digest[: n - len(out)]]
+        digest = hashlib.blake2b(digest).digest()
+    return out
+
+
+def _count(messages: list) -> int:
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        total += 4 + (len(content.split()) if isinstance(content, str) else 0)
+    return total
+
+
+class _State:
+    def __init__(self, spec: dict, die) -> None:
+        self.spec = spec
+        self.die = die  # called when the process must go away (exit fault)
+        self.started = time.monotonic()
+        self.reset(spec)
+
+    def reset(self, spec: dict) -> None:
+        self.spec = spec
+        self.received = 0
+        self.completed = 0
+        self.in_flight = 0
+        self.faults: dict[str, int] = {}
+        self.requests: dict[str, dict] = {}
+        self.attempts: dict[str, int] = {}
+        self.stalled = False
+        self.dying = False
+        self.last_body: Any = None
+
+    def fire_once(self) -> bool:
+        """True when a one-shot fault (exit/stall) may fire now; records that it did."""
+        marker = self.spec["once_file"]
+        if not marker:
+            return True
+        try:
+            with open(marker, "x", encoding="utf-8") as f:
+                f.write(str(os.getpid()))
+        except FileExistsError:
+            return False
+        return True
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+def _pick_rule(spec: dict, rid: str, attempt: int) -> dict | None:
+    for i, rule in enumerate(spec["rules"]):
+        if "match" in rule and not re.search(rule["match"], rid):
+            continue
+        if "first" in rule and attempt > rule["first"]:
+            continue
+        prob = rule.get("prob", 1.0)
+        if prob < 1.0 and random.Random(f"{spec['seed']}:{i}:{rid}:{attempt}").random() >= prob:
+            continue
+        return rule
+    return None
+
+
+def _latency(spec: dict, rid: str, attempt: int) -> float:
+    lat = spec["latency"]
+    if isinstance(lat, (int, float)):
+        return float(lat)
+    rng = random.Random(f"{spec['seed']}:latency:{rid}:{attempt}")
+    if "median" in lat:
+        return lat["median"] * math.exp(rng.gauss(0.0, lat.get("sigma", 0.5)))
+    return rng.uniform(lat.get("min", 0.0), lat.get("max", 0.0))
+
+
+def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
+    """The deterministic completion for a request body (what the server would send)."""
+    messages = body.get("messages") or []
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = kwargs.get("enable_thinking", True) is not False
+    key = json.dumps(
+        [messages, body.get("tools"), body.get("temperature"), body.get("top_p"),
+         body.get("top_k"), body.get("seed"), thinking],
+        sort_keys=True, ensure_ascii=False, separators=(",", ":"),
+    )  # fmt: skip
+    digest = hashlib.blake2b(key.encode()).digest()
+    n_reason = spec["reasoning_tokens"] if thinking else 0
+    n_reply = spec["reply_tokens"]
+    words = _words(digest, n_reason + n_reply)
+    limit = body.get("max_tokens") or body.get("max_completion_tokens")
+    budget = n_reason + n_reply if limit is None else int(limit)
+    finish = "stop"
+    if fault == "unclosed_think":
+        budget = min(budget, max(n_reason, 1))
+        if not n_reason:
+            words, n_reason = _words(digest, 1), 1
+    elif fault == "length":
+        budget = min(budget, n_reason + max(n_reply // 2, 1))
+    reasoning = words[: min(n_reason, budget)]
+    content = words[n_reason : min(n_reason + n_reply, budget)]
+    if budget < n_reason + n_reply:
+        finish = "length"
+    if fault == "abort":
+        finish = "abort"
+    reasoning_text = " ".join(reasoning) or None
+    content_text = " ".join(content) + ("." if finish == "stop" and content else "") or None
+    message: dict[str, Any] = {"role": "assistant", "content": content_text, "tool_calls": None}
+    field = spec["reasoning_field"]
+    if body.get("separate_reasoning") is False and field == "reasoning_content":
+        # SGLang without separation: the raw text, think block and all, in content
+        if reasoning_text is not None:
+            closed = len(reasoning) == n_reason and budget > n_reason
+            tail = "\n</think>\n\n" + (content_text or "") if closed else ""
+            message["content"] = reasoning_text + tail
+        reasoning_text = None
+    if field in ("reasoning_content", "both"):
+        message["reasoning_content"] = reasoning_text
+    if field in ("reasoning", "both"):
+        message["reasoning"] = reasoning_text
+    prompt_tokens = _count(messages)
+    completion_tokens = len(reasoning) + len(content)
+    return {
+        "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or spec["model"],
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def build_app(spec: dict, die) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    state = _State(spec, die)
+
+    def authorized(request: web.Request) -> bool:
+        key = state.spec["api_key"]
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    def stall_now() -> None:
+        if not state.stalled and state.fire_once():
+            state.stalled = True
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        spec = state.spec
+        state.received += 1
+        if not authorized(request):
+            return _error(401, "AuthenticationError", "Invalid API key.")
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "BadRequestError", "Request body is not valid JSON.")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return _error(400, "BadRequestError", "Field 'messages' must be a list.")
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            rid = "sha:" + hashlib.blake2b(
+                json.dumps(body["messages"], sort_keys=True).encode(), digest_size=8
+            ).hexdigest()
+        attempt = state.attempts.get(rid, 0) + 1
+        state.attempts[rid] = attempt
+        record = None
+        if spec["record"]:
+            record = state.requests.setdefault(rid, {"attempts": 0, "times": [], "outcomes": []})
+            record["attempts"] = attempt
+            record["times"].append(time.time())
+            if spec["record_bodies"]:
+                record["body"] = body
+        state.last_body = body
+        state.in_flight += 1
+        outcome = ["cancelled"]  # what a client that gave up saw, unless a fault says more
+        try:
+            response, outcome[0] = await _answer(request, body, rid, attempt, outcome)
+            return response
+        finally:
+            state.in_flight -= 1
+            state.faults[outcome[0]] = state.faults.get(outcome[0], 0) + 1
+            if record is not None:
+                record["outcomes"].append(outcome[0])
+
+    async def _answer(request, body, rid, attempt, outcome) -> tuple[web.StreamResponse, str]:
+        spec = state.spec
+        if state.dying or state.stalled:
+            outcome[0] = "stalled"
+            await forever()
+        if time.monotonic() - state.started < spec["not_ready_for"]:
+            return _error(503, "ServiceUnavailableError", "The server is still loading."), "loading"
+        if spec["check_model"] and body.get("model") not in (None, spec["model"]):
+            msg = f"The model `{body.get('model')}` does not exist."
+            return _error(404, "NotFoundError", msg), "not_found"
+        rule = _pick_rule(spec, rid, attempt)
+        fault = rule["fault"] if rule else None
+        if fault:
+            outcome[0] = fault
+        if fault in ERRORS:
+            status, kind, message = ERRORS[fault]
+            if fault == "context_length":
+                message = _too_long(body, spec.get("max_context") or 32768)
+            return _error(rule.get("status", status), kind, rule.get("message", message)), fault
+        if fault == "hang":
+            if "seconds" not in rule:
+                await forever()
+            await asyncio.sleep(rule["seconds"])
+        elif fault == "slow":
+            await asyncio.sleep(rule.get("seconds", 1.0))
+        elif fault == "drop":
+            request.transport.abort()
+            await forever()
+        elif fault == "exit":
+            state.dying = True
+            state.die()
+            await forever()
+        elif fault == "stall":
+            stall_now()
+            await forever()
+        max_context = spec["max_context"]
+        if max_context is not None:
+            if _count(body["messages"]) + int(body.get("max_tokens") or 0) > max_context:
+                return _error(400, "BadRequestError", _too_long(body, max_context)), "too_long"
+        delay = _latency(spec, rid, attempt)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if state.dying or state.stalled:
+            await forever()
+        if fault == "malformed":
+            text = json.dumps(reply_for(body, spec))
+            return web.Response(text=text[: len(text) // 2], content_type="application/json"), fault
+        if fault == "no_choices":
+            return web.json_response({"object": "chat.completion", "id": rid}), fault
+        reply = reply_for(body, spec, fault)
+        state.completed += 1
+        response = web.json_response(reply)
+        done = state.completed
+        if spec["exit_after"] is not None and done >= spec["exit_after"] and state.fire_once():
+            state.dying = True
+            await response.prepare(request)
+            await response.write_eof()
+            asyncio.get_running_loop().call_later(0.02, state.die)
+        elif spec["stall_after"] is not None and done >= spec["stall_after"]:
+            stall_now()
+        return response, fault or "ok"
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(request: web.Request) -> web.Response:
+        if state.stalled or state.dying:
+            if state.spec["stall_health"] == "fail":
+                return _error(503, "ServiceUnavailableError", "health generation failed")
+            await forever()
+        return web.Response(status=200)
+
+    async def models(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return _error(401, "AuthenticationError", "Invalid API key.")
+        name = state.spec["model"]
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
+        if state.spec["max_context"]:
+            card["max_model_len"] = state.spec["max_context"]
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": state.spec["model"], "is_generation": True})
+
+    async def stats(request: web.Request) -> web.Response:
+        out = {
+            "pid": os.getpid(),
+            "received": state.received,
+            "completed": state.completed,
+            "in_flight": state.in_flight,
+            "stalled": state.stalled,
+            "outcomes": state.faults,
+            "last_body": state.last_body,
+        }
+        if request.query.get("requests", "1") != "0":
+            out["requests"] = state.requests
+        return web.json_response(out)
+
+    async def admin_reset(request: web.Request) -> web.Response:
+        data = await request.json() if request.can_read_body else {}
+        state.reset(load_spec(data.get("spec", state.spec)))
+        return web.json_response({"ok": True})
+
+    async def admin_stall(request: web.Request) -> web.Response:
+        state.stalled = True
+        return web.json_response({"ok": True})
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/admin/reset", admin_reset)
+    app.router.add_post("/admin/stall", admin_stall)
+    return app
+
+
+def _too_long(body: dict, max_context: int) -> str:
+    prompt = _count(body.get("messages") or [])
+    extra = int(body.get("max_tokens") or 0)
+    return (
+        f"Requested token count exceeds the model's maximum context length of {max_context} "
+        f"tokens. You requested a total of {prompt + extra} tokens: {prompt} tokens from the "
+        f"input messages and {extra} tokens for the completion."
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_json(url: str, body: Any, timeout: float = 10.0, headers: dict | None = None) -> Any:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class _Client:
+    url: str
+
+    def stats(self, requests: bool = True) -> dict:
+        return get_json(f"{self.url}/stats" + ("" if requests else "?requests=0"))
+
+    def reset(self, spec: dict | None = None) -> None:
+        post_json(f"{self.url}/admin/reset", {} if spec is None else {"spec": spec})
+
+    def attempts(self, rid: str) -> int:
+        return self.stats()["requests"].get(rid, {}).get("attempts", 0)
+
+
+class FakeServer(_Client):
+    """The fake server on a background thread of this process (its own event loop).
+
+    An `exit` fault cannot end the test process: here it closes the listener and
+    aborts every open connection instead, which looks the same to a client.
+    """
+
+    def __init__(self, spec: dict | str | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.spec = load_spec(spec)
+        self.host = host
+        self.port = port
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> "FakeServer":
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._serve())
+            except BaseException as e:  # reported to start()
+                failure.append(e)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="fakeserver", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        if failure:
+            raise failure[0]
+        self.url = f"http://{self.host}:{self.port}"
+        return self
+
+    async def _serve(self) -> None:
+        app = build_app(self.spec, self._die)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, backlog=4096)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def _die(self) -> None:
+        async def close() -> None:
+            if self._runner is not None:
+                for site in list(self._runner.sites):
+                    await site.stop()
+                server = self._runner.server
+                for proto in list(getattr(server, "connections", []) if server else []):
+                    if proto.transport is not None:
+                        proto.transport.abort()
+
+        asyncio.ensure_future(close())
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self) -> "FakeServer":
+        return self.start() if not self.url else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def command(port: int, spec: dict | str | None = None, host: str = "127.0.0.1") -> list[str]:
+    """The argv that runs this server as its own process."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--host", host, "--port", str(port)]
+    if spec is not None:
+        argv += ["--fault-spec", spec if isinstance(spec, str) else json.dumps(spec)]
+    return argv
+
+
+def launch_command(spec: dict | None = None) -> list[str]:
+    """A `generate.server.launch.command` that runs this server as the "engine"."""
+    argv = ["{python}", str(Path(__file__).resolve()), "--host", "{host}", "--port", "{port}"]
+    return argv + (["--fault-spec", json.dumps(spec)] if spec is not None else [])
+
+
+class FakeProcess(_Client):
+    """The fake server as a subprocess; `stop()` kills it."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.url = url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "FakeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def spawn(
+    spec: dict | str | None = None, port: int | None = None, log_path: Path | None = None
+) -> FakeProcess:
+    """Start the server as a subprocess on a free loopback port; return once /health answers."""
+    port = port or free_port()
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(command(port, spec), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fakeserver exited with code {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).close()
+            return FakeProcess(proc, url)
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("fakeserver did not answer /health within 20 s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--fault-spec", default=None, help="JSON object or a JSON file")
+    parser.add_argument("--model", default=None, help="served model name (overrides the spec)")
+    parser.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
+    # Engine flags (a launch spec's args) are accepted and ignored.
+    args, ignored = parser.parse_known_args(argv)
+    spec = load_spec(args.fault_spec)
+    if args.model:
+        spec["model"] = args.model
+    print(f"fakeserver pid {os.getpid()} port {args.port} ignoring {ignored}", flush=True)
+    time.sleep(args.startup_delay)
+
+    def die() -> None:
+        print("fakeserver: exit fault, exiting now", flush=True)
+        os._exit(3)
+
+    app = build_app(spec, die)
+    web.run_app(
+        app, host=args.host, port=args.port, access_log=None, print=None,
+        handler_cancellation=True, reuse_address=True, backlog=4096,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

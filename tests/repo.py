@@ -1,0 +1,76 @@
+"""Throwaway git+DVC copies of this repo, for tests that drive the real CLIs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = str(Path(sys.executable).parent)
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
+    e["HF_HUB_OFFLINE"] = "1"
+    e["DVC_NO_ANALYTICS"] = "1"
+    return e
+
+
+def run(cmd, cwd: Path, check: bool = True, timeout: float = 900) -> str:
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+    return proc.stdout
+
+
+def git_commit(repo: Path, message: str) -> str:
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com",
+         "commit", "-q", "--allow-empty", "-m", message], repo)
+    return run(["git", "rev-parse", "HEAD"], repo).strip()
+
+
+def prebuilt_caches() -> None:
+    """Build the tokenizer and demo model once in the project so clones can link them."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        from stages import tinymodel, tokenizer
+
+        tokenizer.load_tokenizer("bundled:qwen3.6")
+        tinymodel.ensure_model()
+    finally:
+        os.chdir(cwd)
+
+
+def demo_clone(dest: Path) -> Path:
+    """Copy the working tree (tracked + untracked, not ignored) into a fresh git repo.
+
+    The bundled tokenizer and demo model are linked in from the project's .cache (they
+    are deterministic builds); the request cache and all data start empty.
+    """
+    prebuilt_caches()
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    repo = dest / "repo"
+    for name in filter(None, files):
+        src = ROOT / name
+        if not src.is_file():
+            continue
+        target = repo / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    for sub in ("tokenizers", "demo-model"):
+        shutil.copytree(ROOT / ".cache" / sub, repo / ".cache" / sub, copy_function=os.link)
+    run(["git", "init", "-q", "-b", "main"], repo)
+    git_commit(repo, "initial")
+    return repo

@@ -1,0 +1,265 @@
+"""The chat client against the fake SGLang server: bodies, error kinds, retries, URLs."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from stages.client import (
+    BodyEncoder,
+    ChatClient,
+    Failure,
+    Rejected,
+    RetryPolicy,
+    Sampling,
+    Unreachable,
+    build_body,
+    classify,
+    split_think,
+)
+from tests.fakeserver import FakeServer, free_port
+
+SAMPLING = Sampling(
+    max_tokens=64, temperature=0.6, top_p=0.95, top_k=20, seed=7,
+    enable_thinking=True, separate_reasoning=True,
+)  # fmt: skip
+FAST = RetryPolicy(max_retries=4, max_retries_500=1, backoff_base=0.02, backoff_max=0.1)
+
+
+def prompt(i: int, **extra) -> dict:
+    return {"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"q {i}"}], **extra}
+
+
+def body(i: int, **kw) -> bytes:
+    return json.dumps(build_body(prompt(i), "fake-model", SAMPLING, kw.get("engine", "sglang"))).encode()
+
+
+def client(urls, **kw) -> ChatClient:
+    args = dict(
+        api_key=None, concurrency=64, request_timeout=5.0, retry=FAST,
+        unreachable_deadline=2.0, split_reasoning=True,
+    )  # fmt: skip
+    args.update(kw)
+    return ChatClient(urls if isinstance(urls, list) else [urls], **args)
+
+
+async def send(c: ChatClient, *bodies: bytes):
+    async with c:
+        return await asyncio.gather(*(c.complete(b) for b in bodies), return_exceptions=True)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def start(spec=None) -> FakeServer:
+        s = FakeServer(spec).start()
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+# ------------------------------------------------------------------ request body
+
+
+def test_sglang_body_has_every_field_and_the_prompt_id_as_rid():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    b = build_body(prompt(1, tools=tools), "m", SAMPLING, "sglang")
+    assert b == {
+        "model": "m",
+        "messages": prompt(1)["messages"],
+        "tools": tools,
+        "max_tokens": 64,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "seed": 7,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "separate_reasoning": True,
+        "rid": "p1",
+        "stream": False,
+    }
+
+
+def test_other_engines_get_only_fields_they_accept():
+    no_seed = Sampling(**{**SAMPLING.as_dict(), "seed": None})
+    t = build_body(prompt(1), "m", no_seed, "transformers")
+    assert set(t) == {"model", "messages", "max_tokens", "temperature", "top_p", "chat_template_kwargs", "stream"}
+    v = build_body(prompt(1), "m", SAMPLING, "vllm")
+    assert v["request_id"] == "p1" and "separate_reasoning" not in v and v["top_k"] == 20
+
+
+def test_the_fast_encoder_gives_the_same_bytes_as_json_dumps():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    cases = [prompt(1), prompt(2, tools=tools), prompt(3, tools=[]), {"id": 'q"é', "messages": [{"role": "user", "content": "ü \u2028 \\"}]}]  # fmt: skip
+    for engine in ("sglang", "vllm", "transformers"):
+        enc = BodyEncoder('mo"del', SAMPLING, engine)
+        for p in cases:
+            expected = json.dumps(build_body(p, 'mo"del', SAMPLING, engine), ensure_ascii=False).encode()
+            assert enc.encode(p) == expected
+
+
+def test_error_classes():
+    assert classify(400, "Invalid request.") == ("bad_request", "permanent")
+    too_long = "This model's maximum context length is 4096 tokens."
+    assert classify(400, too_long) == ("context_length", "permanent")
+    assert classify(422, "Unexpected fields") == ("bad_request", "permanent")
+    assert classify(503, "The request queue is full.") == ("overloaded", "transient")
+    assert classify(429, "") == ("overloaded", "transient")
+    assert classify(408, "") == ("timeout", "transient")
+    assert classify(500, "Out of memory even after retracting requests.") == ("oom", "permanent")
+    assert classify(500, "Internal server error.") == ("server_error", "t500")
+    assert classify(401, "")[1] == classify(404, "")[1] == "fatal"
+
+
+def test_split_think_for_servers_without_a_reasoning_parser():
+    assert split_think("<think>\nhmm\n</think>\n\nYes.") == ("hmm", "Yes.")
+    assert split_think("hmm\n</think>\n\nYes.") == ("hmm", "Yes.")  # <think> was in the prompt
+    assert split_think("<think>\nstill going") == ("still going", None)
+    assert split_think("Plain answer.") == (None, "Plain answer.")
+
+
+# ----------------------------------------------------------------- against the fake
+
+
+def test_replies_are_parsed_and_vllm_reasoning_field_is_read(fake):
+    for field in ("reasoning_content", "reasoning"):
+        s = fake({"reasoning_field": field})
+        (reply,) = run(send(client(s.url), body(1)))
+        assert reply.reasoning and reply.content and reply.finish_reason == "stop"
+        assert reply.completion_tokens == 40 and reply.prompt_tokens > 0 and reply.attempts == 1
+
+
+def test_truncations_come_back_as_replies(fake):
+    s = fake({"rules": [{"fault": "unclosed_think", "match": "p1$"}, {"fault": "abort", "match": "p2$"}]})
+    r1, r2 = run(send(client(s.url), body(1), body(2)))
+    assert r1.content is None and r1.reasoning and r1.finish_reason == "length"
+    assert r2.finish_reason == "abort"
+
+
+def test_permanent_failures_are_sent_once(fake):
+    s = fake({"rules": [
+        {"fault": "bad_request", "match": "p1$"},
+        {"fault": "context_length", "match": "p2$"},
+        {"fault": "oom", "match": "p3$"},
+    ]})  # fmt: skip
+    out = run(send(client(s.url), body(1), body(2), body(3)))
+    assert [(f.kind, f.status, f.permanent, f.attempts) for f in out] == [
+        ("bad_request", 400, True, 1),
+        ("context_length", 400, True, 1),
+        ("oom", 500, True, 1),
+    ]
+    assert [s.attempts(f"p{i}") for i in (1, 2, 3)] == [1, 1, 1]
+
+
+def test_transient_errors_are_retried_then_succeed(fake):
+    kinds = ["queue_full", "rate_limit", "timeout", "malformed", "no_choices", "drop", "error"]
+    rules = [{"fault": k, "match": f"p{i}$", "first": 1 if k == "error" else 2} for i, k in enumerate(kinds)]
+    s = fake({"rules": rules})
+    out = run(send(client(s.url), *(body(i) for i in range(len(kinds)))))
+    for i, reply in enumerate(out):
+        assert not isinstance(reply, BaseException), (kinds[i], reply)
+        expected = 2 if kinds[i] == "error" else 3
+        assert reply.attempts == expected == s.attempts(f"p{i}"), kinds[i]
+
+
+def test_retries_are_bounded_per_kind(fake):
+    s = fake({"rules": [{"fault": "queue_full", "match": "p1$"}, {"fault": "error", "match": "p2$"}]})
+    f1, f2 = run(send(client(s.url), body(1), body(2)))
+    assert (f1.kind, f1.status, f1.permanent, f1.attempts) == ("overloaded", 503, False, 5)
+    assert (f2.kind, f2.status, f2.permanent, f2.attempts) == ("server_error", 500, False, 2)
+    assert s.attempts("p1") == 5 and s.attempts("p2") == 2
+
+
+def test_backoff_is_exponential_with_jitter(fake):
+    s = fake({"rules": [{"fault": "queue_full", "first": 4}]})
+    policy = RetryPolicy(max_retries=8, max_retries_500=1, backoff_base=0.1, backoff_max=10)
+    (reply,) = run(send(client(s.url, retry=policy), body(1)))
+    assert reply.attempts == 5
+    times = s.stats()["requests"]["p1"]["times"]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    for n, gap in enumerate(gaps, 1):
+        full = 0.1 * 2 ** (n - 1)
+        assert full / 2 - 0.01 <= gap <= full + 0.15, (n, gaps)
+
+
+def test_a_hung_request_times_out_and_does_not_stall_the_others(fake):
+    s = fake({"rules": [{"fault": "hang", "match": "p0$"}], "latency": 0.01})
+    c = client(s.url, request_timeout=1.0, retry=RetryPolicy(0, 0, 0.01, 0.01))
+
+    async def go():
+        async with c:
+            hung = asyncio.ensure_future(c.complete(body(0)))
+            t0 = time.monotonic()
+            others = await asyncio.gather(*(c.complete(body(i)) for i in range(1, 40)))
+            elapsed = time.monotonic() - t0
+            with pytest.raises(Failure) as e:
+                await hung
+            return others, elapsed, e.value
+
+    others, elapsed, failure = run(go())
+    assert len(others) == 39 and elapsed < 0.9
+    assert failure.kind == "timeout" and not failure.permanent
+
+
+def test_api_key_is_sent_and_a_wrong_one_stops_the_run(fake):
+    s = fake({"api_key": "sekret-123"})
+    (reply,) = run(send(client(s.url, api_key="sekret-123"), body(1)))
+    assert reply.content
+    (err,) = run(send(client(s.url, api_key="wrong-key"), body(1)))
+    assert isinstance(err, Rejected) and "401" in str(err) and "wrong-key" not in str(err)
+
+
+def test_a_server_that_is_gone_is_waited_for_until_the_deadline():
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    (err,) = run(send(client(url, unreachable_deadline=1.0), body(1)))
+    assert isinstance(err, Unreachable) and "unreachable_deadline" in str(err)
+    assert 1.0 <= time.monotonic() - t0 < 5
+
+
+def test_a_server_that_comes_back_is_used(fake):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def go():
+        c = client(url, unreachable_deadline=10.0)
+        async with c:
+            task = asyncio.ensure_future(c.complete(body(1)))
+            await asyncio.sleep(0.5)
+            s = await asyncio.to_thread(lambda: FakeServer(None, port=port).start())
+            try:
+                return await task
+            finally:
+                s.stop()
+
+    reply = run(go())
+    assert reply.content and reply.attempts == 1  # refused connections are not attempts
+
+
+def test_least_in_flight_spreads_requests_over_urls(fake):
+    slow = fake({"latency": 0.3})
+    quick = fake({"latency": 0.01})
+    c = client([slow.url, quick.url], concurrency=8)
+    todo = iter(range(60))
+
+    async def worker():
+        for i in todo:
+            await c.complete(body(i))
+
+    async def go():
+        async with c:
+            await asyncio.gather(*(worker() for _ in range(8)))
+
+    run(go())
+    n_slow, n_quick = slow.stats()["completed"], quick.stats()["completed"]
+    assert n_slow + n_quick == 60
+    assert n_slow >= 1 and n_quick > 3 * n_slow

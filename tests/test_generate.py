@@ -1,0 +1,522 @@
+"""The generate stage end to end: a real stage process against the fake SGLang server.
+
+Every test runs `python -m stages.generate` in a scratch folder, against
+tests/fakeserver.py as its own process on loopback (a URL server, or one the stage
+launches through `generate.server.launch.command`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages import generate
+from stages import params as P
+from stages.errors import StageError
+from tests.fakeserver import command as fake_command
+from tests.fakeserver import free_port, spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def make_prompts(wd: Path, n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        row = {
+            "id": f"p{i:05d}",
+            "source": "tools" if i % 11 == 0 else "chat",
+            "messages": [{"role": "user", "content": f"question number {i} " + "word " * (i % 9)}],
+        }
+        if i % 11 == 0:
+            row["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+        if i % 5 == 0:
+            row["messages"].insert(0, {"role": "system", "content": "Be brief."})
+        rows.append(row)
+    path = wd / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+def write_params(wd: Path, **gen) -> Path:
+    base = {
+        "concurrency": 8,
+        "max_tokens": 64,
+        "backoff_base": 0.02,
+        "backoff_max": 0.2,
+        "progress_interval": 0.5,
+        "request_timeout": 20,
+    }
+    base.update(gen)
+    path = wd / "params.yaml"
+    path.write_text(yaml.safe_dump({"generate": base}), encoding="utf-8")
+    return path
+
+
+def url_server(url: str, **server) -> dict:
+    return {"url": url, "unreachable_deadline": 10, **server}
+
+
+def launch_server(wd: Path, spec: dict, **server) -> dict:
+    cmd = fake_command(0, spec)
+    cmd[cmd.index("--port") + 1] = "{port}"
+    cmd[cmd.index("--host") + 1] = "{host}"
+    return {
+        "launch": {
+            "engine": "sglang",
+            "model": "fake-model",
+            "command": cmd,
+            "startup_timeout": 30,
+            "stop_timeout": 1,
+        },
+        **server,
+    }
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["HF_HUB_OFFLINE"] = "1"
+    e.update(extra)
+    return e
+
+
+def stage(wd: Path, timeout: float = 90, **extra_env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def start_stage(wd: Path, **extra_env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def here(wd: Path) -> dict:
+    """Run the stage in this process (faster than a new one) with `wd` as the repo root."""
+    cwd = os.getcwd()
+    os.chdir(wd)
+    try:
+        return generate.run(P.load("generate", "params.yaml"))
+    finally:
+        os.chdir(cwd)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def outputs(wd: Path) -> tuple[list[dict], list[dict]]:
+    out = wd / "data/completions"
+    return read_jsonl(out / "completions.jsonl"), read_jsonl(out / "failures.jsonl")
+
+
+def cache_entries(wd: Path) -> list[bytes]:
+    keys = []
+    for seg in sorted((wd / ".cache/requests").glob("*/seg-*.log")):
+        for line in seg.read_bytes().splitlines(keepends=True):
+            if line.endswith(b"}\n"):
+                keys.append(line[:64])
+    return keys
+
+
+def cache_bytes(wd: Path) -> int:
+    return sum(seg.stat().st_size for seg in (wd / ".cache/requests").glob("*/seg-*.log"))
+
+
+def report(wd: Path) -> dict:
+    return json.loads((wd / "reports/generate.json").read_text())
+
+
+def to_send(output: str) -> int:
+    line = next(ln for ln in output.splitlines() if "requests to send" in ln)
+    return int(line.split(", ")[-1].split()[0])
+
+
+# -------------------------------------------------------------------------- tests
+
+
+def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_path):
+    rows = make_prompts(tmp_path, 150)
+    spec = {
+        "rules": [
+            {"fault": "context_length", "match": "p0001[0-2]$"},
+            {"fault": "bad_request", "match": "p00020$"},
+            {"fault": "oom", "match": "p00021$"},
+            {"fault": "unclosed_think", "match": "p0003[0-4]$"},
+            {"fault": "length", "match": "p0004[0-4]$"},
+            {"fault": "abort", "match": "p00050$"},
+            {"fault": "queue_full", "first": 2, "prob": 0.3},
+            {"fault": "rate_limit", "first": 1, "prob": 0.1},
+            {"fault": "error", "first": 1, "prob": 0.1},
+            {"fault": "malformed", "first": 1, "prob": 0.05},
+            {"fault": "drop", "first": 1, "prob": 0.05},
+            {"fault": "slow", "prob": 0.1, "seconds": 0.2},
+        ]
+    }
+    with spawn(spec) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        completions, failures = outputs(tmp_path)
+        permanent = ["p00010", "p00011", "p00012", "p00020", "p00021"]
+        assert [f["id"] for f in failures] == permanent
+        assert [f["kind"] for f in failures] == ["context_length"] * 3 + ["bad_request", "oom"]
+        assert all(f["attempts"] == 1 and f["status"] in (400, 500) for f in failures)
+        stats = fake.stats()["requests"]
+        assert [stats[i]["attempts"] for i in permanent] == [1] * 5
+
+        # completions + failures = prompts, completions in prompt order
+        assert len(completions) + len(failures) == len(rows)
+        order = {r["id"]: k for k, r in enumerate(rows)}
+        assert [order[c["id"]] for c in completions] == sorted(order[c["id"]] for c in completions)
+        by_id = {c["id"]: c for c in completions}
+        c0 = by_id["p00000"]
+        assert c0["messages"][:-1] == rows[0]["messages"] and c0["tools"] == rows[0]["tools"]
+        answer = c0["messages"][-1]
+        assert answer["role"] == "assistant" and answer["content"] and answer["reasoning_content"]
+        assert "tools" not in by_id["p00001"]
+        assert set(c0) == {"id", "source", "messages", "tools", "finish_reason", "truncated", "usage", "model", "sampling"}  # fmt: skip
+        assert c0["model"] == "fake-model" and len(c0["sampling"]) == 16
+
+        # truncation is data: recorded, marked, not dropped
+        for i in range(30, 35):
+            c = by_id[f"p{i:05d}"]
+            assert c["truncated"] and c["finish_reason"] == "length"
+            assert c["messages"][-1]["content"] is None and c["messages"][-1]["reasoning_content"]
+        for i in range(40, 45):
+            assert by_id[f"p{i:05d}"]["truncated"] and by_id[f"p{i:05d}"]["messages"][-1]["content"]
+        assert by_id["p00050"]["truncated"] and by_id["p00050"]["finish_reason"] == "abort"
+        assert sum(c["truncated"] for c in completions) == 11
+        assert not by_id["p00001"]["truncated"]
+
+        assert r == report(tmp_path)
+        assert r["requests"] == 150 and r["completed"] == 145 and r["failed"] == 5
+        assert r["failed_by_kind"] == {"bad_request": 1, "context_length": 3, "oom": 1}
+        assert r["truncated"] == 11 and r["retries"] > 0
+        assert r["output_tokens"] == sum(c["usage"]["completion_tokens"] for c in completions)
+        assert r["request_throughput"] > 0 and r["median_e2e_latency_ms"] > 0
+        assert r["p99_e2e_latency_ms"] >= r["p90_e2e_latency_ms"] >= r["median_e2e_latency_ms"]
+        assert 0 < r["concurrency"] <= 8.5 and r["sent"] == 150
+
+        # a re-run sends nothing, permanent failures stay failed, bytes identical
+        before = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+        again = ok(stage(tmp_path))
+        assert to_send(again) == 0
+        assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == before
+        assert [fake.attempts(i) for i in permanent] == [1] * 5
+
+        # retry_failed resends exactly the cached permanent failures
+        fake.reset({})
+        write_params(tmp_path, server=url_server(fake.url), retry_failed=True)
+        assert here(tmp_path)["sent"] == 5
+        completions, failures = outputs(tmp_path)
+        assert len(completions) == 150 and failures == []
+
+
+def test_sigkill_at_random_moments_then_rerun_is_byte_identical(tmp_path):
+    ref, wd = tmp_path / "ref", tmp_path / "killed"
+    rows = make_prompts(ref, 250)
+    make_prompts(wd, 250)
+    spec = {
+        "latency": {"min": 0.002, "max": 0.04},
+        "rules": [{"fault": "context_length", "match": "p0007[0-1]$"}],
+    }
+    rng = random.Random(4)
+    with spawn(spec) as fake:
+        for d in (ref, wd):
+            write_params(d, server=url_server(fake.url), concurrency=16)
+        ok(stage(ref))
+        per_entry = cache_bytes(ref) / len(rows)
+        cached = []
+        for target in sorted(rng.sample(range(20, 230), 3)):
+            proc = start_stage(wd)
+            while cache_bytes(wd) < target * per_entry and proc.poll() is None:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.05))  # not always right after a write
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            cached.append(len(cache_entries(wd)))
+        assert all(0 < n < len(rows) for n in cached), cached  # every kill landed mid-run
+        assert not (wd / "data/completions").exists()
+        ok(stage(wd))
+    for name in ("completions.jsonl", "failures.jsonl"):
+        a = (ref / "data/completions" / name).read_bytes()
+        b = (wd / "data/completions" / name).read_bytes()
+        assert a == b, name
+    keys = cache_entries(wd)
+    assert len(keys) == len(set(keys)) == len(rows) - 0  # every request cached exactly once
+    completions, failures = outputs(wd)
+    assert len(completions) == 248 and len(failures) == 2
+
+
+def test_a_launched_server_that_dies_is_restarted(tmp_path):
+    make_prompts(tmp_path, 120)
+    spec = {"exit_after": 30, "once_file": str(tmp_path / "died"), "latency": 0.01}
+    write_params(tmp_path, server=launch_server(tmp_path, spec, watchdog_seconds=4))
+    out = ok(stage(tmp_path))
+    completions, failures = outputs(tmp_path)
+    assert len(completions) == 120 and failures == []
+    r = report(tmp_path)
+    assert r["server"]["restarts"] == 1 and "exited" in r["server"]["restart_reasons"][0]
+    log_text = (tmp_path / ".cache/logs/generate-server.log").read_text()
+    assert "restarting" in log_text and "exit fault" in log_text
+    assert "restarting sglang" in out
+
+
+def test_a_stalled_launched_server_is_restarted(tmp_path):
+    make_prompts(tmp_path, 60)
+    spec = {"stall_after": 20, "once_file": str(tmp_path / "stalled"), "latency": 0.01}
+    write_params(tmp_path, server=launch_server(tmp_path, spec, watchdog_seconds=2))
+    ok(stage(tmp_path))
+    completions, _ = outputs(tmp_path)
+    assert len(completions) == 60
+    r = report(tmp_path)
+    assert r["server"]["restarts"] == 1
+    assert "no request completed" in r["server"]["restart_reasons"][0]
+
+
+def test_a_url_server_that_is_gone_stops_the_run_and_the_cache_keeps_its_work(tmp_path):
+    rows = make_prompts(tmp_path, 200)
+    port = free_port()
+    with spawn({"exit_after": 60, "latency": 0.005}, port=port) as fake:
+        write_params(tmp_path, server=url_server(fake.url, unreachable_deadline=1.5))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1
+    assert "unreachable_deadline" in proc.stderr and "re-run to resume" in proc.stderr
+    kept = len(cache_entries(tmp_path))
+    assert kept >= 55
+    assert not (tmp_path / "data/completions").exists()
+    with spawn({"latency": 0.005}, port=port) as fake:
+        out = ok(stage(tmp_path))
+        assert to_send(out) == len(rows) - kept
+        assert fake.stats()["received"] == len(rows) - kept
+    completions, _ = outputs(tmp_path)
+    assert [c["id"] for c in completions] == [r["id"] for r in rows]
+
+
+def test_vllm_reasoning_field_is_read(tmp_path):
+    make_prompts(tmp_path, 12)
+    with spawn({"reasoning_field": "reasoning"}) as fake:  # vLLM's name for it
+        write_params(tmp_path, server=url_server(fake.url, engine="vllm"))
+        here(tmp_path)
+        body = fake.stats()["last_body"]
+    assert "request_id" in body and "rid" not in body and "separate_reasoning" not in body
+    completions, _ = outputs(tmp_path)
+    assert all(c["messages"][-1]["reasoning_content"] for c in completions)
+    assert not any(c["truncated"] for c in completions)
+
+
+def test_the_api_key_is_never_written_anywhere(tmp_path):
+    make_prompts(tmp_path, 30)
+    with spawn({"api_key": KEY, "rules": [{"fault": "bad_request", "match": "p00003$", "message": "bad"}]}) as fake:  # fmt: skip
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), limit=30)
+        proc = stage(tmp_path, FAKE_KEY=KEY)
+        text = ok(proc)
+        assert "first request" in text and "$FAKE_KEY" in text
+        wrong = stage(tmp_path, FAKE_KEY="not-the-key")
+        missing = stage(tmp_path)
+    assert wrong.returncode == 1 and "401" in wrong.stderr
+    assert missing.returncode == 1 and "FAKE_KEY is not set" in missing.stderr
+    completions, failures = outputs(tmp_path)
+    assert len(completions) == 29 and len(failures) == 1
+    leaks = [p for p in tmp_path.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+    assert leaks == []
+    for p in (proc, wrong):
+        assert KEY not in p.stdout + p.stderr
+
+
+def test_limit_runs_the_first_prompts_and_prints_the_first_request(tmp_path, capsys):
+    rows = make_prompts(tmp_path, 40)
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url), limit=3, seed=5)
+        here(tmp_path)
+    out = capsys.readouterr().out
+    body = json.loads(out[out.index("{") :])
+    assert body["rid"] == "p00000" and body["messages"] == rows[0]["messages"]
+    assert body["max_tokens"] == 64 and body["seed"] == 5 and body["tools"] == rows[0]["tools"]
+    assert body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert "Authorization: (none)" in out
+    completions, _ = outputs(tmp_path)
+    assert [c["id"] for c in completions] == ["p00000", "p00001", "p00002"]
+
+
+def test_a_changed_sampling_param_starts_a_new_key_space_and_the_old_one_stays(tmp_path):
+    make_prompts(tmp_path, 20)
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url), temperature=0.6)
+        assert here(tmp_path)["sent"] == 20
+        first = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+        write_params(tmp_path, server=url_server(fake.url), temperature=0.9)
+        assert here(tmp_path)["sent"] == 20
+        assert (tmp_path / "data/completions/completions.jsonl").read_bytes() != first
+        write_params(tmp_path, server=url_server(fake.url), temperature=0.6)
+        assert here(tmp_path)["sent"] == 0
+        assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == first
+    assert len(list((tmp_path / ".cache/requests").iterdir())) == 2
+
+
+def test_ctrl_c_stops_cleanly_and_stops_the_launched_server(tmp_path):
+    rows = make_prompts(tmp_path, 120)
+    spec = {"latency": {"min": 0.05, "max": 0.2}}
+    write_params(tmp_path, server=launch_server(tmp_path, spec), concurrency=4)
+    proc = start_stage(tmp_path)
+    deadline = time.monotonic() + 30
+    while len(cache_entries(tmp_path)) < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    log_text = (tmp_path / ".cache/logs/generate-server.log").read_text()
+    pid = int(log_text.split("fakeserver pid ")[1].split()[0])
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    kept = len(cache_entries(tmp_path))
+    assert 10 <= kept < len(rows)
+    spec["latency"] = 0.001
+    write_params(tmp_path, server=launch_server(tmp_path, spec), concurrency=16)
+    out = ok(stage(tmp_path))
+    assert to_send(out) == len(rows) - kept
+    completions, _ = outputs(tmp_path)
+    assert len(completions) == len(rows)
+
+
+def test_a_setup_the_server_rejects_stops_before_caching_failures(tmp_path):
+    make_prompts(tmp_path, 60)
+    with spawn({"rules": [{"fault": "bad_request", "message": "top_k is not supported"}]}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        with pytest.raises(StageError, match="top_k is not supported"):
+            here(tmp_path)
+    assert cache_entries(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "server, message",
+    [
+        ({"url": "http://x", "launch": {"engine": "sglang", "model": "m"}}, "exactly one of generate.server.url"),  # fmt: skip
+        ({}, "exactly one of generate.server.url"),
+        ({"url": "localhost:3000"}, "generate.server.url"),
+        ({"url": []}, "generate.server.url"),
+    ],
+)
+def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, message):
+    monkeypatch.chdir(tmp_path)
+    cfg = P.build(P.Generate, {"server": server}, "generate")
+    with pytest.raises(StageError, match=message):
+        generate.run(cfg)
+
+
+def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for extra, message in [
+        ({"limit": 0}, "generate.limit"),
+        ({"concurrency": 0}, "generate.concurrency"),
+        ({"request_timeout": -1}, "generate.request_timeout"),
+    ]:
+        cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra}, "generate")
+        with pytest.raises(StageError, match=message):
+            generate.run(cfg)
+    cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
+    with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
+        generate.run(cfg)
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
+    with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
+        generate.run(cfg)
+
+
+@pytest.mark.slow
+def test_real_transformers_serve_on_the_demo_model(tmp_path):
+    """The stage launches `transformers serve` on the tiny demo model and gets real answers."""
+    from tests.repo import prebuilt_caches
+
+    prebuilt_caches()
+    for sub in ("tokenizers", "demo-model"):
+        (tmp_path / ".cache").mkdir(exist_ok=True)
+        (tmp_path / ".cache" / sub).symlink_to(ROOT / ".cache" / sub)
+    rows = make_prompts(tmp_path, 6)
+    server = {"launch": {"engine": "transformers", "model": "demo:tiny-qwen3", "startup_timeout": 240}}  # fmt: skip
+    write_params(tmp_path, server=server, limit=3, max_tokens=8, concurrency=2, seed=0)
+    proc = stage(tmp_path, timeout=400)
+    out = ok(proc)
+    body = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert "rid" not in body and "top_k" not in body  # transformers serve rejects them (422)
+    completions, failures = outputs(tmp_path)
+    assert failures == [] and [c["id"] for c in completions] == [r["id"] for r in rows[:3]]
+    for c in completions:
+        assert c["model"] == "demo:tiny-qwen3" and c["finish_reason"] in ("stop", "length")
+        assert 1 <= c["usage"]["completion_tokens"] <= 8
+    r = report(tmp_path)
+    assert r["server"]["engine"] == "transformers" and r["completed"] == 3
+    assert "stopped transformers" in out
+
+
+def test_a_list_of_urls_with_one_down_still_runs(tmp_path):
+    rows = make_prompts(tmp_path, 40)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with spawn({"latency": 0.01}) as fake:
+        write_params(tmp_path, server={"url": [dead, fake.url + "/v1/"], "unreachable_deadline": 20})
+        r = here(tmp_path)
+        assert fake.stats()["completed"] == 40
+    assert r["completed"] == 40 and r["server"]["urls"] == [dead, fake.url]
+    assert [c["id"] for c in outputs(tmp_path)[0]] == [row["id"] for row in rows]
+
+
+def test_an_empty_prompts_file_gives_empty_outputs(tmp_path):
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    (tmp_path / "data/prompts/prompts.jsonl").write_text("")
+    write_params(tmp_path, server={"url": "http://127.0.0.1:1", "model": "m"})
+    r = here(tmp_path)
+    assert r["requests"] == r["completed"] == r["failed"] == 0
+    assert outputs(tmp_path) == ([], [])
+
+
+def test_the_same_request_twice_is_sent_once_and_answers_both(tmp_path):
+    rows = make_prompts(tmp_path, 10)
+    rows.append({**rows[3], "id": "twin-of-3", "source": "other"})
+    path = tmp_path / "data/prompts/prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        assert fake.stats()["received"] == 10
+    assert r["sent"] == 10 and r["completed"] == 11
+    completions, _ = outputs(tmp_path)
+    assert completions[-1]["id"] == "twin-of-3" and completions[-1]["source"] == "other"
+    assert completions[-1]["messages"] == completions[3]["messages"]
+
+
+def test_transient_failures_are_reported_and_retried_by_the_next_run(tmp_path):
+    make_prompts(tmp_path, 20)
+    with spawn({"rules": [{"fault": "queue_full", "match": "p0000[0-1]$"}]}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries=2)
+        r = here(tmp_path)
+        assert r["failed"] == r["failed_transient"] == 2 and r["completed"] == 18
+        _, failures = outputs(tmp_path)
+        assert [(f["id"], f["kind"], f["status"], f["attempts"]) for f in failures] == [
+            ("p00000", "overloaded", 503, 3),
+            ("p00001", "overloaded", 503, 3),
+        ]
+        fake.reset({})
+        r = here(tmp_path)
+    assert r["sent"] == 2 and r["completed"] == 20 and outputs(tmp_path)[1] == []

@@ -1,0 +1,54 @@
+"""End to end: the real `dvc repro` on the demo data in a throwaway clone of the repo."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+from stages.schema import FEATURES
+from tests.repo import demo_clone, run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    return demo_clone(tmp_path_factory.mktemp("pipeline"))
+
+
+def test_demo_runs_every_stage_then_nothing(clone):
+    out = run([sys.executable, "-m", "stages.demo"], clone)
+    for stage in ("prepare", "generate", "tokenize", "merge", "validate"):
+        assert f"Running stage '{stage}'" in out
+    assert "=== demo summary ===" in out
+
+    prompts = sum(1 for _ in open(clone / "data/prompts/prompts.jsonl"))
+    completions = sum(1 for _ in open(clone / "data/completions/completions.jsonl"))
+    failures = sum(1 for _ in open(clone / "data/completions/failures.jsonl"))
+    assert prompts > 0 and completions + failures == prompts
+
+    merged = datasets.load_from_disk(str(clone / "data/merged"))
+    report = json.loads((clone / "reports/merge.json").read_text())
+    base = datasets.load_from_disk(str(clone / "data/base"))
+    tokenized = datasets.load_from_disk(str(clone / "data/tokenized"))
+    assert merged.features == FEATURES
+    assert len(merged) == len(base) + len(tokenized) == report["merged"]["rows"]
+    assert len(tokenized) > 0
+    assert json.loads((clone / "reports/validate.json").read_text())["passed"] is True
+
+    again = run([sys.executable, "-m", "stages.demo"], clone)
+    assert "Running stage" not in again
+    assert "nothing changed" in again
+    status = run(["dvc", "status"], clone)
+    assert "up to date" in status
+
+
+def test_dvc_dag_shows_the_chain(clone):
+    dag = run(["dvc", "dag", "--md"], clone)
+    for a, b in [("prepare", "generate"), ("generate", "tokenize"), ("tokenize", "merge"),
+                 ("merge", "validate")]:
+        assert f"{a} --> {b}" in dag

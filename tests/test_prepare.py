@@ -1,0 +1,441 @@
+"""The prepare stage on sources in the real layouts of the reference mix's six datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from stages import params as P
+from stages import prepare
+from stages.errors import StageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HERMES_TOOLS = [{"type": "function", "function": {
+    "name": "get_stock_price", "description": "Latest price of a ticker.",
+    "parameters": {"type": "object", "properties": {"symbol": {"type": "string"}}, "required": ["symbol"]}}}]
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    f"<tools> </tools> XML tags.\n<tools>\n{json.dumps(HERMES_TOOLS)}\n</tools>\n"
+    "For each function call return a json object within <tool_call> </tool_call> tags."
+)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
+            f.write("\n")
+    return path
+
+
+def run(tmp_path: Path, sources: list[dict], **prepare_keys):
+    """Run the stage in tmp_path; return (report, output rows, output bytes)."""
+    os.chdir(tmp_path)
+    cfg = P.build(P.Prepare, {"sources": sources, **prepare_keys}, "prepare")
+    report = prepare.run(cfg)
+    data = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
+    rows = [json.loads(line) for line in data.splitlines()]
+    assert report == json.loads((tmp_path / "reports/prepare.json").read_text())
+    return report, rows, data
+
+
+@pytest.fixture(autouse=True)
+def _restore_cwd():
+    cwd = os.getcwd()
+    yield
+    os.chdir(cwd)
+
+
+# ------------------------------------------------------------ the six real layouts
+
+
+def infinity_rows():
+    return [
+        {"id": 1, "conversations": [{"from": "human", "value": "Explain recursion."},
+                                    {"from": "gpt", "value": "A function calling itself."}],
+         "label": {"ability_en": ["coding"]}, "langdetect": "en", "source": "Subjective"},
+        {"id": 2, "conversations": [{"from": "system", "value": "Be brief."},
+                                    {"from": "human", "value": "Capital of Peru?"},
+                                    {"from": "gpt", "value": "Lima."},
+                                    {"from": "human", "value": "And its population?"},
+                                    {"from": "gpt", "value": "About 10 million."}],
+         "label": {}, "langdetect": "en", "source": "Subjective"},
+        {"id": 3, "conversations": [{"from": "human", "value": "What is 2+2?"},
+                                    {"from": "gpt", "value": "4"}], "label": {}, "langdetect": "en",
+         "source": "math"},
+    ]
+
+
+def hermes_rows():
+    return [
+        {"id": "h1", "conversations": [
+            {"from": "system", "value": HERMES_SYSTEM},
+            {"from": "human", "value": "What's NVDA at?"},
+            {"from": "gpt", "value": '<tool_call>\n{"name": "get_stock_price", "arguments": {"symbol": "NVDA"}}\n</tool_call>'},
+            {"from": "tool", "value": '<tool_response>\n{"name": "get_stock_price", "content": {"price": 131.2}}\n</tool_response>'},
+            {"from": "gpt", "value": "NVDA trades at $131.20."}],
+         "tools": json.dumps(HERMES_TOOLS), "category": "Finance", "subcategory": "Stocks", "task": "price"},
+        {"id": "h2", "conversations": [
+            {"from": "system", "value": HERMES_SYSTEM},
+            {"from": "human", "value": "Price of AAPL please."},
+            {"from": "gpt", "value": '<tool_call>\n{"name": "get_stock_price", "arguments": {"symbol": "AAPL"}}\n</tool_call>'}],
+         "tools": json.dumps(HERMES_TOOLS), "category": "Finance", "subcategory": "Stocks", "task": "price"},
+    ]
+
+
+def six_sources(tmp_path: Path) -> list[dict]:
+    d = tmp_path / "src"
+    write_jsonl(d / "infinity.jsonl", infinity_rows())
+    write_jsonl(d / "webinstruct.jsonl", [
+        {"question": "Why is the sky blue?", "answer": "Rayleigh scattering.", "source": "socratic", "index": 0},
+        {"question": "What is 2+2?", "answer": "4", "source": "stackexchange", "index": 1},  # also in infinity
+        {"question": "Define entropy.", "answer": "...", "source": "stackexchange", "index": 2},
+    ])
+    write_jsonl(d / "codefeedback.jsonl", [
+        {"query": "Write a Python function to reverse a list.", "answer": "def r(x): return x[::-1]",
+         "resource": "wizardcoder", "lang": "python"},
+        {"query": "", "answer": "nothing", "resource": "wizardcoder", "lang": "python"},
+    ])
+    (d / "MetaMathQA-395K.json").write_text(json.dumps([
+        {"query": "Tom has 3 apples and eats one. How many are left?", "response": "2", "type": "GSM_Rephrased",
+         "original_question": "..."},
+        {"query": "What is 5*6?", "response": "30", "type": "MATH_AnsAug", "original_question": "..."},
+    ], indent=1))
+    (d / "func-calling.json").write_text(json.dumps(hermes_rows()))
+    pq.write_table(pa.Table.from_pylist([
+        {"conversations": [
+            {"from": "human", "loss": None, "value": "You are an OS agent. List files in /etc."},
+            {"from": "gpt", "loss": True, "value": "Act: bash\n```bash\nls /etc\n```"},
+            {"from": "human", "loss": None, "value": "The output of the OS:\npasswd hosts"},
+            {"from": "gpt", "loss": True, "value": "Act: finish"}],
+         "id": "os_0"},
+    ]), d / "os-00000-of-00001.parquet")
+    return [
+        {"name": "infinity_instruct", "path": str(d / "infinity.jsonl"), "format": "sharegpt"},
+        {"name": "webinstruct", "path": str(d / "webinstruct.jsonl"), "format": "columns", "prompt_field": "question"},
+        {"name": "codefeedback", "path": str(d / "codefeedback.jsonl"), "format": "columns", "prompt_field": "query"},
+        {"name": "metamath", "path": str(d / "MetaMathQA-395K.json"), "format": "columns", "prompt_field": "query"},
+        {"name": "hermes_fc", "path": str(d / "func-calling.json"), "format": "sharegpt"},
+        {"name": "agent", "path": str(d / "os-00000-of-00001.parquet"), "format": "sharegpt"},
+    ]
+
+
+def test_six_reference_layouts(tmp_path):
+    report, rows, _ = run(tmp_path, six_sources(tmp_path))
+    by = {s: [r for r in rows if r["source"] == s] for s in report["sources"]}
+    kept = {s: v["kept"] for s, v in report["sources"].items()}
+    assert kept == {"infinity_instruct": 3, "webinstruct": 2, "codefeedback": 1, "metamath": 2,
+                    "hermes_fc": 2, "agent": 1}
+    assert report["sources"]["webinstruct"]["dropped_by_reason"]["duplicate_cross_source"] == 1
+    assert report["sources"]["codefeedback"]["dropped_by_reason"]["empty"] == 1
+    # multi-turn: earlier turns kept with their original answers
+    assert [m["role"] for m in by["infinity_instruct"][1]["messages"]] == ["system", "user", "assistant", "user"]
+    # Hermes: the model answers after the tool response; the <tools> system prompt is kept as is
+    h1, h2 = by["hermes_fc"]
+    assert [m["role"] for m in h1["messages"]] == ["system", "user", "assistant", "tool"]
+    assert h1["messages"][0]["content"] == HERMES_SYSTEM and "tools" not in h1
+    assert [m["role"] for m in h2["messages"]] == ["system", "user"]
+    assert by["agent"][0]["messages"][-1]["content"] == "The output of the OS:\npasswd hosts"
+    assert by["metamath"][0]["messages"] == [
+        {"role": "user", "content": "Tom has 3 apples and eats one. How many are left?"}]
+    assert report["sources"]["hermes_fc"]["tool_prompts"] == 1
+    assert report["totals"]["kept"] == len(rows) == 11
+    assert all(len(r["id"]) == 32 for r in rows) and len({r["id"] for r in rows}) == len(rows)
+    assert list(rows[0]) == ["id", "source", "messages"]
+
+
+def test_tools_field_is_passed_on(tmp_path):
+    d = tmp_path / "src"
+    (d).mkdir()
+    (d / "func-calling.json").write_text(json.dumps(hermes_rows()))
+    _, rows, _ = run(tmp_path, [{"name": "h", "path": str(d / "func-calling.json"), "format": "sharegpt",
+                                 "tools_field": "tools"}])
+    assert rows[0]["tools"] == HERMES_TOOLS and list(rows[0]) == ["id", "source", "messages", "tools"]
+
+
+def test_report_counts_add_up(tmp_path):
+    report, rows, _ = run(tmp_path, six_sources(tmp_path))
+    totals = report["totals"]
+    assert totals["read"] == totals["kept"] + totals["dropped"] == 13
+    for stats in report["sources"].values():
+        assert stats["read"] == stats["kept"] + sum(stats["dropped_by_reason"].values())
+        assert stats["dropped"] == sum(stats["dropped_by_reason"].values())
+
+
+# ------------------------------------------------------------------------- cleaning
+
+
+def test_duplicates_within_and_across_sources_first_wins(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"q": "Alpha question"}, {"q": "  Alpha   question\n"},
+                                           {"q": "Beta question"}, {"q": "Alpha question"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"q": "beta\tquestion"}, {"q": "Beta  question "},
+                                           {"q": "Gamma"}])
+    report, rows, _ = run(tmp_path, [
+        {"name": "a", "path": str(a), "format": "columns", "prompt_field": "q"},
+        {"name": "b", "path": str(b), "format": "columns", "prompt_field": "q"},
+    ])
+    assert [(r["source"], r["messages"][0]["content"]) for r in rows] == [
+        ("a", "Alpha question"), ("a", "Beta question"), ("b", "beta\tquestion"), ("b", "Gamma")]
+    assert report["sources"]["a"]["dropped_by_reason"]["duplicate"] == 2
+    assert report["sources"]["b"]["dropped_by_reason"]["duplicate_cross_source"] == 1
+
+
+def test_dedup_modes(tmp_path):
+    rows = [{"q": "Same question", "s": "System one"}, {"q": "Same question", "s": "System two"}]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    source = {"name": "a", "path": str(path), "format": "columns", "prompt_field": "q", "system_field": "s"}
+    assert run(tmp_path, [source])[0]["totals"]["kept"] == 2  # different system prompts
+    assert run(tmp_path, [source], dedup="user")[0]["totals"]["kept"] == 1
+    write_jsonl(path, [{"q": "x", "s": None}, {"q": "x", "s": None}])
+    assert run(tmp_path, [source], dedup="off")[0]["totals"]["kept"] == 2
+
+
+def test_empty_overlong_missing_null_and_bad_values(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [
+        {"q": "fine"}, {"q": "   "}, {"q": ""}, {"q": "x" * 101}, {"q": None}, {"other": "no q here"},
+        {"q": ["not", "text"]}, {"q": "ok too", "s": 7},
+    ])
+    report, rows, _ = run(tmp_path, [{"name": "a", "path": str(path), "format": "columns",
+                                      "prompt_field": "q", "system_field": "s"}], max_prompt_chars=100)
+    reasons = {k: v for k, v in report["sources"]["a"]["dropped_by_reason"].items() if v}
+    assert reasons == {"empty": 2, "too_long": 1, "null_field": 1, "missing_field": 1, "bad_value": 2}
+    assert [r["messages"][0]["content"] for r in rows] == ["fine"]
+
+
+def test_over_long_counts_the_whole_conversation(tmp_path):
+    turns = [{"from": "human", "value": "q" * 40}, {"from": "gpt", "value": "a" * 40},
+             {"from": "human", "value": "q" * 40}]
+    path = write_jsonl(tmp_path / "a.jsonl", [{"conversations": turns}])
+    source = [{"name": "a", "path": str(path), "format": "sharegpt"}]
+    assert run(tmp_path, source, max_prompt_chars=120)[0]["totals"]["kept"] == 1
+    with pytest.raises(StageError, match="no prompt left"):
+        run(tmp_path, source, max_prompt_chars=119)
+
+
+def test_no_user_turn_and_unknown_roles_are_counted(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [
+        {"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "A"}]},
+        {"conversations": [{"from": "narrator", "value": "N"}, {"from": "human", "value": "Q"}]},
+        {"conversations": [{"from": "human", "value": "Q2"}]},
+    ])
+    report, rows, _ = run(tmp_path, [{"name": "a", "path": str(path), "format": "sharegpt"}])
+    stats = report["sources"]["a"]
+    assert stats["dropped_by_reason"]["no_user_turn"] == 1
+    assert stats["dropped_by_reason"]["unknown_role"] == 1
+    assert stats["unknown_roles"] == {"narrator": 1}
+    assert len(rows) == 1
+
+
+def test_multi_turn_policies(tmp_path):
+    turns = [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
+             {"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]
+    path = write_jsonl(tmp_path / "a.jsonl", [{"conversations": turns}])
+    source = [{"name": "a", "path": str(path), "format": "sharegpt"}]
+    _, rows, _ = run(tmp_path, source, multi_turn="context")
+    assert [m["content"] for m in rows[0]["messages"]] == ["S", "Q1", "A1", "Q2"]
+    _, rows, _ = run(tmp_path, source, multi_turn="first_user")
+    assert [m["content"] for m in rows[0]["messages"]] == ["S", "Q1"]
+
+
+def test_text_kept_exactly_in_output(tmp_path):
+    text = "<|im_start|>system\nIgnore this<|im_end|>\n\u4f60\u597d \U0001f600\t\r\n  "
+    path = write_jsonl(tmp_path / "a.jsonl", [{"q": text}, '{"q": "bad \\ud800 surrogate"}'])
+    report, rows, data = run(tmp_path, [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}])
+    assert rows[0]["messages"][0]["content"] == text
+    assert "\u4f60\u597d".encode() in data  # UTF-8, not \u escapes
+    assert report["sources"]["a"]["dropped_by_reason"]["invalid_text"] == 1
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def broken_source(tmp_path):
+    path = tmp_path / "src" / "broken.jsonl"
+    write_jsonl(path, ['{"q": "one"}', '{"q": "two"', "", '{"q": "three"}', "[1, 2]"])
+    return [{"name": "broken", "path": str(path), "format": "columns", "prompt_field": "q"}], path
+
+
+def test_malformed_line_fails_naming_file_and_line(tmp_path):
+    source, path = broken_source(tmp_path)
+    with pytest.raises(StageError) as e:
+        run(tmp_path, source)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:2: malformed JSON (") and "on_bad_row: skip" in msg and "\n" not in msg
+    assert not (tmp_path / "data/prompts").exists()
+
+
+def test_malformed_lines_skipped_and_counted(tmp_path):
+    source, _ = broken_source(tmp_path)
+    report, rows, _ = run(tmp_path, source, on_bad_row="skip")
+    stats = report["sources"]["broken"]
+    assert [r["messages"][0]["content"] for r in rows] == ["one", "three"]
+    assert stats["dropped_by_reason"]["malformed_json"] == 1
+    assert stats["dropped_by_reason"]["not_an_object"] == 1
+    assert stats["read"] == 4  # the blank line is not a row
+
+
+def test_misnamed_field_names_source_field_and_existing_fields(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"question": "Q", "answer": "A"}] * 3)
+    with pytest.raises(StageError) as e:
+        run(tmp_path, [{"name": "webinstruct", "path": str(path), "format": "columns", "prompt_field": "query"}])
+    msg = str(e.value)
+    assert msg.startswith("source webinstruct: prompt_field 'query': no such field")
+    assert "(fields: answer, question)" in msg and "\n" not in msg
+    pq.write_table(pa.table({"question": ["Q"]}), tmp_path / "a.parquet")
+    with pytest.raises(StageError, match=r"source p: system_field 'system': no such field in .*a\.parquet \(fields: question\)"):
+        run(tmp_path, [{"name": "p", "path": str(tmp_path / "a.parquet"), "format": "columns",
+                        "prompt_field": "question", "system_field": "system"}])
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "Q"}]}])
+    with pytest.raises(StageError, match=r"source m: role_key 'from': no such turn key .*\(turn keys: content, role\)"):
+        run(tmp_path, [{"name": "m", "path": str(path), "format": "sharegpt", "messages_field": "messages"}])
+
+
+def test_field_missing_in_some_rows_is_dirty_data_not_config(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"q": "Q1"}, {"question": "Q2"}, {"q": "Q3", "s": "S"}])
+    report, rows, _ = run(tmp_path, [{"name": "a", "path": str(path), "format": "columns",
+                                      "prompt_field": "q", "system_field": "s"}])
+    assert report["sources"]["a"]["dropped_by_reason"]["missing_field"] == 1 and len(rows) == 2
+
+
+def test_param_errors(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"q": "Q"}])
+    one = {"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}
+    with pytest.raises(StageError, match=r"prepare.sources\[1\].name: 'a' is used by an earlier source"):
+        run(tmp_path, [one, one])
+    with pytest.raises(StageError, match=r"prepare.sources\[0\].prompt_field: required with format columns"):
+        run(tmp_path, [{**one, "prompt_field": None}])
+    with pytest.raises(StageError, match=r"prepare.sources\[0\].prompt_field: only for format columns"):
+        run(tmp_path, [{**one, "format": "sharegpt"}])
+    with pytest.raises(StageError, match=r"prepare.sources\[0\].limit: must be >= 0"):
+        run(tmp_path, [{**one, "limit": -1}])
+
+
+def test_failed_run_keeps_previous_output(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"q": "Q"}])
+    _, _, before = run(tmp_path, [{"name": "a", "path": str(good), "format": "columns", "prompt_field": "q"}])
+    source, _ = broken_source(tmp_path)
+    with pytest.raises(StageError):
+        run(tmp_path, source)
+    assert (tmp_path / "data/prompts/prompts.jsonl").read_bytes() == before
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["prompts"]
+
+
+# ------------------------------------------------------------ ids, order and limits
+
+
+def numbered(n: int, tag: str) -> list[dict]:
+    return [{"q": f"{tag} question number {i}"} for i in range(n)]
+
+
+def test_ids_stable_under_row_reordering(tmp_path):
+    rows = numbered(50, "x")
+    a = write_jsonl(tmp_path / "a.jsonl", rows)
+    source = [{"name": "s", "path": str(a), "format": "columns", "prompt_field": "q", "limit": 20}]
+    _, first, _ = run(tmp_path, source)
+    random.Random(3).shuffle(rows)
+    write_jsonl(a, rows)
+    _, second, _ = run(tmp_path, source)
+    assert {r["id"]: r["messages"] for r in first} == {r["id"]: r["messages"] for r in second}
+    # ... and the id depends on the source name and the prompt, nothing else
+    _, renamed, _ = run(tmp_path, [{**source[0], "name": "t"}])
+    assert not {r["id"] for r in renamed} & {r["id"] for r in second}
+
+
+def test_same_params_byte_identical_output(tmp_path):
+    sources = six_sources(tmp_path)
+    sources[0]["limit"] = 2
+    _, _, first = run(tmp_path, sources, seed=7)
+    _, _, second = run(tmp_path, sources, seed=7)
+    assert first == second
+
+
+def test_limit_samples_deterministically_and_keeps_file_order(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered(200, "a"))
+    source = {"name": "a", "path": str(a), "format": "columns", "prompt_field": "q"}
+    report, rows, _ = run(tmp_path, [{**source, "limit": 30}], seed=1)
+    numbers = [int(r["messages"][0]["content"].rsplit(" ", 1)[1]) for r in rows]
+    assert len(numbers) == 30 and numbers == sorted(numbers) and numbers != list(range(30))
+    assert report["sources"]["a"]["dropped_by_reason"]["over_limit"] == 170
+    _, other_seed, _ = run(tmp_path, [{**source, "limit": 30}], seed=2)
+    assert other_seed != rows
+    _, bigger, _ = run(tmp_path, [{**source, "limit": 60}], seed=1)
+    assert {r["id"] for r in rows} < {r["id"] for r in bigger}  # a larger limit extends the sample
+    assert run(tmp_path, [{**source, "limit": 500}], seed=1)[0]["totals"]["kept"] == 200
+    b = write_jsonl(tmp_path / "b.jsonl", numbered(10, "a") + numbered(10, "b"))
+    report = run(tmp_path, [{**source, "limit": 0}, {**source, "name": "b", "path": str(b)}])[0]
+    assert report["sources"]["a"]["kept"] == 0
+    # dedup comes before sampling, so a's limit cannot change b's rows
+    assert report["sources"]["b"]["kept"] == 10
+    assert report["sources"]["b"]["dropped_by_reason"]["duplicate_cross_source"] == 10
+
+
+def test_one_source_limit_changes_only_its_rows(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered(100, "a") + numbered(20, "shared"))
+    b = write_jsonl(tmp_path / "b.jsonl", numbered(100, "b") + numbered(20, "shared"))
+    c = write_jsonl(tmp_path / "c.jsonl", numbered(100, "c"))
+
+    def mix(limit_a):
+        return [{"name": "a", "path": str(a), "format": "columns", "prompt_field": "q", "limit": limit_a},
+                {"name": "b", "path": str(b), "format": "columns", "prompt_field": "q", "limit": 50},
+                {"name": "c", "path": str(c), "format": "columns", "prompt_field": "q"}]
+
+    _, small, _ = run(tmp_path, mix(10))
+    _, large, _ = run(tmp_path, mix(90))
+    for name in ("b", "c"):
+        assert [r for r in small if r["source"] == name] == [r for r in large if r["source"] == name]
+    assert len([r for r in small if r["source"] == "a"]) == 10
+    assert len([r for r in large if r["source"] == "a"]) == 90
+
+
+def test_worker_processes_give_identical_output(tmp_path, monkeypatch):
+    sources = six_sources(tmp_path)
+    big = write_jsonl(tmp_path / "src" / "big.jsonl",
+                      [{"conversations": [{"from": "human", "value": f"Question {i % 900}"},
+                                          {"from": "gpt", "value": "A"}]} for i in range(1200)])
+    sources.insert(1, {"name": "big", "path": str(big), "format": "sharegpt", "limit": 500})
+    _, _, one = run(tmp_path, sources, num_proc=1)
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "CHUNK_ROWS", 64)
+    report, _, two = run(tmp_path, sources, num_proc=2)
+    assert one == two
+    assert report["sources"]["big"]["dropped_by_reason"]["duplicate"] == 300
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_cli_runs_the_stage(tmp_path):
+    sources = six_sources(tmp_path)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"prepare": {"seed": 0, "sources": sources}}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "stages.prepare", "--params", str(params)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 11 prompts" in proc.stderr
+    assert len((tmp_path / "data/prompts/prompts.jsonl").read_text().splitlines()) == 11
+    assert json.loads((tmp_path / "reports/prepare.json").read_text())["totals"]["kept"] == 11
+
+
+def test_shipped_demo_sources(tmp_path):
+    cfg = P.load("prepare", ROOT / "params.yaml")
+    os.chdir(tmp_path)
+    for src in cfg.sources:
+        src.path = str(ROOT / src.path)
+    report = prepare.run(cfg)
+    assert 40 <= report["totals"]["kept"] <= 60
+    rows = [json.loads(x) for x in (tmp_path / "data/prompts/prompts.jsonl").read_text().splitlines()]
+    roles = [[m["role"] for m in r["messages"]] for r in rows]
+    assert any(r[-1] == "tool" for r in roles) and any(r.count("user") > 1 for r in roles)
+    assert any("<tools>" in r["messages"][0]["content"] for r in rows)

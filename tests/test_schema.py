@@ -1,0 +1,98 @@
+"""The row contract and the shard helpers merge and validate share."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pytest
+
+from stages.errors import StageError
+from stages.schema import (
+    ARROW_SCHEMA,
+    FEATURES,
+    castable,
+    list_shards,
+    open_shard,
+    schema_differences,
+    write_metadata,
+)
+
+
+def test_contract_types_are_explicit():
+    assert [(f.name, str(f.type)) for f in ARROW_SCHEMA] == [
+        ("id", "string"), ("source", "string"), ("input_ids", "list<item: int32>"),
+        ("loss_mask", "list<item: int8>"), ("num_tokens", "int32"),
+        ("num_loss_tokens", "int32")]
+
+
+def test_schema_differences_name_column_and_both_types():
+    assert schema_differences(ARROW_SCHEMA) == []
+    assert schema_differences(ARROW_SCHEMA.remove_metadata()) == []
+    nested_name = pa.schema([pa.field("input_ids", pa.list_(pa.field("element", pa.int32())))
+                             if f.name == "input_ids" else f for f in ARROW_SCHEMA])
+    assert schema_differences(nested_name) == []  # datasets loads it the same way
+    wide = pa.schema([pa.field(f.name, pa.large_list(pa.int32())) if f.name == "input_ids"
+                      else f for f in ARROW_SCHEMA])
+    assert schema_differences(wide) == [
+        "column input_ids is large_list<item: int32>, expected list<item: int32>"]
+    reordered = pa.schema(list(ARROW_SCHEMA)[::-1])
+    assert schema_differences(reordered)[0].startswith("columns are in order")
+    missing = pa.schema(list(ARROW_SCHEMA)[:-1])
+    assert schema_differences(missing) == [
+        "column num_loss_tokens is missing (expected int32)"]
+
+
+@pytest.mark.parametrize("src, dst, ok", [
+    (pa.int64(), pa.int32(), True),
+    (pa.uint16(), pa.int8(), True),
+    (pa.large_list(pa.int64()), pa.list_(pa.int32()), True),
+    (pa.large_string(), pa.string(), True),
+    (pa.float32(), pa.int32(), False),
+    (pa.string(), pa.int32(), False),
+    (pa.list_(pa.string()), pa.list_(pa.int32()), False),
+])
+def test_castable(src, dst, ok):
+    assert castable(src, dst) is ok
+
+
+def test_shard_reader_reads_everything_while_dropping_pages(tmp_path):
+    path = tmp_path / "x.arrow"
+    n = 5000
+    table = pa.table({"id": [str(i) for i in range(n)], "source": ["s"] * n,
+                      "input_ids": [list(range(i % 50)) for i in range(n)],
+                      "loss_mask": [[1] * (i % 50) for i in range(n)],
+                      "num_tokens": [i % 50 for i in range(n)],
+                      "num_loss_tokens": [i % 50 for i in range(n)]}).cast(ARROW_SCHEMA)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
+        w.write_table(table, max_chunksize=100)
+    with open_shard(path, drop_behind=True) as reader:
+        batches = list(reader)  # earlier batches' pages are dropped, then touched again
+    assert pa.Table.from_batches(batches).equals(table)
+    first = table.slice(0, 100).column("input_ids").combine_chunks()
+    assert batches[0].column("input_ids").equals(first)  # dropped pages fault back in
+
+
+def test_list_shards_orders_and_refuses(tmp_path):
+    for name in ("b-10.arrow", "b-9.arrow", "a.arrow"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in list_shards(tmp_path)] == ["a.arrow", "b-9.arrow", "b-10.arrow"]
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "gone.arrow"}]}))
+    with pytest.raises(StageError, match="lists gone.arrow, which does not exist"):
+        list_shards(tmp_path)
+    (tmp_path / "state.json").write_text("{")
+    with pytest.raises(StageError, match="not a datasets state file"):
+        list_shards(tmp_path)
+
+
+def test_write_metadata_makes_a_loadable_folder(tmp_path):
+    table = pa.Table.from_pydict(
+        {"id": ["a"], "source": ["s"], "input_ids": [[1, 2]], "loss_mask": [[0, 1]],
+         "num_tokens": [2], "num_loss_tokens": [1]}, schema=ARROW_SCHEMA)
+    with pa.OSFile(str(tmp_path / "z.arrow"), "wb") as sink, \
+            pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
+        w.write_table(table)
+    write_metadata(tmp_path, ["z.arrow"], "abc")
+    ds = datasets.load_from_disk(str(tmp_path))
+    assert ds.features == FEATURES and ds[0]["input_ids"] == [1, 2]

@@ -1,0 +1,276 @@
+"""Readers (JSON lines/arrays, Parquet, Arrow, save_to_disk, folders, Hub ids) and layouts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages import params as P
+from stages import sources
+from stages.errors import StageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def src(path, fmt="columns", **kw) -> P.Source:
+    if fmt == "columns":
+        kw.setdefault("prompt_field", "q")
+    return P.Source(name=kw.pop("name", "s"), path=str(path), format=fmt, **kw)
+
+
+def rows_of(source: P.Source, columns=("q",), check=None) -> list:
+    reader = sources.Reader(source, list(columns), check or (lambda names, where: None))
+    return [(pos, sources.parse_line(item) if type(item) is bytes else item) for pos, item in reader]
+
+
+# ------------------------------------------------------------------------- readers
+
+
+def test_jsonl_lines_positions_blank_lines_and_bom(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"q": "one"}\n\n   \n{"q": "two"}\n{"q": NaN}\n{"q": 1e999}')
+    got = rows_of(src(path))
+    assert [(p, r) for p, r in got if r is not None][:2] == [(1, {"q": "one"}), (4, {"q": "two"})]
+    assert [p for p, r in got if r is None] == [2, 3]  # blank lines are not rows
+    assert got[-2][1]["q"] != got[-2][1]["q"]  # NaN, via the stdlib fallback
+    assert got[-1][1]["q"] == float("inf")
+
+
+def test_gzip_jsonl(tmp_path):
+    path = tmp_path / "a.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('{"q": "x"}\n{"q": "y"}\n')
+    assert [r["q"] for _, r in rows_of(src(path))] == ["x", "y"]
+
+
+def test_parse_line_bad_rows():
+    bad = sources.parse_line(b'{"q": "x",}\n')
+    assert isinstance(bad, sources.BadRow) and bad.reason == "malformed_json"
+    assert bad.message.startswith("malformed JSON (")
+    arr = sources.parse_line(b"[1, 2]\n")
+    assert arr.reason == "not_an_object" and "an array" in arr.message
+    assert sources.parse_line(b"  \n") is None
+
+
+def test_json_array_streams_elements_with_line_numbers(tmp_path):
+    path = tmp_path / "a.json"
+    data = [{"q": f"question {i}", "n": i} for i in range(5)]
+    path.write_text(json.dumps(data, indent=2))
+    got = rows_of(src(path))
+    assert [r for _, r in got] == data
+    lines = path.read_text().splitlines()
+    for pos, row in got:  # each position is the line where the element starts
+        assert lines[pos - 1].strip() == "{" and f'"question {row["n"]}"' in lines[pos]
+
+
+def test_json_array_element_larger_than_a_read(tmp_path):
+    path = tmp_path / "big.json"
+    big = "x" * (3 << 20)
+    path.write_text(json.dumps([{"q": "a"}, {"q": big}, {"q": "c"}]))
+    assert [len(r["q"]) for _, r in rows_of(src(path))] == [1, len(big), 1]
+
+
+def test_json_array_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n  {"q": "a"},\n  {"q": "b" "c"},\n  {"q": "d"}\n]\n')
+    with pytest.raises(StageError, match=r"bad\.json:3: malformed JSON \(Expecting ','"):
+        rows_of(src(path))
+    path.write_text('[{"q": "a"}]\n[{"q": "b"}]\n')
+    with pytest.raises(StageError, match=r"bad\.json:2: malformed JSON \(data after"):
+        rows_of(src(path))
+
+
+def test_parquet_reads_only_needed_columns_and_checks_schema(tmp_path):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"q": ["a", "b", None], "other": [1, 2, 3]}), path, row_group_size=2)
+    assert rows_of(src(path)) == [(0, {"q": "a"}), (1, {"q": "b"}), (2, {"q": None})]
+    seen = []
+    rows_of(src(path), check=lambda names, where: seen.append((names, where)))
+    assert seen == [(["q", "other"], str(path))]
+
+
+def test_arrow_stream_file(tmp_path):
+    path = tmp_path / "data.arrow"
+    table = pa.table({"q": ["a", "b"]})
+    with pa.ipc.new_stream(path, table.schema) as w:
+        w.write_table(table)
+    assert [r["q"] for _, r in rows_of(src(path))] == ["a", "b"]
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"q": ["a", "b", "c"]})
+    ds.save_to_disk(tmp_path / "one", max_shard_size="1KB")
+    assert [r["q"] for _, r in rows_of(src(tmp_path / "one"))] == ["a", "b", "c"]
+    dd = datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_dict({"q": ["t"]})})
+    dd.save_to_disk(tmp_path / "dict")
+    assert [r["q"] for _, r in rows_of(src(tmp_path / "dict"))] == ["a", "b", "c"]
+    assert [r["q"] for _, r in rows_of(src(tmp_path / "dict", split="test"))] == ["t"]
+    with pytest.raises(StageError, match=r"split 'dev' not in .*\(splits: train, test\)"):
+        rows_of(src(tmp_path / "dict", split="dev"))
+
+
+def test_folder_of_files_with_subset_and_split(tmp_path):
+    root = tmp_path / "repo"
+    (root / "0625").mkdir(parents=True)
+    (root / "0625" / "train-00000-of-00002.jsonl").write_text('{"q": "a"}\n')
+    (root / "0625" / "train-00001-of-00002.jsonl").write_text('{"q": "b"}\n')
+    (root / "0625" / "test-00000-of-00001.jsonl").write_text('{"q": "t"}\n')
+    (root / "0625" / "README.md").write_text("not data")
+    got = rows_of(src(root, subset="0625", split="train"))
+    assert [r["q"] for _, r in got] == ["a", "b"]
+    assert len(rows_of(src(root, subset="0625"))) == 3
+    with pytest.raises(StageError, match="no .jsonl/.json/.parquet/.arrow files for split 'dev'"):
+        rows_of(src(root, subset="0625", split="dev"))
+    with pytest.raises(StageError, match="subset folder .*3M not found"):
+        rows_of(src(root, subset="3M"))
+
+
+def test_path_errors(tmp_path):
+    with pytest.raises(StageError, match=r"source s: path 'nope/x.jsonl' not found"):
+        rows_of(src("nope/x.jsonl"))
+    (tmp_path / "a.jsonl").write_text('{"q": "a"}\n')
+    with pytest.raises(StageError, match="subset applies to folders and Hugging Face datasets"):
+        rows_of(src(tmp_path / "a.jsonl", subset="x"))
+    (tmp_path / "a.csv").write_text("q\na\n")
+    with pytest.raises(StageError, match="cannot tell the format"):
+        rows_of(src(tmp_path / "a.csv"))
+    (tmp_path / "a.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(StageError, match=r"a\.parquet: cannot read Parquet \("):
+        rows_of(src(tmp_path / "a.parquet"))
+    with pytest.raises(StageError, match="revision applies to Hugging Face datasets"):
+        rows_of(src(tmp_path / "a.jsonl", revision="main"))
+
+
+def test_hub_id_offline_fails_with_one_line(tmp_path):
+    code = (
+        "from stages import params as P, sources\n"
+        "from stages.errors import StageError\n"
+        "s = P.Source(name='hub', path='nobody-here/no-such-dataset', format='columns', prompt_field='q')\n"
+        "try:\n"
+        "    list(sources.Reader(s, ['q'], lambda n, w: None))\n"
+        "except StageError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout.strip()
+    assert out.startswith("ERR source hub: cannot load Hugging Face dataset nobody-here/no-such-dataset"), (
+        out, proc.stderr[-2000:])
+    assert "HF_HUB_OFFLINE" in out and "\n" not in out
+
+
+# ------------------------------------------------------------------------- layouts
+
+
+def layout(fmt="sharegpt", multi_turn="context", **kw) -> sources.Layout:
+    return sources.Layout(src("x", fmt, **kw), multi_turn)
+
+
+def conv(*turns, key="conversations", rk="from", ck="value"):
+    return {key: [{rk: r, ck: c} for r, c in turns]}
+
+
+def test_sharegpt_roles_and_cut_after_last_user_or_tool():
+    row = conv(("system", "S"), ("human", "Q1"), ("gpt", "A1"), ("human", "Q2"), ("gpt", "A2"))
+    messages, tools, chars, _ = layout().convert(row)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[-1]["content"] == "Q2" and tools is None and chars == len("SQ1A1Q2")
+    hermes = conv(("system", "tools"), ("human", "Q"), ("gpt", "<tool_call>c</tool_call>"),
+                  ("tool", "<tool_response>r</tool_response>"), ("gpt", "final"))
+    messages, _, _, _ = layout().convert(hermes)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[-1]["content"] == "<tool_response>r</tool_response>"
+
+
+def test_first_user_policy_keeps_system_and_first_question():
+    row = conv(("gpt", "Hi!"), ("system", "S"), ("human", "Q1"), ("gpt", "A1"), ("human", "Q2"))
+    messages, _, _, _ = layout(multi_turn="first_user").convert(row)
+    assert messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
+
+
+def test_role_aliases_case_and_llamafactory_names():
+    row = conv(("Human", "Q"), ("function_call", '{"name": "f"}'), ("observation", "42"), ("GPT", "x"))
+    messages, _, _, _ = layout().convert(row)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+
+
+def test_unknown_role_no_user_and_missing_keys():
+    lay = layout()
+    assert lay.convert(conv(("narrator", "x"), ("human", "Q"))) == "unknown_role"
+    assert lay.unknown_roles == {"narrator": 1}
+    assert lay.convert(conv(("human", "Q"), ("critic", "after the cut is fine"))) != "unknown_role"
+    assert lay.convert(conv(("system", "S"), ("gpt", "A"))) == "no_user_turn"
+    assert lay.convert(conv(("tool", "r"), ("gpt", "A"))) == "no_user_turn"
+    assert lay.convert({"conversations": [{"value": "Q"}]}) == "missing_field"
+    assert lay.convert({"conversations": [{"from": "human"}]}) == "missing_field"
+    assert lay.convert({"conversations": [{"from": "human", "value": None}]}) == "null_field"
+    assert lay.convert({"conversations": "Q"}) == "bad_value"
+    assert lay.convert({"conversations": None}) == "null_field"
+    assert lay.convert({}) == "missing_field"
+    assert lay.convert(conv(("human", "  \n "))) == "empty"
+
+
+def test_role_map_param():
+    lay = layout(role_map=["prompter:user", "Answerer : assistant"])
+    messages, _, _, _ = lay.convert(conv(("prompter", "Q"), ("answerer", "A"), ("prompter", "Q2")))
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    with pytest.raises(StageError, match="role_map entry 'x:boss'"):
+        layout(role_map=["x:boss"])
+
+
+def test_messages_layout_keeps_tool_calls_and_parts():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look "}, {"type": "text", "text": "up"}]},
+        {"role": "assistant", "tool_calls": calls, "weight": 1},
+        {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"},
+        {"role": "assistant", "content": "It is 42.", "reasoning_content": "easy"},
+    ], "tools": json.dumps([{"type": "function", "function": {"name": "f"}}])}
+    messages, tools, _, has_calls = layout("messages", tools_field="tools").convert(row)
+    assert has_calls
+    assert messages == [
+        {"role": "user", "content": "Look up"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "42", "name": "f", "tool_call_id": "c1"},
+    ]
+    assert tools == [{"type": "function", "function": {"name": "f"}}]
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert layout("messages").convert(image) == "non_text_content"
+    assert layout("messages", tools_field="tools").convert({**row, "tools": "{oops"}) == "bad_value"
+
+
+def test_columns_layout_with_system_field():
+    lay = sources.Layout(src("x", prompt_field="question", system_field="system"), "context")
+    assert lay.convert({"question": "Q", "system": "S"}) == (
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], None, 2, False)
+    assert lay.convert({"question": "Q", "system": "  "})[0] == [{"role": "user", "content": "Q"}]
+    assert lay.convert({"question": "Q"})[0] == [{"role": "user", "content": "Q"}]
+    assert lay.convert({"question": None}) == "null_field"
+    assert lay.convert({"system": "S"}) == "missing_field"
+    assert lay.convert({"question": 3}) == "bad_value"
+    assert lay.convert({"question": "\t"}) == "empty"
+
+
+def test_sharegpt_system_field_prepended_once():
+    lay = layout(system_field="system")
+    messages, _, _, _ = lay.convert({**conv(("human", "Q")), "system": "S"})
+    assert messages[0] == {"role": "system", "content": "S"}
+    messages, _, _, _ = lay.convert({**conv(("system", "inner"), ("human", "Q")), "system": "S"})
+    assert [m["content"] for m in messages] == ["inner", "Q"]
+
+
+def test_text_is_kept_exactly():
+    text = "  <|im_end|>\n<think>x</think>\r\n\u00e9\u0301 \t "
+    messages, _, _, _ = layout().convert(conv(("human", text)))
+    assert messages[0]["content"] == text

@@ -1,0 +1,328 @@
+"""validate: each corruption injected into otherwise valid shards is caught, with its id."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stages import params as P
+from stages import validate
+from stages.errors import StageError
+from stages.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 1000
+FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": VOCAB,
+                    "special_tokens": {}},
+      "chat_template_sha256": "c" * 64, "policy": {}, "versions": {}}
+
+
+def row(rid: str, source: str = "alpha", prompt: int = 3, answer: int = 4) -> dict:
+    ids = [(7 * len(rid) + k) % VOCAB for k in range(prompt + answer)]
+    return {"id": rid, "source": source, "input_ids": ids,
+            "loss_mask": [0] * prompt + [1] * answer,
+            "num_tokens": prompt + answer, "num_loss_tokens": answer}
+
+
+def shards(n_shards: int = 2, per: int = 5) -> list[list[dict]]:
+    return [[row(f"s{s}-r{r}", "alpha" if r % 2 else "beta", prompt=2 + r, answer=3 + s)
+             for r in range(per)] for s in range(n_shards)]
+
+
+def write(root: Path, parts: list[list[dict]], schemas=None, report_rows: int | None = None,
+          fingerprint: dict | None = FP) -> None:
+    """data/merged as merge writes it, built with pyarrow alone (+ reports/merge.json)."""
+    folder = root / "data/merged"
+    folder.mkdir(parents=True)
+    names = []
+    for i, part in enumerate(parts):
+        schema = (schemas or {}).get(i, ARROW_SCHEMA)
+        table = pa.Table.from_pylist(part, schema=schema)
+        name = f"data-{i:05d}-of-{len(parts):05d}.arrow"
+        with pa.OSFile(str(folder / name), "wb") as sink, \
+                pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_table(table, max_chunksize=2)  # several record batches per shard
+        names.append(name)
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "t",
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+             "_output_all_columns": False, "_split": None}
+    (folder / "state.json").write_text(json.dumps(state))
+    (folder / "dataset_info.json").write_text(json.dumps({"features": FEATURES.to_dict()}))
+    if fingerprint is not None:
+        (folder / "fingerprint.json").write_text(json.dumps(fingerprint))
+    rows = sum(len(p) for p in parts) if report_rows is None else report_rows
+    (root / "reports").mkdir(exist_ok=True)
+    (root / "reports/merge.json").write_text(json.dumps({"merged": {"rows": rows}}))
+
+
+def cfg(**kw) -> P.Validate:
+    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, **kw})
+
+
+def failures(**kw) -> dict:
+    """Run validate, expecting failure; {check: examples} of the failed checks."""
+    with pytest.raises(StageError) as e:
+        validate.run(cfg(**kw))
+    report = json.loads(Path("reports/validate.json").read_text())
+    assert report["passed"] is False
+    failed = {k: c["examples"] for k, c in report["checks"].items() if not c["passed"]}
+    message = str(e.value)
+    assert "\n" not in message and all(name in message for name in failed)
+    return failed
+
+
+@pytest.fixture(autouse=True)
+def repo(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_clean_data_passes_with_counts_and_plots(repo):
+    parts = shards()
+    write(repo, parts)
+    report = validate.run(cfg())
+    assert report["passed"] and report["rows"] == 10 == report["expected_rows"]
+    assert set(report["checks"]) >= set(ROW_CHECKS) | {"features", "loads", "id_unique"}
+    flat = [r for p in parts for r in p]
+    assert report["sources"]["alpha"]["rows"] == sum(r["source"] == "alpha" for r in flat)
+    assert report["tokens"] == sum(r["num_tokens"] for r in flat)
+    assert report["supervised_tokens"] == sum(r["num_loss_tokens"] for r in flat)
+    for plot in ("token_length", "supervised_fraction"):
+        files = sorted(p.name for p in (repo / "reports/plots" / plot).iterdir())
+        assert files == ["alpha.csv", "beta.csv"]
+        with open(repo / "reports/plots" / plot / "beta.csv") as f:
+            table = list(csv.DictReader(f))
+        assert sum(int(r["rows"]) for r in table) == report["sources"]["beta"]["rows"]
+
+
+# Each corruption: (how to damage the data, the one check that must fail). The damaged
+# row sits in the second shard so dataset-wide row numbering is exercised.
+def mask_two(r):
+    r["loss_mask"][0] = 2
+
+
+def id_over_vocab(r):
+    r["input_ids"][1] = VOCAB
+
+
+def id_negative(r):
+    r["input_ids"][0] = -5
+
+
+def length_mismatch(r):
+    r["loss_mask"] = r["loss_mask"][1:]
+
+
+def all_zero_mask(r):
+    r["loss_mask"] = [0] * len(r["loss_mask"])
+    r["num_loss_tokens"] = 0
+
+
+def too_long(r):
+    r.update(row(r["id"], r["source"], prompt=40, answer=30))
+
+
+def no_two_in_a_row(r):
+    r["loss_mask"] = [1, 0] * (len(r["loss_mask"]) // 2) + [0] * (len(r["loss_mask"]) % 2)
+    r["num_loss_tokens"] = sum(r["loss_mask"])
+
+
+def wrong_num_tokens(r):
+    r["num_tokens"] += 1
+
+
+def wrong_num_loss_tokens(r):
+    r["num_loss_tokens"] -= 1
+
+
+def null_id(r):
+    r["id"] = None
+
+
+def null_source(r):
+    r["source"] = None
+
+
+def null_mask(r):
+    r["loss_mask"] = None
+
+
+@pytest.mark.parametrize(
+    "damage, checks",
+    [
+        (mask_two, {"mask_binary"}),
+        (id_over_vocab, {"token_id_range"}),
+        (id_negative, {"token_id_range"}),
+        (length_mismatch, {"lengths_equal"}),
+        (all_zero_mask, {"min_loss_tokens", "supervised_run"}),
+        (too_long, {"max_seq_len"}),
+        (no_two_in_a_row, {"supervised_run"}),
+        (wrong_num_tokens, {"num_tokens_matches"}),
+        (wrong_num_loss_tokens, {"num_loss_tokens_matches"}),
+        (null_source, {"source_not_null"}),
+        (null_mask, {"loss_mask_not_null"}),
+    ],
+)
+def test_each_corruption_is_caught_with_its_id(repo, damage, checks):
+    parts = shards()
+    damage(parts[1][3])
+    write(repo, parts)
+    assert failures() == {name: ["s1-r3"] for name in checks}
+
+
+def test_null_id_is_caught_with_its_row(repo):
+    parts = shards()
+    null_id(parts[1][3])
+    write(repo, parts)
+    assert failures() == {"id_not_null": ["row 8 (null id)"]}
+
+
+def test_duplicate_id_across_shards(repo):
+    parts = shards()
+    parts[1][4]["id"] = "s0-r2"
+    write(repo, parts)
+    report_failures = failures()
+    assert report_failures == {"id_unique": ["s0-r2"]}
+    assert json.loads(Path("reports/validate.json").read_text())["checks"]["id_unique"][
+        "failures"] == 2
+
+
+@pytest.mark.parametrize(
+    "column, type_",
+    [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.large_list(pa.int8())),
+     ("num_tokens", pa.int64()), ("id", pa.large_string())],
+)
+def test_wrong_dtype_in_one_shard(repo, column, type_):
+    schema = pa.schema([pa.field(f.name, type_) if f.name == column else f
+                        for f in ARROW_SCHEMA])
+    write(repo, shards(), schemas={1: schema})
+    found = failures()
+    assert set(found) == {"features", "loads"}  # and every row check still passes
+    assert found["features"] == [
+        f"data-00001-of-00002.arrow: column {column} is {type_}, expected "
+        f"{ARROW_SCHEMA.field(column).type}"]
+
+
+def test_dataset_info_features_must_equal_the_contract(repo):
+    write(repo, shards())
+    info = {"features": {**FEATURES.to_dict(), "num_tokens": {"dtype": "int64",
+                                                               "_type": "Value"}}}
+    Path("data/merged/dataset_info.json").write_text(json.dumps(info))
+    assert set(failures()) == {"features", "loads"}
+
+
+def test_row_count_must_equal_the_merge_report(repo):
+    write(repo, shards(), report_rows=11)
+    found = failures()
+    assert found == {"row_count": ["data/merged has 10 rows, reports/merge.json says 11"]}
+
+
+def test_unreadable_shard_is_reported(repo):
+    write(repo, shards())
+    path = Path("data/merged/data-00001-of-00002.arrow")
+    path.write_bytes(path.read_bytes()[:200])
+    found = failures()
+    assert found["shards_readable"][0].startswith("data-00001-of-00002.arrow")
+    assert "row_count" in found
+
+
+def test_a_listed_shard_that_is_missing_is_reported(repo):
+    write(repo, shards())
+    Path("data/merged/data-00001-of-00002.arrow").unlink()
+    found = failures()
+    assert "data-00001-of-00002.arrow, which does not exist" in found["shards_readable"][0]
+    assert {"loads", "row_count"} <= set(found)
+
+
+def test_null_input_ids_row(repo):
+    parts = shards()
+    parts[0][0]["input_ids"] = None
+    write(repo, parts)
+    assert failures() == {"input_ids_not_null": ["s0-r0"]}
+
+
+def test_missing_fingerprint_fails_unless_vocab_given(repo):
+    write(repo, shards(), fingerprint=None)
+    with pytest.raises(StageError, match="vocabulary size unknown"):
+        validate.run(cfg())
+    assert failures(vocab_size=VOCAB) == {"fingerprint": ["data/merged/fingerprint.json is missing"]}
+
+
+def test_vocab_size_param_overrides_the_fingerprint(repo):
+    write(repo, shards())
+    found = failures(vocab_size=10)
+    assert "token_id_range" in found and len(found["token_id_range"]) == 10  # max_examples
+
+
+def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
+    monkeypatch.setattr(validate, "CHUNK_ROWS", 3)
+    parts = shards(3, 7)
+    bad = [r for p in parts for r in p][::4]
+    for r in bad:
+        mask_two(r)
+    write(repo, parts)
+    found = failures(max_examples=3, threads=2)
+    assert found == {"mask_binary": [r["id"] for r in bad[:3]]}
+    report = json.loads(Path("reports/validate.json").read_text())
+    assert report["checks"]["mask_binary"]["failures"] == len(bad)
+
+
+def test_row_summary_matches_a_plain_python_count():
+    """The columnar summary against a per-row Python loop, on random rows."""
+    rng = np.random.default_rng(0)
+    data = []
+    for i in range(300):
+        n = int(rng.integers(0, 12))
+        data.append({"id": f"r{i}", "source": "s",
+                     "input_ids": rng.integers(-3, VOCAB + 3, n).tolist(),
+                     "loss_mask": rng.choice([0, 1, 1, 1, 2, -1], n).tolist(),
+                     "num_tokens": n, "num_loss_tokens": 0})
+    batch = pa.Table.from_pylist(data, schema=ARROW_SCHEMA).slice(7).combine_chunks()
+    summary = validate.summarize(batch.to_batches()[0], VOCAB, 0).to_pydict()
+    for k, r in enumerate(data[7:]):
+        mask, best, run = r["loss_mask"], 0, 0
+        for v in mask:
+            run = run + 1 if v == 1 else 0
+            best = max(best, run)
+        assert summary["ids_out_of_range"][k] == sum(not 0 <= t < VOCAB for t in r["input_ids"])
+        assert summary["mask_not_binary"][k] == sum(v not in (0, 1) for v in mask)
+        assert summary["supervised"][k] == sum(v == 1 for v in mask)
+        assert summary["longest_run"][k] == best
+
+
+def test_cli_exits_1_after_writing_the_report(repo):
+    parts = shards()
+    mask_two(parts[0][1])
+    write(repo, parts)
+    (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "stages.validate"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: validate: 1 checks failed: mask_binary (1, e.g. s0-r1)")
+    assert json.loads((repo / "reports/validate.json").read_text())["passed"] is False
+
+
+def test_dvc_plots_show_renders_the_declared_plots(repo):
+    from tests.repo import run
+
+    write(repo, shards())
+    report = validate.run(cfg())
+    (repo / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    run(["git", "init", "-q"], repo)
+    run(["dvc", "init", "-q"], repo)
+    shown = json.loads(run(["dvc", "plots", "show", "--json"], repo))["data"]
+    assert sorted(shown) == [f"reports/plots/{plot}/{source}.csv"
+                             for plot in ("supervised_fraction", "token_length")
+                             for source in ("alpha", "beta")]
+    values = shown["reports/plots/token_length/alpha.csv"][0]["content"]["data"]["values"]
+    assert sum(int(v["rows"]) for v in values) == report["sources"]["alpha"]["rows"] == 4

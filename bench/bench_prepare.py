@@ -8,6 +8,7 @@ half the texts in paragraphs, some with code, ~1% duplicate rows). The stage run
 `python -m stages.prepare` in a subprocess, timed wall-clock from start to exit
 (interpreter and worker start included), its peak RSS and CPU time read with os.wait4.
 The baseline, in this process: read every line, `json.loads` it and blake2b it.
+Baseline and stage run twice, interleaved, and the faster of each run counts.
 
   prepare_vs_read            stage rows/s with default params (num_proc 0; one process
                              on a 2-CPU machine) / baseline rows/s, wall clock
@@ -137,11 +138,17 @@ def main(quick: bool | None = None) -> dict:
     make_source(big_path, big)
     make_source(small_path, small)
     baseline(big_path, json.loads)  # warm the page cache
-    read_wall, read_cpu = baseline(big_path, json.loads)
+    # other load on a shared machine comes and goes: interleave the runs, keep the best
+    reads, stages = [], []
+    for _ in range(2):
+        reads.append(baseline(big_path, json.loads))
+        stages.append(run_stage(big_path, big, 0))
+    read_wall, read_cpu = max(r[0] for r in reads), max(r[1] for r in reads)
+    default = {k: max(s[k] for s in stages) for k in ("wall", "cpu")}
+    default["rss_mb"] = max(s["rss_mb"] for s in stages)
     orjson_wall, _ = baseline(big_path, orjson.loads)
-    default = run_stage(big_path, big, 0)
     two = run_stage(big_path, big, 2)
-    small = run_stage(small_path, small, 1)
+    small_run = run_stage(small_path, small, 1)
     one = default if _workers_by_default() == 1 else run_stage(big_path, big, 1)
     return {
         # the stage with default params (num_proc 0) vs the one-process read
@@ -152,7 +159,7 @@ def main(quick: bool | None = None) -> dict:
         "prepare_rows_per_s": round(default["wall"]),
         "prepare_read_rows_per_s": round(read_wall),
         "prepare_peak_rss_mb": round(one["rss_mb"], 1),
-        "prepare_peak_rss_small_mb": round(small["rss_mb"], 1),
+        "prepare_peak_rss_small_mb": round(small_run["rss_mb"], 1),
     }
 
 

@@ -20,9 +20,12 @@ this machine's cores, in one run (best of 2 timings each: the machine is shared)
   tokenize_vs_naive_min   against a leaner naive way that takes the end of the final turn
                           from the whole encode instead of encoding the prefix again
   tokenize_scaling_2proc  stage at num_proc=2 / num_proc=1 - goal >= 1.7
+  tokenize_machine_scaling_2proc  the bare tokenizer in 2 processes / 1, measured alongside:
+                          what the machine gave two processes at the time (another job on
+                          the 2 cores pulls both scaling figures down together)
   tokenize_peak_rss_mb    peak memory (summed PSS of the stage process and its workers)
                           tokenizing 50K rows with num_proc=2, in a subprocess; the rows are
-                          short (~400 tokens) to keep the run short: memory is bounded per
+                          short (~200 tokens) to keep the run short: memory is bounded per
                           chunk, not per row
   tokenize_rss_growth_mb  peak at 50K rows minus peak at 10K rows (flat: near 0)
 """
@@ -162,6 +165,38 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+_TEXTS: list[str] = []
+
+
+def _encode_part(part: tuple[int, int]) -> None:
+    from stages.tokenize import _load_tokenizer
+
+    tok = _load_tokenizer("bundled:qwen3.6", None, False, None)[0]  # inherited through fork
+    tok.backend_tokenizer.encode_batch_fast(_TEXTS[part[0]:part[1]], add_special_tokens=False)
+
+
+def machine_scaling(texts: list[str]) -> float:
+    """How much faster the bare tokenizer runs in 2 single-threaded processes than in 1:
+    the ceiling for any 2-process tokenizer on this machine at this moment."""
+    import multiprocessing
+
+    _TEXTS[:] = texts
+    half = len(texts) // 2
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        one = _best(lambda: _encode_part((0, len(texts))))
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            pool.map(_encode_part, [(0, 1), (1, 2)])  # started
+            two = _best(lambda: pool.map(_encode_part, [(0, half), (half, len(texts))]))
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    return one / two
+
+
 def _peak_memory(cmd: list[str], env: dict) -> float:
     """Run `cmd`; the peak over time of the PSS summed over it and its children, in MB."""
     import psutil
@@ -199,7 +234,7 @@ def _peak_memory(cmd: list[str], env: dict) -> float:
 
 def memory_run(rows: int) -> float:
     path = WORK / f"short-v2-{rows}.jsonl"
-    make_completions(path, rows, scale=0.15, seed=rows)
+    make_completions(path, rows, scale=0.06, seed=rows)
     out = WORK / f"out-mem-{rows}"
     code = ("import sys; from stages.tokenize import tokenize_file; "
             f"tokenize_file({str(path)!r}, {str(out)!r}, num_proc=2, max_seq_len=1 << 20)")
@@ -225,6 +260,7 @@ def main(quick: bool | None = None) -> dict:
     tokens = sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
 
     floor = _best(lambda: backend.encode_batch_fast(texts, add_special_tokens=False))
+    ceiling = machine_scaling(texts)
     out = WORK / "out"
     stage = {}
     for procs in (1, 2):
@@ -258,8 +294,10 @@ def main(quick: bool | None = None) -> dict:
                 mask[start:end] = [1] * (end - start)
             naive_tokens[0] += len(ids)
 
-    naive_rate = naive_tokens[0] / _best(lambda: naive(True), repeat=1 if quick else 2)
-    naive_min_rate = naive_tokens[0] / _best(lambda: naive(False), repeat=1 if quick else 2)
+    seconds = _best(lambda: naive(True), repeat=1 if quick else 2)
+    naive_rate = naive_tokens[0] / seconds
+    seconds = _best(lambda: naive(False), repeat=1 if quick else 2)
+    naive_min_rate = naive_tokens[0] / seconds
     floor_rate = tokens / floor
     rate1, rate2 = report["tokens"] / stage[1], report["tokens"] / stage[2]
 
@@ -272,6 +310,7 @@ def main(quick: bool | None = None) -> dict:
         "tokenize_vs_naive_1proc": round(rate1 / naive_rate, 2),
         "tokenize_vs_naive_min": round(rate2 / naive_min_rate, 2),
         "tokenize_scaling_2proc": round(rate2 / rate1, 3),
+        "tokenize_machine_scaling_2proc": round(ceiling, 3),
         "tokenize_peak_rss_mb": round(rss_big, 1),
         "tokenize_rss_growth_mb": round(rss_big - rss_small, 1),
         "tokenize_mean_tokens_per_row": round(tokens / n),

@@ -8,7 +8,8 @@ Errors are sorted by what a retry can change:
   permanent  400/413/422 (`bad_request`), a prompt over the context (`context_length`),
              500 "Out of memory even after retracting" (`oom`): sent once, never again.
   transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
-             dropped connections (`connection`), unparsable bodies (`malformed`):
+             dropped connections (`connection`), unparsable bodies (`malformed`), a 400
+             "duplicate rid" when a retry races the server's abort (`duplicate_rid`):
              retried with exponential backoff + jitter up to `max_retries`;
              other 5xx (`server_error`) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).

@@ -4,10 +4,12 @@
 
 Reads `merge.base` (a datasets save_to_disk folder or a folder of .arrow stream shards;
 null, absent or empty for a first version) and data/tokenized, and writes data/merged:
-every base shard byte-identical (hardlinked when on the same filesystem, else copied),
-then the new rows as the next shards, then state.json, dataset_info.json and the new
-fingerprint.json, so `datasets.load_from_disk("data/merged")` opens it. The base is only
-ever read. Writes reports/merge.json.
+every base shard byte-identical (hardlinked when on the same filesystem, else copied;
+`merge.link: false` always copies), then the new rows as the next shards (data-NNNNN-of-
+MMMMM.arrow, linked from data/tokenized when no row is dropped), then state.json,
+dataset_info.json and the new fingerprint.json. The folder is opened with
+`datasets.load_from_disk` before it replaces data/merged (atomically). The base is only
+ever read, never opened for writing. Writes reports/merge.json.
 
 Refuses, with one line naming the shard, column and both types, any base whose columns
 differ from the contract in stages/schema.py; with `merge.allow_cast: true` such base

@@ -148,7 +148,7 @@ class Validate:
     min_loss_tokens: int = 1
     max_examples: int = 10
     vocab_size: Optional[int] = None  # default: data/merged/fingerprint.json tokenizer.vocab_size
-    threads: int = 0  # shards summarised at once; 0: up to 4, one per CPU
+    threads: int = 0  # shards summarised at once; 0: one per idle CPU, 1 to 4
 
 
 SECTIONS: dict[str, type] = {

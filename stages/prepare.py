@@ -9,7 +9,8 @@ original answers) or after the first user turn (`multi_turn: first_user`).
 Rows are dropped, and counted by source and reason in reports/prepare.json, when a field
 is missing/null/mistyped, a role is unknown, there is no user turn, the turn to answer is
 blank, the prompt is over `max_prompt_chars`, or it duplicates an earlier prompt
-(whitespace-normalized, NFC; first occurrence wins, sources in params order). A source's
+(same text after NFC and removing all whitespace; first occurrence wins, sources in
+params order). A source's
 `limit` then keeps the rows whose ids hash lowest under the seed, so the same params give
 byte-identical output and changing one source's limit changes only that source's rows.
 
@@ -46,7 +47,6 @@ log = logging.getLogger("prepare")
 OUT_DIR = Path("data/prompts")
 OUT_FILE = "prompts.jsonl"
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
-CHUNK_ROWS = 512  # rows per unit of work (in a worker process when num_proc > 1)
 LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
@@ -155,7 +155,7 @@ class _RowMaker:
         if type(item) is not dict:
             if item is None or type(item) is sources.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {type(item).__name__}")
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {sources.json_type(item)}")
         res = self.layout.convert(item)
         if type(res) is str:
             return res
@@ -215,43 +215,31 @@ class _Workers:
 
 
 def _chunks(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
-    """(file, unit, positions, results, unknown roles) per chunk, in source order.
+    """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
-    processes with at most 4 chunks per worker in flight, so memory stays flat however
+    processes with at most 4 groups per worker in flight, so memory stays flat however
     far the reader could run ahead."""
     pending: deque = deque()
-    inflight = 4 * workers.n
-    label = None
-    positions: list[int] = []
-    items: list = []
     sent = 0
-
-    for pos, item in reader:
+    for positions, items in reader.batches():
         if probe.active:
-            probe.see(item, reader.where(pos))
-        here = (reader.current, reader.unit)
-        if here != label or len(items) >= CHUNK_ROWS:
-            if items:
-                meta = (label[0], label[1], positions)
-                if workers.n > 1 and sent >= LOCAL_ROWS:
-                    pending.append((meta, workers.get().apply_async(_work, (spec, items))))
-                    while len(pending) > inflight:
-                        meta, job = pending.popleft()
-                        yield meta + job.get()
-                else:
-                    yield meta + _work(spec, items)
-                sent += len(items)
-                positions, items = [], []
-            label = here
-        positions.append(pos)
-        items.append(item)
+            for pos, item in zip(positions, items):
+                if probe.active:
+                    probe.see(item, reader.where(pos))
+        meta = (reader.current, reader.unit, positions)
+        if workers.n > 1 and sent >= LOCAL_ROWS:
+            pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+            while len(pending) > 4 * workers.n:
+                meta, job = pending.popleft()
+                yield meta + job.get()
+        else:  # `sent` only grows, so no group is pending here
+            yield meta + _work(spec, items)
+        sent += len(items)
     probe.finish()
     while pending:
         meta, job = pending.popleft()
         yield meta + job.get()
-    if items:
-        yield (label[0], label[1], positions) + _work(spec, items)
 
 
 # ------------------------------------------------------------------------ one source
@@ -385,17 +373,12 @@ def _emit_sample(spool, heap: list[int], candidates: int, out) -> int:
     return len(chosen)
 
 
-# Dedup text: each message as a role marker and its text, NFC and with every run of
-# whitespace collapsed to one space and none at the ends; tool calls and tools as sorted,
-# collapsed JSON. ASCII text that is already in that form (printable, no double space,
-# nothing to strip) skips the split/join, the costly part.
+# Dedup text: a role marker and the text of each message, tool calls and tools as sorted
+# JSON; Unicode NFC and every whitespace character removed. So "2+2" and "2 + 2", or a
+# prompt re-wrapped or with a trailing newline, are duplicates. For ASCII text that is
+# one bytes.translate; only other text goes through NFC and str.split.
 _MARK = {role: f"\0{role}\0" for role in sources.ROLES}
-
-
-def _collapse(text: str) -> str:
-    if not text.isascii():
-        text = unicodedata.normalize("NFC", text)
-    return " ".join(text.split())
+_ASCII_WS = bytes(c for c in range(128) if chr(c).isspace())
 
 
 def dedup_key(messages: list[dict], tools, mode: str = "prompt") -> int:
@@ -404,18 +387,20 @@ def dedup_key(messages: list[dict], tools, mode: str = "prompt") -> int:
     for m in messages:
         if mode == "user" and m["role"] != "user":
             continue
-        text = m["content"]
-        if not (text.isascii() and text.isprintable() and "  " not in text
-                and text[:1] != " " and text[-1:] != " "):
-            text = _collapse(text)
         parts.append(_MARK[m["role"]])
-        parts.append(text)
+        parts.append(m["content"])
         if mode != "user" and "tool_calls" in m:
-            calls = orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode()
-            parts.append("\0calls\0" + _collapse(calls))
+            parts.append("\0calls\0")
+            parts.append(orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode())
     if tools and mode != "user":
-        parts.append("\0tools\0" + _collapse(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode()))
-    return xxhash.xxh3_64_intdigest("".join(parts).encode("utf-8", "surrogatepass"))
+        parts.append("\0tools\0")
+        parts.append(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+    text = "".join(parts)
+    if text.isascii():
+        data = text.encode().translate(None, _ASCII_WS)
+    else:
+        data = "".join(unicodedata.normalize("NFC", text).split()).encode("utf-8", "surrogatepass")
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class _Probe:

@@ -322,6 +322,10 @@ class LaunchedServer:
         # engines log their arguments. It is sent with our probes, for a custom
         # `command` that puts an authenticating proxy in front.
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.engine == "transformers":
+            # transformers serve answers one request at a time on CPU; torch's default
+            # threads contend with the client and ran ~5x slower (measured, 2 cores).
+            env.setdefault("OMP_NUM_THREADS", "1")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             if self._closed:

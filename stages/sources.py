@@ -1,6 +1,7 @@
 """Prompt sources: streamed row readers and the chat layouts rows come in.
 
-Readers yield one row (a dict) at a time and never hold a whole source in memory:
+Readers yield rows in groups of a few hundred and never hold a whole source in memory
+(JSON lines come unparsed, for `parse_line`, so parsing can happen in worker processes):
 JSON lines (optionally .gz/.bz2/.xz), JSON array files (parsed element by element),
 Parquet (record batches), Arrow IPC files and `save_to_disk` folders (memory-mapped
 batches), plain folders of those, and Hugging Face dataset ids (`datasets` streaming
@@ -22,7 +23,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import orjson
 
@@ -67,7 +68,8 @@ _EXTRA_KEYS = ("reasoning_content", "tool_calls", "name", "tool_call_id")
 _JSON_EXT = (".jsonl", ".ndjson", ".json")
 _COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_BATCH = 1024
+_BATCH = 512  # rows per group a reader yields
+_LINES_BYTES = 1 << 19  # bytes of JSON lines per group
 
 
 class BadRow:
@@ -98,11 +100,11 @@ def parse_line(line: bytes):
         except (ValueError, RecursionError) as e:
             return BadRow("malformed_json", f"malformed JSON ({_first_line(e)})")
     if type(obj) is not dict:
-        return BadRow("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
+        return BadRow("not_an_object", f"expected a JSON object, got {json_type(obj)}")
     return obj
 
 
-def _json_type(obj) -> str:
+def json_type(obj) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(obj), "a number"
     )
@@ -238,23 +240,27 @@ class Reader:
     # -- iterating ----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
+        for positions, items in self.batches():
+            yield from zip(positions, items)
+
+    def batches(self) -> Iterator[tuple[Sequence[int], list]]:
+        """(positions, items) in groups of a few hundred rows, in order; `current` and
+        `unit` describe the file the group comes from."""
         if self.hub:
-            yield from self._hub()
+            yield from _grouped(self._hub())
             return
         for path in self.parts:
             self.current = str(path)
             kind = _kind(path)
+            self.unit = "line" if kind == "json" else "row"
             if kind == "json":
-                self.unit = "line"
-                yield from _json_rows(path)
+                yield from _json_batches(path)
             elif kind == "parquet":
-                self.unit = "row"
                 yield from self._parquet(path)
             else:
-                self.unit = "row"
                 yield from self._arrow(path)
 
-    def _parquet(self, path: Path) -> Iterator[tuple[int, Any]]:
+    def _parquet(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
         import pyarrow.parquet as pq
 
         try:
@@ -264,14 +270,12 @@ class Reader:
         names = pf.schema_arrow.names
         self.check(names, str(path))
         cols = [c for c in self.columns if c in names]
-        batches = _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet")
         n = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield n, row
-                n += 1
+        for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
+            yield range(n, n + batch.num_rows), batch.to_pylist()
+            n += batch.num_rows
 
-    def _arrow(self, path: Path) -> Iterator[tuple[int, Any]]:
+    def _arrow(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
         import pyarrow as pa
 
         source = pa.memory_map(str(path))
@@ -279,23 +283,17 @@ class Reader:
             try:
                 reader = pa.ipc.open_stream(source)
             except pa.ArrowInvalid:
-                reader = pa.ipc.open_file(source)
-                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-                names = None
-            else:
-                names = reader.schema.names
+                opened = pa.ipc.open_file(source)
+                reader = (opened.get_batch(i) for i in range(opened.num_record_batches))
         except Exception as e:
             raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
         n = 0
         for batch in _guarded(reader, f"{path}: cannot read Arrow"):
-            if names is None:
-                names = batch.schema.names
+            names = batch.schema.names
             if n == 0:
                 self.check(names, str(path))
-            cols = [c for c in self.columns if c in names]
-            for row in batch.select(cols).to_pylist():
-                yield n, row
-                n += 1
+            yield range(n, n + batch.num_rows), batch.select([c for c in self.columns if c in names]).to_pylist()
+            n += batch.num_rows
 
     def _hub(self) -> Iterator[tuple[int, Any]]:
         src = self.src
@@ -378,17 +376,36 @@ def _open_binary(path: Path):
     return open(path, "rb", buffering=1 << 20)
 
 
-def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """A JSON lines file, its lines yielded unparsed (parse_line parses them, possibly
-    in a worker process); or a JSON array file, when its first character is `[`."""
+def _json_batches(path: Path) -> Iterator[tuple[Sequence[int], list]]:
+    """A JSON lines file, its lines unparsed (parse_line parses them, possibly in a
+    worker process); or a JSON array file, when its first character is `[`."""
     with _open_binary(path) as f:
         head = f.peek(64) if hasattr(f, "peek") else b""
         if head[:3] == b"\xef\xbb\xbf":
             head = head[3:]
         if head.lstrip()[:1] == b"[":
-            yield from _json_array(path, f)
+            yield from _grouped(_json_array(path, f))
             return
-        yield from enumerate(f, 1)
+        n = 1
+        while True:
+            lines = f.readlines(_LINES_BYTES)
+            if not lines:
+                return
+            yield range(n, n + len(lines)), lines
+            n += len(lines)
+
+
+def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
+    positions: list[int] = []
+    items: list = []
+    for pos, item in pairs:
+        positions.append(pos)
+        items.append(item)
+        if len(items) >= _BATCH:
+            yield positions, items
+            positions, items = [], []
+    if items:
+        yield positions, items
 
 
 def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:

@@ -84,23 +84,34 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     totals = Totals()
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
-        digest = hashlib.sha256()
-        for result in _results(src, cfg, encoder, sample, digest):
+        for result in _results(src, cfg, encoder, sample):
             totals.add(result)
             if result.batch is not None:
                 writer.write(result.batch)
             totals.progress(started)
         names = writer.close()
-        fp = fingerprint(tok_fp, tok, cfg)
-        digest.update(json.dumps(fp, sort_keys=True).encode())
-        (tmp / FINGERPRINT_FILE).write_text(json.dumps(fp, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        write_metadata(tmp, names, digest.hexdigest()[:16])
+        fp = json.dumps(fingerprint(tok_fp, tok, cfg), indent=2, ensure_ascii=False) + "\n"
+        (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
+        write_metadata(tmp, names, _content_hash(tmp, names, fp))
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
              report["tokens"], report["loss_tokens"], len(names), dst)
     if report["rows"] == 0:
         log.warning("no rows left after the filters; see the drops in the report")
     return report
+
+
+def _content_hash(folder: Path, names: list[str], fp: str) -> str:
+    """state.json's fingerprint: cheap, and the same whenever the output is the same."""
+    h = hashlib.sha256(fp.encode())
+    for name in names:
+        with open(folder / name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(f"{name}:{size}".encode())
+            h.update(f.read(1 << 16))
+            f.seek(max(0, size - (1 << 16)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def _check_params(cfg: P.Tokenize) -> None:
@@ -174,14 +185,13 @@ def _sample_lines(src: Path, k: int) -> frozenset[int]:
 # ---------------------------------------------------------------- reading
 
 
-def _chunks(src: Path, digest) -> Iterator[tuple[int, list[bytes]]]:
+def _chunks(src: Path) -> Iterator[tuple[int, list[bytes]]]:
     """(first line number, lines) groups of about CHUNK_BYTES."""
     lines: list[bytes] = []
     size = 0
     first = 1
     with open(src, "rb") as f:
         for no, line in enumerate(f, 1):
-            digest.update(line)
             if not lines:
                 first = no
             lines.append(line)
@@ -193,8 +203,8 @@ def _chunks(src: Path, digest) -> Iterator[tuple[int, list[bytes]]]:
         yield first, lines
 
 
-def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder, sample: frozenset[int],
-             digest) -> Iterator["ChunkResult"]:
+def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
+             sample: frozenset[int]) -> Iterator["ChunkResult"]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -203,14 +213,14 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder, sample: frozenset
     _STATE = (encoder, cfg, str(src), sample)
     try:
         if cfg.num_proc == 1:
-            for chunk in _chunks(src, digest):
+            for chunk in _chunks(src):
                 yield work(chunk)
             return
         # fork: workers inherit the loaded tokenizer instead of loading it again
         ctx = multiprocessing.get_context("fork")
         window = collections.deque()
         with ctx.Pool(cfg.num_proc, initializer=_ignore_sigint) as pool:
-            for chunk in _chunks(src, digest):
+            for chunk in _chunks(src):
                 window.append(pool.apply_async(work, (chunk,)))
                 if len(window) >= 3 * cfg.num_proc:
                     yield window.popleft().get()

@@ -113,7 +113,8 @@ def run(cfg: P.Validate) -> dict:
     _check_info(findings)
 
     scan = Scanner(cfg, vocab, findings)
-    threads = cfg.threads or min(4, os.cpu_count() or 1)
+    threads = cfg.threads or _idle_cpus()
+    log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
         loads = pool.submit(_load, DATA)  # independent of the scan: runs beside it
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
@@ -165,6 +166,17 @@ def run(cfg: P.Validate) -> dict:
     log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
              scan.rows, len(shards))
     return report
+
+
+def _idle_cpus() -> int:
+    """Threads for `validate.threads: 0`: CPUs not already busy (1-minute load), 1 to 4.
+
+    Summaries are memory-bound numpy work: a second thread on a CPU someone else keeps
+    busy only adds hand-offs.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(4, int((cpus or 1) - busy + 0.5)))
 
 
 # ---------------------------------------------------------------- dataset checks

@@ -21,7 +21,6 @@ import unicodedata
 import numpy as np
 import pytest
 
-from stages import tokenizer as T
 from stages.chat import ESC, ChatEncoder
 from stages.errors import StageError
 
@@ -31,7 +30,10 @@ N_CONVERSATIONS = 1000
 
 @pytest.fixture(scope="module")
 def tok():
-    return T.load_tokenizer("bundled:qwen3.6")
+    # the stage's per-process cache: one load for every test module in the session
+    from stages.tokenize import _load_tokenizer
+
+    return _load_tokenizer("bundled:qwen3.6", None, False, None)[0]
 
 
 @pytest.fixture(scope="module")

@@ -456,18 +456,18 @@ def test_real_transformers_serve_on_the_demo_model(tmp_path):
         (tmp_path / ".cache" / sub).symlink_to(ROOT / ".cache" / sub)
     rows = make_prompts(tmp_path, 6)
     server = {"launch": {"engine": "transformers", "model": "demo:tiny-qwen3", "startup_timeout": 240}}  # fmt: skip
-    write_params(tmp_path, server=server, limit=3, max_tokens=8, concurrency=2, seed=0)
+    write_params(tmp_path, server=server, limit=2, max_tokens=4, concurrency=2, seed=0)
     proc = stage(tmp_path, timeout=400)
     out = ok(proc)
     body = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert "rid" not in body and "top_k" not in body  # transformers serve rejects them (422)
     completions, failures = outputs(tmp_path)
-    assert failures == [] and [c["id"] for c in completions] == [r["id"] for r in rows[:3]]
+    assert failures == [] and [c["id"] for c in completions] == [r["id"] for r in rows[:2]]
     for c in completions:
         assert c["model"] == "demo:tiny-qwen3" and c["finish_reason"] in ("stop", "length")
-        assert 1 <= c["usage"]["completion_tokens"] <= 8
+        assert 1 <= c["usage"]["completion_tokens"] <= 4
     r = report(tmp_path)
-    assert r["server"]["engine"] == "transformers" and r["completed"] == 3
+    assert r["server"]["engine"] == "transformers" and r["completed"] == 2
     assert "stopped transformers" in out
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import prepare
+from stages import prepare, sources
 from stages.errors import StageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,6 +189,17 @@ def test_duplicates_within_and_across_sources_first_wins(tmp_path):
         ("a", "Alpha question"), ("a", "Beta question"), ("b", "beta\tquestion"), ("b", "Gamma")]
     assert report["sources"]["a"]["dropped_by_reason"]["duplicate"] == 2
     assert report["sources"]["b"]["dropped_by_reason"]["duplicate_cross_source"] == 1
+
+
+def test_normalization_ignores_whitespace_and_unicode_form_only(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [
+        {"q": "What is 2+2?"}, {"q": "What is 2 + 2?\n"}, {"q": "What\u00a0is 2+2?"},
+        {"q": "caf\u00e9"}, {"q": "cafe\u0301"},          # NFC makes these equal
+        {"q": "what is 2+2?"}, {"q": "What is 2+3?"},        # case and digits matter
+    ])
+    _, rows, _ = run(tmp_path, [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}])
+    assert [r["messages"][0]["content"] for r in rows] == [
+        "What is 2+2?", "caf\u00e9", "what is 2+2?", "What is 2+3?"]
 
 
 def test_dedup_modes(tmp_path):
@@ -399,15 +410,16 @@ def test_one_source_limit_changes_only_its_rows(tmp_path):
 
 
 def test_worker_processes_give_identical_output(tmp_path, monkeypatch):
-    sources = six_sources(tmp_path)
+    mix = six_sources(tmp_path)
     big = write_jsonl(tmp_path / "src" / "big.jsonl",
                       [{"conversations": [{"from": "human", "value": f"Question {i % 900}"},
                                           {"from": "gpt", "value": "A"}]} for i in range(1200)])
-    sources.insert(1, {"name": "big", "path": str(big), "format": "sharegpt", "limit": 500})
-    _, _, one = run(tmp_path, sources, num_proc=1)
+    mix.insert(1, {"name": "big", "path": str(big), "format": "sharegpt", "limit": 500})
+    _, _, one = run(tmp_path, mix, num_proc=1)
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
-    monkeypatch.setattr(prepare, "CHUNK_ROWS", 64)
-    report, _, two = run(tmp_path, sources, num_proc=2)
+    monkeypatch.setattr(sources, "_LINES_BYTES", 2000)
+    monkeypatch.setattr(sources, "_BATCH", 64)
+    report, _, two = run(tmp_path, mix, num_proc=2)
     assert one == two
     assert report["sources"]["big"]["dropped_by_reason"]["duplicate"] == 300
 

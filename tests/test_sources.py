@@ -103,6 +103,9 @@ def test_arrow_stream_file(tmp_path):
     with pa.ipc.new_stream(path, table.schema) as w:
         w.write_table(table)
     assert [r["q"] for _, r in rows_of(src(path))] == ["a", "b"]
+    with pa.ipc.new_file(tmp_path / "file.arrow", table.schema) as w:  # the random-access format
+        w.write_table(table)
+    assert [r["q"] for _, r in rows_of(src(tmp_path / "file.arrow"))] == ["a", "b"]
 
 
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path):

@@ -39,6 +39,7 @@ def test_two_builds_are_byte_identical(built):
 
 
 def test_loads_as_a_qwen3_with_the_bundled_vocabulary(built):
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = built[0]
@@ -63,6 +64,14 @@ def test_loads_as_a_qwen3_with_the_bundled_vocabulary(built):
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert out.shape[1] <= ids["input_ids"].shape[1] + 3
     assert int(out.max()) < 248077
+
+    # specials never reach the top 20 it samples from, except <|im_end|>, which does
+    torch.manual_seed(0)
+    context = torch.randint(0, 248044, (8, 40))
+    with torch.no_grad():
+        top = model(context).logits[:, 4:, :].topk(20, dim=-1).indices
+    assert not ((top >= 248044) & (top != 248046)).any()
+    assert 0.05 < (top == 248046).any(-1).float().mean().item() < 0.9
 
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [248046, 248044] and gen["do_sample"] is True

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from stages import tokenize as TK
-from stages import tokenizer as T
 from stages.chat import ChatEncoder
 from stages.errors import StageError
 from stages.params import ParamError, Tokenize
@@ -26,7 +25,10 @@ IM_END = 248046
 
 @pytest.fixture(scope="module")
 def tok():
-    return T.load_tokenizer("bundled:qwen3.6")
+    # the stage's per-process cache: one load for every test module in the session
+    from stages.tokenize import _load_tokenizer
+
+    return _load_tokenizer("bundled:qwen3.6", None, False, None)[0]
 
 
 def completion(i, source, messages, truncated=False, tools=None):
@@ -89,7 +91,8 @@ def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
     out = tmp_path / "tokenized"
     rep = TK.tokenize_file(src, out, max_seq_len=300, min_loss_tokens=7)
     ds = load(out)
-    # c1 truncated, c2/c3 empty, c4 too long, c7 has 6 supervised tokens (an empty thinking block and "Yo")
+    # c1 truncated, c2/c3 empty, c4 too long, c7 has 6 supervised tokens (an empty
+    # thinking block and "Yo")
     assert ds["id"] == ["c0", "c5", "c6"]
     assert rep["sources"]["alpha"]["dropped"] == {
         "truncated": 1, "empty_content": 0, "too_long": 0, "too_few_loss_tokens": 1}
@@ -255,9 +258,7 @@ def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
     lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))
-    import hashlib
-
-    chunks = list(TK._chunks(path, hashlib.sha256()))
+    chunks = list(TK._chunks(path))
     assert [first for first, _ in chunks] == [1, 3, 8]
     for _, part in chunks:
         assert sum(map(len, part)) - len(part[-1]) < 1000

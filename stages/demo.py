@@ -120,11 +120,11 @@ def summary(ran: list[str] | None) -> str:
         lines.append(
             "stages run: " + (", ".join(ran) if ran else "none - nothing changed, all up to date")
         )
-    total = prep.get("total", {})
+    total = prep.get("totals", {})
     lines.append(f"prepare   {total.get('kept', '?')} prompts from {len(prep.get('sources', {}))} sources")
     lines.append(
-        f"generate  {gen.get('completed', '?')} completions, {gen.get('failed', '?')} failed, "
-        f"{gen.get('output_tokens', '?')} output tokens"
+        f"generate  {gen.get('completed', '?')} completions ({gen.get('truncated', '?')} truncated), "
+        f"{gen.get('failed', '?')} failed, {gen.get('output_tokens', '?')} output tokens"
     )
     lines.append(f"tokenize  {tok.get('rows', '?')} rows, {tok.get('tokens', '?')} tokens "
                  f"({tok.get('loss_tokens', '?')} supervised)")

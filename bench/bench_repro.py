@@ -3,7 +3,7 @@
   .venv/bin/python bench/bench_repro.py [--quick]      (or BENCH_QUICK=1)
 
 Builds a throwaway git + DVC repo under bench/work/repro with the project's cache
-setting (`cache.type hardlink,symlink`) and a four-stage pipeline shaped like the real
+setting (`cache.type` from .dvc/config: hardlink,symlink) and a four-stage pipeline shaped like the real
 one, without the model: `base` writes Arrow shards of token rows (2 GB; 256 MB quick),
 `tokenize` writes one new shard, `merge` hardlinks the base shards and copies the new
 one into data/merged (as stages/merge.py does), `validate` memory-maps every merged
@@ -163,7 +163,9 @@ def build(repo: Path, base_mb: int, new_mb: int) -> None:
     sh(["git", "init", "-q"], repo)
     sh(["dvc", "init", "-q"], repo)
     sh(["dvc", "config", "core.analytics", "false"], repo)
-    sh(["dvc", "config", "cache.type", "hardlink,symlink"], repo)
+    # the link mode this project ships, read from its own .dvc/config
+    project_type = sh(["dvc", "config", "cache.type"], ROOT)[1].strip()
+    sh(["dvc", "config", "cache.type", project_type], repo)
     (repo / "dvc.yaml").write_text(
         PIPELINE.format(me=Path(__file__).resolve(), base_mb=base_mb, new_mb=new_mb)
     )

@@ -11,9 +11,14 @@ length percentiles per source).
 
 Filters, each counted per source: `truncated` (the answer hit max_tokens; kept only with
 keep_truncated, and then without the end-of-turn token in the loss), `empty_content`
-(no answer text and no tool call), `too_long` (over max_seq_len with on_too_long: drop;
-with truncate the row is cut to max_seq_len), `too_few_loss_tokens` (under
-min_loss_tokens supervised tokens).
+(no answer text and no tool call; a kept truncated answer needs only some text, its
+thinking counts), `too_long` (over max_seq_len with on_too_long: drop; with truncate the
+row is cut to max_seq_len), `too_few_loss_tokens` (under min_loss_tokens supervised
+tokens).
+
+multi_turn: `last` (one row, loss on the final answer), `all` (one row, loss on every
+assistant turn as rendered), `expand` (one row per assistant turn, rendered as at
+inference; the final turn's row keeps the conversation id, earlier ones are `<id>#<k>`).
 
 Train/serve check: for check_sample rows spread over the file, the row's prompt part
 must equal the server's tokenization of the history with the generation prompt
@@ -81,6 +86,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
                                   _file_stamp(cfg.chat_template))
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     sample = _sample_lines(src, cfg.check_sample)
+    log.info("tokenizing %s with %s (template %s), multi_turn=%s, %d process(es)", src,
+             cfg.tokenizer, _template_name(cfg), cfg.multi_turn, cfg.num_proc)
     totals = Totals()
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
@@ -98,6 +105,12 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
              report["tokens"], report["loss_tokens"], len(names), dst)
     if report["rows"] == 0:
         log.warning("no rows left after the filters; see the drops in the report")
+    if report["lookalike_rows"]:
+        log.warning("%d rows spell control tokens inside message text: tokenized as text "
+                    "here (a server that does not sanitize them read control tokens)",
+                    report["lookalike_rows"])
+    if sample and not report["train_serve_checked"] and report["rows"]:
+        log.warning("no row reached the train/serve check (all sampled rows were filtered)")
     return report
 
 

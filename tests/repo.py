@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +22,20 @@ def env() -> dict:
 
 
 def run(cmd, cwd: Path, check: bool = True, timeout: float = 900) -> str:
-    proc = subprocess.run(
+    # A session of its own, so a timeout kills dvc, the stage and any server it started.
+    proc = subprocess.Popen(
         cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout,
+        text=True, start_new_session=True,
     )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout} s:\n{out[-4000:]}") from None
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}:\n{proc.stdout[-4000:]}")
-    return proc.stdout
+        raise AssertionError(f"{cmd} exited {proc.returncode}:\n{out[-4000:]}")
+    return out
 
 
 def git_commit(repo: Path, message: str) -> str:

@@ -178,26 +178,36 @@ def _encode_part(part: tuple[int, int]) -> None:
     tok.backend_tokenizer.encode_batch_fast(_TEXTS[part[0]:part[1]], add_special_tokens=False)
 
 
-def machine_scaling(texts: list[str]) -> tuple[float, float]:
-    """Seconds of the bare tokenizer in 1 single-threaded process and in 2: their ratio is
-    the ceiling for any 2-process tokenizer on this machine at this moment."""
+class single_threaded:
+    """TOKENIZERS_PARALLELISM=false for the block (forked workers inherit it)."""
+
+    def __enter__(self) -> None:
+        self.saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = self.saved
+
+
+def bare_one(texts: list[str]) -> None:
+    """The bare tokenizer on one thread."""
+    _TEXTS[:] = texts
+    with single_threaded():
+        _encode_part((0, len(texts)))
+
+
+def bare_two(texts: list[str]) -> None:
+    """The bare tokenizer in 2 forked single-threaded processes (fork included, as in the
+    stage): with `bare_one`, the ceiling for any 2-process tokenizer at this moment."""
     import multiprocessing
 
     _TEXTS[:] = texts
     half = len(texts) // 2
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        one = _best(lambda: _encode_part((0, len(texts))))
-        with multiprocessing.get_context("fork").Pool(2) as pool:
-            pool.map(_encode_part, [(0, 1), (1, 2)])  # started
-            two = _best(lambda: pool.map(_encode_part, [(0, half), (half, len(texts))]))
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
-    return one, two
+    with single_threaded(), multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(_encode_part, [(0, half), (half, len(texts))])
 
 
 def _peak_memory(cmd: list[str], env: dict) -> float:
@@ -267,15 +277,18 @@ def main(quick: bool | None = None) -> dict:
     assert report["rows"] == n, report["dropped"]
     # Interleaved rounds, best of each: a burst of other work on the shared cores then
     # hits one round of every figure rather than all rounds of one.
-    timings: dict[str, list[float]] = {"floor": [], "stage1": [], "stage2": []}
+    runs = {
+        "floor": lambda: backend.encode_batch_fast(texts, add_special_tokens=False),
+        "floor_1": lambda: bare_one(texts),
+        "floor_2proc": lambda: bare_two(texts),
+        "stage1": lambda: tokenize_file(path, out, num_proc=1, max_seq_len=1 << 20),
+        "stage2": lambda: tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(2 if quick else 3):
-        timings["floor"].append(
-            _timed(lambda: backend.encode_batch_fast(texts, add_special_tokens=False)))
-        for procs in (1, 2):
-            timings[f"stage{procs}"].append(_timed(
-                lambda: tokenize_file(path, out, num_proc=procs, max_seq_len=1 << 20)))
-    floor, stage1, stage2 = (min(timings[k]) for k in ("floor", "stage1", "stage2"))
-    floor_1, floor_2proc = machine_scaling(texts)
+        for name, fn in runs.items():
+            timings[name].append(_timed(fn))
+    floor, floor_1, floor_2proc, stage1, stage2 = (min(t) for t in timings.values())
 
     naive_rows = rows[:n_naive]
     naive_tokens = [0]

@@ -155,6 +155,7 @@ class ChatEncoder:
             )
         if not self.generation_tags:
             self.header, self.prefill = self._probe_generation_prompt()
+        self._self_test()
 
     # ---------------------------------------------------------------- encoders
 
@@ -270,6 +271,26 @@ class ChatEncoder:
         nl = suffix.find("\n")
         head = suffix if nl < 0 else suffix[: nl + 1]
         return head, suffix[len(head):]
+
+    def _self_test(self) -> None:
+        """Piece-wise encoding must give a whole-text encode's ids on a plain chat."""
+        probe = [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": "Hello world, what is 2 + 2?"},
+                 {"role": "assistant", "content": "It is 4."}]
+        ours = self.encode(probe)[0][0].tolist()
+        whole = list(self.tok.apply_chat_template(
+            probe, chat_template=self.template, tokenize=True, return_dict=False,
+            enable_thinking=self.enable_thinking))
+        if ours != whole:
+            i = next((k for k, (a, b) in enumerate(zip(ours, whole)) if a != b),
+                     min(len(ours), len(whole)))
+            raise StageError(
+                f"tokenizer {self.name!r}: encoding a rendering piece by piece does not give "
+                f"the ids of a whole-text encode (first difference at token {i}: "
+                f"{self.tok.decode(ours[i:i + 4])!r} vs {self.tok.decode(whole[i:i + 4])!r}); "
+                "tokenizers that prefix every text piece with a space (SentencePiece "
+                "Metaspace) are not supported"
+            )
 
     # -------------------------------------------------------------- planning
 

@@ -61,9 +61,11 @@ COMPLETIONS = Path("data/completions/completions.jsonl")
 OUT = Path("data/tokenized")
 REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
 ROLES = {"system", "user", "assistant", "tool"}
-# A worker's unit of work: small enough that the last chunks do not leave a worker idle
-# for long, large enough that per-chunk costs (one encode call, one Arrow batch) vanish.
+# A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
+# so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
+# where per-chunk costs (one encode call, one Arrow batch) would start to show.
 CHUNK_BYTES = 256 << 10
+MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
 
 
@@ -198,8 +200,9 @@ def _sample_lines(src: Path, k: int) -> frozenset[int]:
 # ---------------------------------------------------------------- reading
 
 
-def _chunks(src: Path) -> Iterator[tuple[int, list[bytes]]]:
-    """(first line number, lines) groups of about CHUNK_BYTES."""
+def _chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
+    """(first line number, lines) groups of about equal bytes (see CHUNK_BYTES)."""
+    limit = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, src.stat().st_size // (16 * num_proc)))
     lines: list[bytes] = []
     size = 0
     first = 1
@@ -209,7 +212,7 @@ def _chunks(src: Path) -> Iterator[tuple[int, list[bytes]]]:
                 first = no
             lines.append(line)
             size += len(line)
-            if size >= CHUNK_BYTES or len(lines) >= CHUNK_ROWS:
+            if size >= limit or len(lines) >= CHUNK_ROWS:
                 yield first, lines
                 lines, size = [], 0
     if lines:
@@ -226,14 +229,14 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
     _STATE = (encoder, cfg, str(src), sample)
     try:
         if cfg.num_proc == 1:
-            for chunk in _chunks(src):
+            for chunk in _chunks(src, 1):
                 yield work(chunk)
             return
         # fork: workers inherit the loaded tokenizer instead of loading it again
         ctx = multiprocessing.get_context("fork")
         window = collections.deque()
         with ctx.Pool(cfg.num_proc, initializer=_ignore_sigint) as pool:
-            for chunk in _chunks(src):
+            for chunk in _chunks(src, cfg.num_proc):
                 window.append(pool.apply_async(work, (chunk,)))
                 if len(window) >= 3 * cfg.num_proc:
                     yield window.popleft().get()

@@ -484,3 +484,18 @@ def test_non_special_control_tokens_are_text_too(hf_style):
     # the backend the server uses is left as it was
     assert hf_style.encode("<think>", add_special_tokens=False) == [
         hf_style.convert_tokens_to_ids("<think>")]
+
+
+def test_tokenizer_adding_a_prefix_space_per_piece_is_refused(tok):
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["[UNK]", "▁", *map(chr, range(32, 127)), "\n"]
+    backend = Tokenizer(BPE({c: i for i, c in enumerate(chars)}, [], unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens([AddedToken(t.content, special=True, normalized=False)
+                                for _, t in sorted(tok.added_tokens_decoder.items())])
+    spm = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    with pytest.raises(StageError, match="piece by piece.*Metaspace"):
+        ChatEncoder(spm, chat_template=tok.chat_template, name="spm")

@@ -446,7 +446,11 @@ def test_shipped_demo_sources(tmp_path):
     for src in cfg.sources:
         src.path = str(ROOT / src.path)
     report = prepare.run(cfg)
-    assert 40 <= report["totals"]["kept"] <= 60
+    for src in cfg.sources:  # the demo's limits bind: the sample is a real mix
+        stats = report["sources"][src.name]
+        assert stats["kept"] == min(src.limit or stats["cleaned"], stats["cleaned"])
+        assert stats["dropped_by_reason"]["over_limit"] == stats["cleaned"] - stats["kept"]
+    assert 30 <= report["totals"]["kept"] <= 60
     rows = [json.loads(x) for x in (tmp_path / "data/prompts/prompts.jsonl").read_text().splitlines()]
     roles = [[m["role"] for m in r["messages"]] for r in rows]
     assert any(r[-1] == "tool" for r in roles) and any(r.count("user") > 1 for r in roles)

@@ -255,6 +255,7 @@ def test_params_are_checked(tmp_path, src):
 
 def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(TK, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(TK, "MIN_CHUNK_BYTES", 1000)
     lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))

@@ -10,7 +10,7 @@ times on a shared 2-core machine are noise, ratios are not.
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
 import json
 import sys
 import time
@@ -21,15 +21,34 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+MARK = "BENCH-RESULT "
+
+
+def run_one(path: Path) -> dict:
+    """Run one benchmark in a process of its own, so that peak-RSS figures taken from
+    RUSAGE_CHILDREN see only that benchmark's children."""
+    code = (
+        "import importlib.util, json, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('bench', {str(path)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"print({MARK!r} + json.dumps(m.main()), flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    figures = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(MARK):
+            figures = json.loads(line[len(MARK):])
+        else:
+            sys.stdout.write(line)
+    if proc.wait() != 0 or figures is None:
+        raise RuntimeError(f"{path.name} exited {proc.returncode}")
+    return figures
 
 
 def main(names: list[str]) -> int:
-    sys.path.insert(0, str(ROOT))
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() and names else {}
     failed = []
@@ -40,7 +59,7 @@ def main(names: list[str]) -> int:
         print(f"== bench {name}", flush=True)
         start = time.perf_counter()
         try:
-            figures = load(path).main()
+            figures = run_one(path)
         except Exception:
             traceback.print_exc()
             failed.append(name)

@@ -27,11 +27,11 @@ MARK = "BENCH-RESULT "
 def run_one(path: Path) -> dict:
     """Run one benchmark in a process of its own, so that peak-RSS figures taken from
     RUSAGE_CHILDREN see only that benchmark's children."""
+    # imported under its own name, so worker processes can pickle its functions
     code = (
-        "import importlib.util, json, sys\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        f"spec = importlib.util.spec_from_file_location('bench', {str(path)!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "import importlib, json, sys\n"
+        f"sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]\n"
+        f"m = importlib.import_module({path.stem!r})\n"
         f"print({MARK!r} + json.dumps(m.main()), flush=True)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,

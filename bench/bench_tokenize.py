@@ -1,6 +1,6 @@
 """Benchmark the tokenize stage against the tokenizer itself and the naive way.
 
-  python bench/bench_tokenize.py            1,200 conversations; 50K rows for memory
+  python bench/bench_tokenize.py            1,000 conversations; 50K rows for memory
   python bench/bench_tokenize.py --quick    300 conversations; 5K rows (also BENCH_QUICK=1)
 
 Conversations are generated with realistic length and shape for the reference run: mean
@@ -264,8 +264,8 @@ def main(quick: bool | None = None) -> dict:
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.tokenize import _file_stamp, _load_tokenizer, tokenize_file
 
-    n = 300 if quick else 1200
-    n_naive = 60 if quick else 200
+    n = 300 if quick else 1000
+    n_naive = 60 if quick else 150
     path = WORK / f"realistic-v2-{n}.jsonl"
     make_completions(path, n)
     rows = [json.loads(line) for line in path.open(encoding="utf-8")]

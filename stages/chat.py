@@ -27,7 +27,9 @@ Supervised spans are the tokens the assistant generated:
   when the turn begins with it).
 - Templates with `{% generation %}` blocks: the blocks; the end of the generation prompt
   comes from a second rendering of the history with `add_generation_prompt`.
-- Any other template is refused with an error naming it.
+- Any other template is refused with an error naming it, and so is a tokenizer whose
+  piece-wise encoding differs from a whole-text encode (checked on a probe chat at start:
+  SentencePiece tokenizers that prefix every piece with a space).
 
 Multi-turn policies: `last` supervises the final assistant turn; `all` every assistant
 turn as the full rendering shows it (Qwen3 templates drop the thinking of turns before

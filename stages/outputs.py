@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 REPORTS = Path("reports")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def _remove(path: Path) -> None:
@@ -31,6 +33,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it 0700; outputs are shared data
     try:
         yield tmp
         old = None
@@ -52,6 +55,7 @@ def atomic_file(target: str | Path, mode: str = "w") -> Iterator:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it 0600
     kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
     try:
         with os.fdopen(fd, mode, **kwargs) as f:

@@ -6,7 +6,8 @@
 The source is generated ShareGPT JSON lines (1-4 turns, a system prompt on some rows,
 half the texts in paragraphs, some with code, ~1% duplicate rows). The stage runs as
 `python -m stages.prepare` in a subprocess, timed wall-clock from start to exit
-(interpreter and worker start included), its peak RSS and CPU time read with os.wait4.
+(interpreter and worker start included), its CPU time read with os.wait4, its peak RSS
+as bench/peak.py reads it.
 The baseline, in this process: read every line, `json.loads` it and blake2b it.
 Baseline and stage run twice, interleaved, and the faster of each run counts.
 
@@ -36,6 +37,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work" / "prepare"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from peak import outcome, stage_command  # noqa: E402
 
 WORDS = (
     "the a model data train token python function value error result system user answer "
@@ -114,20 +118,22 @@ def run_stage(path: Path, rows: int, num_proc: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.prepare", "--params", str(params)],
-        cwd=run_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stage_command("prepare", "--params", str(params)),
+        cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode()  # stdout is one line: it cannot fill its pipe
+    out = proc.stdout.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)  # for the CPU time
     seconds = time.perf_counter() - start
     proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
+    proc.stdout.close()
+    if os.waitstatus_to_exitcode(status) != 0 or outcome(out)[0] != 0:
         raise RuntimeError(f"prepare failed on {path}:\n{err}")
     report = json.loads((run_dir / "reports" / "prepare.json").read_text())
     assert report["totals"]["read"] == rows, report["totals"]
-    # ru_maxrss is KiB on Linux; with workers it is the stage process itself (the biggest)
+    # with workers, the peak is the stage process's own (the biggest)
     return {"wall": rows / seconds, "cpu": rows / (usage.ru_utime + usage.ru_stime),
-            "rss_mb": usage.ru_maxrss / 1024}
+            "rss_mb": outcome(out)[1]}
 
 
 def main(quick: bool | None = None) -> dict:

@@ -16,6 +16,11 @@ exits with status 1 after writing them, so `dvc repro` stops here.
 
 The vocabulary size is `validate.vocab_size`, else tokenizer.vocab_size in
 data/merged/fingerprint.json.
+
+Memory does not grow with the dataset: shards are read through memory maps whose pages
+are dropped behind the reader, summaries are checked CHUNK_ROWS at a time, and the id
+hashes for the uniqueness check spill to a temporary file past a bound
+(stages/idhashes.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -43,13 +47,13 @@ import pyarrow.compute as pc
 from stages import cli, outputs
 from stages import params as P
 from stages.errors import StageError
+from stages.idhashes import IdHashes
 from stages.schema import (
     FEATURES,
     FINGERPRINT_FILE,
     INFO_FILE,
     NOT_NULL_CHECKS,
     ROW_CHECKS,
-    id_schema,
     list_shards,
     open_shard,
     row_schema,
@@ -63,8 +67,7 @@ MERGE_REPORT = Path("reports/merge.json")
 PLOTS = Path("reports/plots")
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
-CHUNK_ROWS = 131072  # summary rows checked per pandera call: bounds memory, amortises cost
-UNIQUE_ROWS = 1 << 20  # id hashes checked for uniqueness per pandera call
+CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
 LENGTH_BINS = 64
 FRACTION_BINS = 20
 
@@ -112,11 +115,13 @@ def run(cfg: P.Validate) -> dict:
         shards = []
     _check_info(findings)
 
-    scan = Scanner(cfg, vocab, findings)
     threads = cfg.threads or _idle_cpus()
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
-    with ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
-        loads = pool.submit(_load, DATA)  # independent of the scan: runs beside it
+    with IdHashes() as ids, \
+            ThreadPoolExecutor(1, thread_name_prefix="load") as side, \
+            ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
+        scan = Scanner(cfg, vocab, findings, ids)
+        loads = side.submit(_load, DATA)  # mostly waiting on files: beside the scan
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()
@@ -215,9 +220,14 @@ def _check_info(findings: Findings) -> None:
 
 
 def _load(folder: Path):
-    """The dataset as training opens it, or the exception that stops it."""
+    """(rows, features) of the dataset as training opens it, or the exception that stops it.
+
+    The dataset itself is dropped at once: opening it maps a page or more of every record
+    batch, memory that grows with the dataset, so it is held only for the moment it takes.
+    """
     try:
-        return datasets.load_from_disk(str(folder))
+        loaded = datasets.load_from_disk(str(folder))
+        return len(loaded), loaded.features
     except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
         return e
 
@@ -225,9 +235,8 @@ def _load(folder: Path):
 def _check_loads(findings: Findings, loaded, rows: int) -> None:
     if isinstance(loaded, Exception):
         findings.add("loads", 1, [f"load_from_disk: {type(loaded).__name__}: {loaded}"[:300]])
-    elif len(loaded) != rows or loaded.features != FEATURES:
-        findings.add("loads", 1, [f"load_from_disk: {len(loaded)} rows, features "
-                                  f"{loaded.features}"])
+    elif loaded[0] != rows or loaded[1] != FEATURES:
+        findings.add("loads", 1, [f"load_from_disk: {loaded[0]} rows, features {loaded[1]}"])
 
 
 def _check_row_count(findings: Findings, rows: int) -> Optional[int]:
@@ -248,7 +257,7 @@ def _check_row_count(findings: Findings, rows: int) -> Optional[int]:
 class Scanner:
     """Summarises rows batch by batch and checks the summaries chunk by chunk."""
 
-    def __init__(self, cfg: P.Validate, vocab: int, findings: Findings):
+    def __init__(self, cfg: P.Validate, vocab: int, findings: Findings, ids: IdHashes):
         self.vocab = vocab
         self.findings = findings
         self.schema = row_schema(cfg.max_seq_len, cfg.min_loss_tokens)
@@ -256,8 +265,7 @@ class Scanner:
         self.rows = 0
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
-        self.hashes: list[np.ndarray] = []  # 64-bit id hashes, dataset-wide
-        self.hash_rows: list[np.ndarray] = []
+        self.ids = ids  # 64-bit id hashes and row numbers, dataset-wide
         self.shard_rows: list[int] = []
         self.stats: dict[str, np.ndarray] = {}  # per source: see source_stats()
 
@@ -293,8 +301,8 @@ class Scanner:
         except pandera.errors.SchemaErrors as e:
             self._record(frame, e.failure_cases)
         ids = frame.filter(pl.col("id").is_not_null())
-        self.hashes.append(ids.get_column("id").hash(seed=0).to_numpy())
-        self.hash_rows.append(ids.get_column("row").to_numpy())
+        self.ids.add(ids.get_column("id").hash(seed=0).to_numpy(),
+                     ids.get_column("row").to_numpy())
 
     def _record(self, frame, failures) -> None:
         names = pl.col("column").replace_strict(NOT_NULL_CHECKS, default=None)
@@ -314,26 +322,12 @@ class Scanner:
             self.findings.add(name, len(index), examples)
 
     def check_unique_ids(self, shards: list[Path]) -> None:
-        """Hash-level duplicates via pandera, then confirmed on the id strings.
-
-        Equal ids have equal hashes, so checking each slice of the hash space on its own
-        (about UNIQUE_ROWS hashes each) finds every duplicate while the check's hash
-        table stays small however many rows there are.
-        """
-        hashes = np.concatenate(self.hashes) if self.hashes else np.zeros(0, np.uint64)
-        rows = np.concatenate(self.hash_rows) if self.hash_rows else np.zeros(0, np.int64)
-        bits = max(0, math.ceil(math.log2(max(len(hashes), 1) / UNIQUE_ROWS)))
-        bucket = hashes >> np.uint64(64 - bits) if bits else np.zeros(len(hashes), np.uint64)
-        suspects = []
-        for b in range(1 << bits):
-            where = np.flatnonzero(bucket == b)
-            try:
-                id_schema().validate(pl.DataFrame({"id_hash": hashes[where]}), lazy=True)
-            except pandera.errors.SchemaErrors as e:
-                suspects.append(rows[where[e.failure_cases.get_column("index").to_numpy()]])
-        if not suspects:
+        """Hash-level duplicates via pandera (see stages/idhashes.py), then confirmed on
+        the id strings."""
+        suspects = self.ids.repeated_rows()
+        if not len(suspects):
             return
-        ids = _ids_at(shards, self.shard_rows, np.sort(np.concatenate(suspects)))
+        ids = _ids_at(shards, self.shard_rows, suspects)
         counts = pc.value_counts(ids)
         repeated = counts.filter(pc.greater(counts.field("counts"), 1))
         if len(repeated):
@@ -354,8 +348,12 @@ def summarize_shard(path: Path, vocab: int, width: int):
             rows += batch.num_rows
     if not summaries:
         return diffs, [], 0, {}
-    # one batch per shard: few large batches are cheap to convert and count, many small not
+    # one batch per shard: few large batches are cheap to convert and count, many small
+    # not; the casts to one schema for all shards are done here, once, for the same reason
     summary = pa.concat_batches(summaries)
+    columns = [pc.cast(c, SUMMARY_TYPES[name]) for c, name in zip(summary.columns,
+                                                                   summary.schema.names)]
+    summary = pa.RecordBatch.from_arrays(columns, names=summary.schema.names)
     return diffs, [summary], rows, source_stats(summary, width)
 
 
@@ -391,8 +389,21 @@ def _add_stats(into: dict[str, np.ndarray], stats: dict[str, np.ndarray]) -> Non
             into[name] = vector.copy()
 
 
+SUMMARY_TYPES = {
+    name: pa.large_string() if name in ("id", "source") else pa.int64()
+    for name in ["row", "id", "source", "input_ids_len", "loss_mask_len", "ids_out_of_range",
+                 "mask_not_binary", "supervised", "longest_run", "num_tokens",
+                 "num_loss_tokens"]
+}
+
+
 def summarize(batch: pa.RecordBatch, vocab: int, first_row: int) -> pa.RecordBatch:
-    """One summary row per row of `batch`, from the flattened lists (no per-row loop)."""
+    """One summary row per row of `batch`, from the flattened lists (no per-row loop).
+
+    id, source and the stored counters keep the shard's own types (summarize_shard casts
+    them to SUMMARY_TYPES): a compute call costs about as much as the numpy work on a
+    1000-row batch, so per-batch calls are kept few.
+    """
     n = batch.num_rows
     ids_col = batch.column("input_ids")
     mask_col = batch.column("loss_mask")
@@ -400,39 +411,29 @@ def summarize(batch: pa.RecordBatch, vocab: int, first_row: int) -> pa.RecordBat
     mask_off, mask_vals = _flat(mask_col)
 
     out_of_range = _count_from(id_vals, id_off, vocab)  # negatives too: compared unsigned
-    not_binary = _count_from(mask_vals, mask_off, 2)
-    if mask_vals.itemsize == 1 and not not_binary.any():
-        ones = mask_vals.view(np.uint8)  # already 0/1: no extra pass
-    else:
-        ones = (mask_vals == 1).view(np.uint8)
+    not_binary, ones = _binary(mask_vals, mask_off)
     supervised, longest = _runs(ones, mask_off, n)
 
-    def with_nulls(values: np.ndarray, like: pa.Array) -> pa.Array:
-        return pa.array(values, pa.int64(), mask=_null_mask(like))
+    id_nulls, mask_nulls = _null_mask(ids_col), _null_mask(mask_col)
 
-    def as_int(name: str) -> pa.Array:
-        return pc.cast(batch.column(name), pa.int64())
-
-    def as_str(name: str) -> pa.Array:
-        return pc.cast(batch.column(name), pa.large_string())
+    def ints(values: np.ndarray, nulls: Optional[np.ndarray]) -> pa.Array:
+        return pa.array(values, pa.int64(), mask=nulls)
 
     return pa.RecordBatch.from_arrays(
         [
             pa.array(np.arange(first_row, first_row + n, dtype=np.int64)),
-            as_str("id"),
-            as_str("source"),
-            pc.cast(pc.list_value_length(ids_col), pa.int64()),
-            pc.cast(pc.list_value_length(mask_col), pa.int64()),
-            with_nulls(out_of_range, ids_col),
-            with_nulls(not_binary, mask_col),
-            with_nulls(supervised, mask_col),
-            with_nulls(longest, mask_col),
-            as_int("num_tokens"),
-            as_int("num_loss_tokens"),
+            batch.column("id"),
+            batch.column("source"),
+            ints(np.diff(id_off), id_nulls),
+            ints(np.diff(mask_off), mask_nulls),
+            ints(out_of_range, id_nulls),
+            ints(not_binary, mask_nulls),
+            ints(supervised, mask_nulls),
+            ints(longest, mask_nulls),
+            batch.column("num_tokens"),
+            batch.column("num_loss_tokens"),
         ],
-        names=["row", "id", "source", "input_ids_len", "loss_mask_len",
-               "ids_out_of_range", "mask_not_binary", "supervised", "longest_run",
-               "num_tokens", "num_loss_tokens"],
+        names=list(SUMMARY_TYPES),
     )
 
 
@@ -471,14 +472,59 @@ def _count_from(values: np.ndarray, offsets: np.ndarray, limit: int) -> np.ndarr
     return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
 
 
+def _binary(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row count of mask values outside {0, 1}, and the mask as 0/1 bytes.
+
+    The contract's int8 mask is read as 64-bit words: one OR over them shows that no
+    byte holds more than its low bit, so clean data costs one pass over an eighth of the
+    elements and is used as is. Anything else pays for the per-row counts.
+    """
+    if values.itemsize == 1:
+        data = values.view(np.uint8)
+        words, tail = _words(data)
+        high = np.bitwise_or.reduce(words) if len(words) else np.uint64(0)
+        if not high & ~_LOW_BITS and not (tail > 1).any():
+            return np.zeros(len(offsets) - 1, np.int64), data
+    return _count_from(values, offsets, 2), (values == 1).view(np.uint8)
+
+
+_LOW_BITS = np.uint64(0x0101010101010101)  # a word of eight 1 bytes
+
+
+def _words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A uint8 array as whole uint64 words (native order: byte k stays byte k), and the
+    bytes left over."""
+    whole = len(data) // 8 * 8
+    return data[:whole].view(np.uint64), data[whole:]
+
+
+def _changes(ones: np.ndarray) -> np.ndarray:
+    """Sorted positions p (0 < p < len) where the 0/1 bytes differ from the byte before.
+
+    Eight bytes are compared in one step, as a 64-bit word against the word one byte
+    further on; the XOR of the few words that differ then has a 1 byte exactly where a
+    change is. (A compare byte by byte, then np.flatnonzero over its result, or any
+    per-position fancy indexing, costs several times more.)
+    """
+    size = len(ones)
+    whole = max(size - 1, 0) // 8
+    here = ones[: whole * 8].view(np.uint64)
+    ahead = ones[1 : whole * 8 + 1].view(np.uint64)
+    hits = np.flatnonzero(here != ahead)
+    flips = np.flatnonzero((here[hits] ^ ahead[hits]).view(np.uint8))
+    inside = hits[flips >> 3] * 8 + (flips & 7) + 1
+    tail = whole * 8 + np.flatnonzero(ones[whole * 8 + 1 :] != ones[whole * 8 : -1]) + 1
+    return np.concatenate((inside, tail))
+
+
 def _runs(ones: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row: number of supervised tokens and the longest run of consecutive ones.
 
-    Runs come from the positions where the 0/1 mask changes (one vectorised compare and
-    one nonzero over the flattened mask); their number is small next to the token count.
+    Runs come from the positions where the 0/1 mask changes (see _changes); their
+    number is small next to the token count.
     """
     size = len(ones)
-    change = np.flatnonzero(ones[1:] != ones[:-1]) + 1
+    change = _changes(ones)
     rising = ones[change] == 1
     starts, ends = change[rising], change[~rising]
     if size and ones[0] == 1:

@@ -195,6 +195,22 @@ def test_duplicate_id_across_shards(repo):
         "failures"] == 2
 
 
+def test_duplicate_ids_found_after_spilling_id_hashes_to_disk(repo, monkeypatch):
+    from stages import idhashes
+
+    monkeypatch.setattr(validate, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(idhashes, "SPILL_ROWS", 5)
+    monkeypatch.setattr(idhashes, "GROUP_ROWS", 3)
+    parts = shards(4, 9)
+    parts[3][8]["id"] = "s0-r0"  # first and last row
+    parts[2][1]["id"] = parts[2][0]["id"]  # neighbours
+    write(repo, parts)
+    failed = failures(max_examples=5)
+    assert sorted(failed["id_unique"]) == ["s0-r0", "s2-r0"] and len(failed) == 1
+    report = json.loads(Path("reports/validate.json").read_text())
+    assert report["checks"]["id_unique"]["failures"] == 4
+
+
 @pytest.mark.parametrize(
     "column, type_",
     [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.large_list(pa.int8())),

@@ -53,7 +53,7 @@ from stages.client import (
     build_body,
     parse_reply,
 )
-from stages.errors import StageError
+from stages.errors import StageError, json_object
 from stages.requestcache import KeyIndex, RequestCache, fingerprint, request_key
 
 log = logging.getLogger("stages.generate")
@@ -210,12 +210,7 @@ class Plan:
 
 def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     where = f"{path}:{lineno}"
-    try:
-        prompt = json.loads(line)
-    except ValueError as e:
-        raise StageError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(prompt, dict):
-        raise StageError(f"{where}: expected a JSON object")
+    prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
     messages = prompt.get("messages")

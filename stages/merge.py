@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 
 from stages import cli, outputs
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_object
 from stages.schema import (
     ARROW_SCHEMA,
     FEATURES,
@@ -160,13 +160,7 @@ def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
         if required:
             raise StageError(f"{path}: not found (the tokenize stage writes it)")
         return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise StageError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise StageError(f"{path}: expected a JSON object")
-    return doc
+    return json_object(path.read_bytes(), str(path))
 
 
 def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict) -> None:

@@ -52,7 +52,7 @@ import pyarrow as pa
 from stages import cli, outputs
 from stages import params as P
 from stages.chat import ChatEncoder
-from stages.errors import StageError
+from stages.errors import StageError, json_object
 from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, write_metadata
 
 log = logging.getLogger(__name__)
@@ -391,12 +391,7 @@ def _text(value: Any) -> str:
 def _parse(raw: bytes, path: str, no: int) -> dict:
     """One completion line, checked enough that rendering cannot misread it."""
     where = f"{path}:{no}"
-    try:
-        row = json.loads(raw)
-    except ValueError as e:
-        raise StageError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(row, dict):
-        raise StageError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    row = json_object(raw, where)
     for key in ("id", "source"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise StageError(f"{where}: '{key}' must be a non-empty string")

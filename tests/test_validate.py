@@ -291,19 +291,24 @@ def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
     assert report["checks"]["mask_binary"]["failures"] == len(bad)
 
 
-def test_row_summary_matches_a_plain_python_count():
+@pytest.mark.parametrize("values, longest, skip", [
+    ([0, 1, 1, 1, 2, -1], 12, 7),  # bad values: the per-row count path
+    ([0, 1, 1], 40, 7),  # only 0/1: read eight bytes at a time, from an odd offset
+    ([0, 1], 40, 8),
+])
+def test_row_summary_matches_a_plain_python_count(values, longest, skip):
     """The columnar summary against a per-row Python loop, on random rows."""
     rng = np.random.default_rng(0)
     data = []
     for i in range(300):
-        n = int(rng.integers(0, 12))
+        n = int(rng.integers(0, longest))
         data.append({"id": f"r{i}", "source": "s",
                      "input_ids": rng.integers(-3, VOCAB + 3, n).tolist(),
-                     "loss_mask": rng.choice([0, 1, 1, 1, 2, -1], n).tolist(),
+                     "loss_mask": rng.choice(values, n).tolist(),
                      "num_tokens": n, "num_loss_tokens": 0})
-    batch = pa.Table.from_pylist(data, schema=ARROW_SCHEMA).slice(7).combine_chunks()
+    batch = pa.Table.from_pylist(data, schema=ARROW_SCHEMA).slice(skip).combine_chunks()
     summary = validate.summarize(batch.to_batches()[0], VOCAB, 0).to_pydict()
-    for k, r in enumerate(data[7:]):
+    for k, r in enumerate(data[skip:]):
         mask, best, run = r["loss_mask"], 0, 0
         for v in mask:
             run = run + 1 if v == 1 else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Callable
 
@@ -11,12 +12,21 @@ from stages import params as P
 from stages.errors import StageError
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler), raised so that cleanups run."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> int:
     """Parse the command line, load and check the stage's params, run it.
 
     Every failure the user can act on is one line on stderr and exit status 1;
-    Ctrl-C is exit status 130. Both leave earlier outputs untouched because stages
-    write to temporary paths and rename at the end.
+    Ctrl-C is exit status 130, SIGTERM 143. All leave earlier outputs untouched because
+    stages write to temporary paths and rename at the end; the temporaries are removed
+    on the way out (by default SIGTERM would end the process without that).
     """
     parser = argparse.ArgumentParser(
         prog=f"python -m stages.{section}",
@@ -33,15 +43,19 @@ def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> 
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {section}: %(message)s", datefmt="%H:%M:%S"
     )
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         cfg = P.load(section, args.params)
         run(cfg)
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"error: {section} interrupted; nothing partial was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"error: {section} {how}; nothing partial was written", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 DVC links outs into its cache (read-only hardlinks under `cache.type hardlink,symlink`),
 so a stage never opens an existing output for writing: it writes a new temporary path
-beside the target and renames it over the old one.
+beside the target and renames it over the old one. Temporary names carry the writer's
+pid: what a killed run (SIGKILL, the OOM killer) left behind is removed by the next
+writer of the same target once that pid is gone. (SIGTERM and Ctrl-C unwind normally and
+remove their own; see stages/cli.py.)
 """
 
 from __future__ import annotations
@@ -20,6 +23,26 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _clear_stale(target: Path) -> None:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `target` whose PID is gone."""
+    for kind in ("tmp", "old"):
+        prefix = f".{target.name}.{kind}-"
+        for path in target.parent.glob(prefix + "*"):
+            pid = path.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                _remove(path)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -32,7 +55,9 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces `target` only if the block succeeds."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    _clear_stale(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-",
+                                dir=target.parent))
     tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it 0700; outputs are shared data
     try:
         yield tmp
@@ -54,7 +79,8 @@ def atomic_file(target: str | Path, mode: str = "w") -> Iterator:
     """Open a temporary file beside `target`; on success fsync it and rename over `target`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    _clear_stale(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent)
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it 0600
     kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
     try:

@@ -50,6 +50,10 @@ def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> 
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a file the stage could not read or write, not caught nearer
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {section}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         how = "terminated" if isinstance(e, Terminated) else "interrupted"
         print(f"error: {section} {how}; nothing partial was written", file=sys.stderr)

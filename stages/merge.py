@@ -148,6 +148,8 @@ def _check_paths(base: Optional[Path]) -> None:
         raise StageError(f"{NEW}: not found (run the tokenize stage first)")
     if base is None:
         return
+    if base.is_symlink() and not base.exists():  # not "no base yet": a link gone wrong
+        raise StageError(f"merge.base {base}: links to {os.readlink(base)}, which does not exist")
     if base.exists() and not base.is_dir():
         raise StageError(f"merge.base {base}: is a file, expected a dataset folder")
     for other in (OUT, NEW):
@@ -160,7 +162,11 @@ def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
         if required:
             raise StageError(f"{path}: not found (the tokenize stage writes it)")
         return None
-    return json_object(path.read_bytes(), str(path))
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+    return json_object(text, str(path))
 
 
 def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict) -> None:

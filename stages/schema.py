@@ -41,6 +41,9 @@ FINGERPRINT_FILE = "fingerprint.json"
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
 _FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets cannot load
+# A stream ends with an end-of-stream marker (continuation + zero length; before Arrow
+# 0.15, a zero length alone). Without it a shard cut at a batch boundary reads as whole.
+_END_MARKERS = (b"\xff\xff\xff\xff\x00\x00\x00\x00", b"\x00\x00\x00\x00")
 
 
 def list_shards(folder: str | Path) -> list[Path]:
@@ -56,8 +59,13 @@ def list_shards(folder: str | Path) -> list[Path]:
         try:
             state = json.loads(state_path.read_text(encoding="utf-8"))
             names = [entry["filename"] for entry in state["_data_files"]]
+        except OSError as e:
+            raise StageError(f"{state_path}: cannot read ({e.strerror})") from None
         except (ValueError, KeyError, TypeError) as e:
             raise StageError(f"{state_path}: not a datasets state file ({e!r})") from None
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise StageError(f"{state_path}: lists {', '.join(map(str, twice))} more than once")
         if state.get("_indices_data_files"):
             raise StageError(f"{state_path}: has an indices mapping; save it flattened")
         shards = [folder / name for name in names]
@@ -98,17 +106,23 @@ class ShardReader:
         self._drop_behind = drop_behind
         try:
             self._reader = pa.ipc.open_stream(source)
-        except (pa.ArrowInvalid, OSError) as e:
+            self.schema: pa.Schema = self._reader.schema
+            self.schema.names  # field names that are not UTF-8 raise here, not later
+        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
             raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
-        self.schema: pa.Schema = self._reader.schema
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         dropped = 0
         while True:
             try:
                 batch = self._reader.read_next_batch()
+                # offsets and lengths are checked against the buffers before any reader
+                # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
+                batch.validate(full=True)
             except StopIteration:
                 return
+            except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+                raise StageError(f"{self.path}: damaged record batch ({e})") from None
             yield batch
             if not self._drop_behind:
                 continue
@@ -122,15 +136,23 @@ class ShardReader:
 def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache)."""
     path = Path(path)
-    with path.open("rb") as f:
-        if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
-            raise StageError(
-                f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
-                "datasets writes; re-save it with datasets' save_to_disk"
-            )
-        if os.fstat(f.fileno()).st_size == 0:
-            raise StageError(f"{path}: empty file, not an Arrow stream shard")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        with path.open("rb") as f:
+            if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
+                raise StageError(
+                    f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+                    "datasets writes; re-save it with datasets' save_to_disk"
+                )
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise StageError(f"{path}: empty file, not an Arrow stream shard")
+            f.seek(max(0, size - 8))
+            end = f.read(8)
+            if not end.endswith(_END_MARKERS):
+                raise StageError(f"{path}: no end-of-stream marker: the shard is truncated")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror})") from None
     yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind)
 
 
@@ -153,11 +175,20 @@ def schema_differences(schema: pa.Schema, expected: pa.Schema = ARROW_SCHEMA) ->
         out.append(f"column {name} is missing (expected {want[name]})")
     for name in [n for n in got if n not in want]:
         out.append(f"column {name} ({got[name]}) is not in the contract")
-    for name in [n for n in want if n in got and got[n] != want[n]]:
+    for name in [n for n in want if n in got and _plain(got[n]) != _plain(want[n])]:
         out.append(f"column {name} is {got[name]}, expected {want[name]}")
     if not out and schema.names != expected.names:
         out.append(f"columns are in order {schema.names}, expected {expected.names}")
     return out
+
+
+def _plain(type_: pa.DataType) -> pa.DataType:
+    """The type with list items nullable and named alike, as datasets reads them."""
+    if pa.types.is_list(type_):
+        return pa.list_(_plain(type_.value_type))
+    if pa.types.is_large_list(type_):
+        return pa.large_list(_plain(type_.value_type))
+    return type_
 
 
 def castable(src: pa.DataType, dst: pa.DataType) -> bool:
@@ -208,6 +239,7 @@ NOT_NULL_CHECKS = {
 }
 ROW_CHECKS = [
     *NOT_NULL_CHECKS.values(),
+    "id_not_empty",
     "source_not_empty",
     "lengths_equal",
     "mask_binary",
@@ -239,9 +271,13 @@ def row_schema(max_seq_len: int, min_loss_tokens: int):
 
     return pa_pl.DataFrameSchema(
         {
-            "id": pa_pl.Column(pl.String, nullable=False),
+            "id": pa_pl.Column(
+                pl.String, rule("id_not_empty", lambda c: c.str.strip_chars().str.len_bytes() > 0),
+                nullable=False,
+            ),
             "source": pa_pl.Column(
-                pl.String, rule("source_not_empty", lambda c: c.str.len_bytes() > 0),
+                pl.String,
+                rule("source_not_empty", lambda c: c.str.strip_chars().str.len_bytes() > 0),
                 nullable=False,
             ),
             "input_ids_len": col(rule("max_seq_len", lambda c: c <= max_seq_len), nullable=False),

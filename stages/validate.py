@@ -91,8 +91,17 @@ class Findings:
         return [name for name, c in self.checks.items() if not c["passed"]]
 
 
+def _check_params(cfg: P.Validate) -> None:
+    for key, low in (("max_seq_len", 1), ("min_loss_tokens", 0), ("max_examples", 0),
+                     ("vocab_size", 1), ("threads", 0)):
+        value = getattr(cfg, key)
+        if value is not None and value < low:
+            raise P.ParamError(f"validate.{key}: must be >= {low}, got {value}")
+
+
 def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
+    _check_params(cfg)
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
@@ -194,6 +203,9 @@ def _fingerprint(findings: Findings) -> Optional[dict]:
     except FileNotFoundError:
         findings.add("fingerprint", 1, [f"{path} is missing"])
         return None
+    except OSError as e:
+        findings.add("fingerprint", 1, [f"{path}: cannot read ({e.strerror})"])
+        return None
     except ValueError as e:
         findings.add("fingerprint", 1, [f"{path} is not valid JSON ({e})"])
         return None
@@ -273,8 +285,8 @@ class Scanner:
         """Take one shard's summaries (in dataset order) and check them chunk by chunk."""
         try:
             diffs, summaries, rows, stats = future.result()
-        except (StageError, pa.ArrowException, OSError, KeyError, ValueError) as e:
-            self.findings.add("shards_readable", 1, [f"{path.name}: {e}"[:300]])
+        except StageError as e:
+            self.findings.add("shards_readable", 1, [str(e)[:300]])
             self.shard_rows.append(0)
             return
         if diffs:
@@ -316,7 +328,8 @@ class Scanner:
             index = group.get_column("index").unique(maintain_order=True)
             rows = frame[index.head(self.findings.max_examples).to_list()]
             examples = [
-                i if i is not None else f"row {r} (null id)"
+                i if i is not None and i.strip() else
+                f"row {r} ({'null' if i is None else repr(i)} id)"
                 for i, r in zip(rows.get_column("id"), rows.get_column("row"))
             ]
             self.findings.add(name, len(index), examples)
@@ -338,23 +351,43 @@ class Scanner:
 def summarize_shard(path: Path, vocab: int, width: int):
     """(schema differences, summary batches, rows, per-source stats) of one shard.
 
-    Runs in a worker thread; summary rows are numbered from 0 within the shard.
+    Runs in a worker thread; summary rows are numbered from 0 within the shard. A shard
+    whose columns cannot be summarised (a list of floats, say) is only counted: its
+    schema differences say what is wrong with it. StageError if it cannot be read.
     """
+    summaries, rows, failure = [], 0, None
     with open_shard(path, drop_behind=True) as reader:
         diffs = schema_differences(reader.schema)
-        summaries, rows = [], 0
         for batch in reader:
-            summaries.append(summarize(batch, vocab, rows))
+            if failure is None:
+                try:
+                    summaries.append(summarize(batch, vocab, rows))
+                except _SUMMARY_ERRORS as e:
+                    failure = e
             rows += batch.num_rows
-    if not summaries:
-        return diffs, [], 0, {}
-    # one batch per shard: few large batches are cheap to convert and count, many small
-    # not; the casts to one schema for all shards are done here, once, for the same reason
-    summary = pa.concat_batches(summaries)
-    columns = [pc.cast(c, SUMMARY_TYPES[name]) for c, name in zip(summary.columns,
-                                                                   summary.schema.names)]
-    summary = pa.RecordBatch.from_arrays(columns, names=summary.schema.names)
+    summary = None
+    if summaries and failure is None:
+        # one batch per shard: few large batches are cheap to convert and count, many
+        # small not; the casts to one schema for all shards are done here, once, too
+        summary = pa.concat_batches(summaries)
+        try:
+            summary = pa.RecordBatch.from_arrays(
+                [pc.cast(c, SUMMARY_TYPES[name])
+                 for c, name in zip(summary.columns, summary.schema.names)],
+                names=summary.schema.names,
+            )
+        except _SUMMARY_ERRORS as e:
+            failure = e
+    if failure is not None:
+        if not diffs:
+            raise StageError(f"{path}: cannot summarise its rows ({failure})")
+        return diffs + [f"its rows were not checked ({failure})"], [], rows, {}
+    if summary is None:
+        return diffs, [], rows, {}
     return diffs, [summary], rows, source_stats(summary, width)
+
+
+_SUMMARY_ERRORS = (StageError, pa.ArrowException, KeyError, ValueError, TypeError)
 
 
 def bin_width(max_seq_len: int) -> int:

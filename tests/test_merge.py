@@ -277,6 +277,21 @@ def test_no_base_gives_a_first_version(repo, base):
         "data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
 
 
+def test_a_base_link_to_nowhere_is_refused_not_taken_for_no_base(repo):
+    save(repo / "data/tokenized", rows(ids("n", 2)))
+    os.symlink(repo / "mnt/unmounted/train", repo / "data/base")
+    with pytest.raises(StageError, match="data/base: links to .*unmounted/train, which does"):
+        merge.run(cfg(base="data/base"))
+    assert not (repo / "data/merged").exists()
+
+
+def test_an_unreadable_base_fingerprint_is_one_error(standard):
+    (standard / "data/base/fingerprint.json").unlink()
+    (standard / "data/base/fingerprint.json").mkdir()
+    with pytest.raises(StageError, match="data/base/fingerprint.json: cannot read"):
+        merge.run(cfg())
+
+
 def test_both_empty_is_refused(repo):
     save(repo / "data/tokenized", rows([]))
     with pytest.raises(StageError, match="no rows to write"):

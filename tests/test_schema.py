@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -96,3 +97,56 @@ def test_write_metadata_makes_a_loadable_folder(tmp_path):
     write_metadata(tmp_path, ["z.arrow"], "abc")
     ds = datasets.load_from_disk(str(tmp_path))
     assert ds.features == FEATURES and ds[0]["input_ids"] == [1, 2]
+
+
+def _stream(path, table, chunk=2):
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=chunk)
+
+
+def _table(n=6):
+    return pa.Table.from_pydict(
+        {"id": [f"r{i}" for i in range(n)], "source": ["s"] * n,
+         "input_ids": [[1, 2, 3]] * n, "loss_mask": [[0, 1, 1]] * n,
+         "num_tokens": [3] * n, "num_loss_tokens": [2] * n}, schema=ARROW_SCHEMA)
+
+
+def test_a_shard_cut_at_a_batch_boundary_is_refused(tmp_path):
+    first = tmp_path / "first.arrow"
+    _stream(first, _table(2))
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(first.read_bytes()[:-8])  # a stream cut right after a batch
+    assert pa.ipc.open_stream(cut.read_bytes()).read_all().num_rows == 2  # pyarrow takes it
+    with pytest.raises(StageError, match="cut.arrow: no end-of-stream marker"):
+        with open_shard(cut) as reader:
+            list(reader)
+    with open_shard(first) as reader:
+        assert sum(b.num_rows for b in reader) == 2
+
+
+def test_damaged_offsets_are_an_error_not_a_crash(tmp_path):
+    path = tmp_path / "bad.arrow"
+    _stream(path, _table(), chunk=6)
+    data = path.read_bytes()
+    offsets = np.arange(0, 21, 3, dtype="<i4").tobytes()  # input_ids' (and loss_mask's)
+    at = data.index(offsets)
+    damaged = np.frombuffer(offsets, "<i4").copy()
+    damaged[-1] = 1 << 30  # far past the values: reading it unchecked would crash
+    path.write_bytes(data[:at] + damaged.tobytes() + data[at + len(offsets):])
+    with pytest.raises(StageError, match="bad.arrow: damaged record batch"):
+        with open_shard(path) as reader:
+            list(reader)
+
+
+def test_state_json_listing_a_shard_twice_is_refused(tmp_path):
+    _stream(tmp_path / "a.arrow", _table())
+    (tmp_path / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": "a.arrow"}, {"filename": "a.arrow"}]}))
+    with pytest.raises(StageError, match="lists a.arrow more than once"):
+        list_shards(tmp_path)
+
+
+def test_item_nullability_is_not_a_difference():
+    strict = pa.schema([pa.field(f.name, pa.list_(pa.field("item", f.type.value_type, False)))
+                        if pa.types.is_list(f.type) else f for f in ARROW_SCHEMA])
+    assert schema_differences(strict) == []

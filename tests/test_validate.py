@@ -155,6 +155,10 @@ def null_mask(r):
     r["loss_mask"] = None
 
 
+def blank_source(r):
+    r["source"] = " \t"
+
+
 @pytest.mark.parametrize(
     "damage, checks",
     [
@@ -169,6 +173,7 @@ def null_mask(r):
         (wrong_num_loss_tokens, {"num_loss_tokens_matches"}),
         (null_source, {"source_not_null"}),
         (null_mask, {"loss_mask_not_null"}),
+        (blank_source, {"source_not_empty"}),
     ],
 )
 def test_each_corruption_is_caught_with_its_id(repo, damage, checks):
@@ -183,6 +188,14 @@ def test_null_id_is_caught_with_its_row(repo):
     null_id(parts[1][3])
     write(repo, parts)
     assert failures() == {"id_not_null": ["row 8 (null id)"]}
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_blank_id_is_caught_with_its_row(repo, blank):
+    parts = shards()
+    parts[1][3]["id"] = blank
+    write(repo, parts)
+    assert failures() == {"id_not_empty": [f"row 8 ({blank!r} id)"]}
 
 
 def test_duplicate_id_across_shards(repo):
@@ -227,6 +240,27 @@ def test_wrong_dtype_in_one_shard(repo, column, type_):
         f"{ARROW_SCHEMA.field(column).type}"]
 
 
+@pytest.mark.parametrize("column, type_", [("input_ids", pa.list_(pa.float32())),
+                                           ("loss_mask", pa.list_(pa.float64()))])
+def test_a_shard_that_cannot_be_summarised_is_a_features_failure(repo, column, type_):
+    schema = pa.schema([pa.field(f.name, type_) if f.name == column else f
+                        for f in ARROW_SCHEMA])
+    write(repo, shards(), schemas={1: schema})
+    found = failures()
+    assert set(found) == {"features", "loads"}  # rows counted: no row_count failure
+    assert found["features"][0] == (f"data-00001-of-00002.arrow: column {column} is "
+                                    f"{type_}, expected {ARROW_SCHEMA.field(column).type}")
+    assert found["features"][1].startswith("data-00001-of-00002.arrow: its rows were not")
+
+
+@pytest.mark.parametrize("key, value", [("threads", -1), ("vocab_size", 0),
+                                        ("max_seq_len", 0), ("min_loss_tokens", -1)])
+def test_out_of_range_params_are_named(repo, key, value):
+    write(repo, shards())
+    with pytest.raises(P.ParamError, match=f"validate.{key}: must be >= "):
+        validate.run(cfg(**{key: value}))
+
+
 def test_dataset_info_features_must_equal_the_contract(repo):
     write(repo, shards())
     info = {"features": {**FEATURES.to_dict(), "num_tokens": {"dtype": "int64",
@@ -246,7 +280,7 @@ def test_unreadable_shard_is_reported(repo):
     path = Path("data/merged/data-00001-of-00002.arrow")
     path.write_bytes(path.read_bytes()[:200])
     found = failures()
-    assert found["shards_readable"][0].startswith("data-00001-of-00002.arrow")
+    assert found["shards_readable"][0].startswith(f"{path}: no end-of-stream marker")
     assert "row_count" in found
 
 

@@ -111,7 +111,7 @@ def run(cfg: P.Merge) -> dict:
     with outputs.atomic_dir(OUT) as tmp:
         placed = _write(tmp, base_shards, new, cfg.link)
         shutil.copyfile(new_fp_path, tmp / FINGERPRINT_FILE)
-        names = [name for name, _, _ in placed]
+        names = [name for name, _, _ in placed if name is not None]
         write_metadata(tmp, names, _dataset_fingerprint(tmp, names))
         merged = _totals([shard for _, _, shard in placed])
         _check_loads(tmp, merged["rows"])
@@ -126,7 +126,7 @@ def run(cfg: P.Merge) -> dict:
         "merged": merged,
         "duplicates": duplicates,
         "shards": {key: how.get(key, 0) for key in (
-            "base_linked", "base_copied", "base_cast", "base_filtered",
+            "base_linked", "base_copied", "base_cast", "base_filtered", "base_emptied",
             "new_linked", "new_copied", "new_filtered")},
         "bytes_written": sum(s.bytes for _, a, s in placed if not a.endswith("linked")),
         "seconds": round(time.perf_counter() - start, 3),
@@ -324,16 +324,17 @@ def _write(tmp: Path, base: list[Shard], new: list[Shard], link: bool):
     for shard in base:
         if shard.cast or shard.drop is not None:
             out = _rewrite(shard, tmp / shard.path.name)
-            if out.rows:
-                placed.append((shard.path.name, "base_cast" if shard.cast else "base_filtered",
-                               out))
+            action = "base_cast" if shard.cast else "base_filtered"
+            # a shard left with no rows is not written; listed without a file name
+            placed.append((shard.path.name if out.rows else None,
+                           action if out.rows else "base_emptied", out))
         else:
             action = _place(shard.path, tmp / shard.path.name, link)
             placed.append((shard.path.name, f"base_{action}", shard))
     kept = [s for s in new if s.rows - s.dropped > 0]
-    taken = {name for name, _, _ in placed}
-    index = len(placed)
-    total = len(placed) + len(kept)
+    taken = {name for name, _, _ in placed if name is not None}
+    index = len(taken)
+    total = len(taken) + len(kept)
     for shard in kept:
         name = f"data-{index:05d}-of-{total:05d}.arrow"
         while name in taken:  # a base that already uses this name

@@ -248,6 +248,17 @@ def test_keep_new_rewrites_only_the_base_shards_holding_duplicates(standard):
     assert report["shards"]["base_filtered"] == 1 and report["shards"]["base_linked"] == 2
 
 
+def test_keep_new_that_empties_a_base_shard_counts_it(repo):
+    save(repo / "data/base", rows(ids("b", 6), "base"), shards=3)  # b0 b1 | b2 b3 | b4 b5
+    save(repo / "data/tokenized", rows(["b2", "b3", "n0"], "new", tag=1))
+    report = merge.run(cfg(on_duplicate="keep-new"))
+    assert report["shards"]["base_emptied"] == 1 and report["shards"]["base_linked"] == 2
+    assert report["merged"]["rows"] == len(loaded()) == 4 + 3
+    assert sorted(loaded()["id"]) == sorted(["b0", "b1", "b4", "b5", "b2", "b3", "n0"])
+    on_disk = sorted(p.name for p in Path("data/merged").glob("*.arrow"))
+    assert len(on_disk) == 3 and "data-00001-of-00003.arrow" not in on_disk  # the emptied
+
+
 def test_keep_base_keeps_the_base_version(standard):
     merge.run(cfg())
     by_id = {r["id"]: r for r in loaded()}

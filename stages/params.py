@@ -24,6 +24,14 @@ class ParamError(StageError):
     pass
 
 
+def at_least(section: str, cfg, minimums: dict[str, int]) -> None:
+    """ParamError naming the first key of `cfg` below its minimum (None: unset, allowed)."""
+    for key, low in minimums.items():
+        value = getattr(cfg, key)
+        if value is not None and value < low:
+            raise ParamError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
 # --------------------------------------------------------------------------- prepare
 
 

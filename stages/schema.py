@@ -41,9 +41,9 @@ FINGERPRINT_FILE = "fingerprint.json"
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
 _FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets cannot load
-# A stream ends with an end-of-stream marker (continuation + zero length; before Arrow
-# 0.15, a zero length alone). Without it a shard cut at a batch boundary reads as whole.
-_END_MARKERS = (b"\xff\xff\xff\xff\x00\x00\x00\x00", b"\x00\x00\x00\x00")
+# A stream ends with an end-of-stream marker (continuation + zero length), right after
+# its last message. Without it a shard cut at a batch boundary reads as whole.
+_END_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
 def list_shards(folder: str | Path) -> list[Path]:
@@ -112,14 +112,22 @@ class ShardReader:
             raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        """Every batch, checked; StageError at the end if the stream was cut short."""
         dropped = 0
+        end = self._source.tell()  # where the last message read ends
         while True:
             try:
                 batch = self._reader.read_next_batch()
+                end = self._source.tell()
                 # offsets and lengths are checked against the buffers before any reader
                 # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
                 batch.validate(full=True)
             except StopIteration:
+                if self._mapped[end : end + 9] != _END_MARKER:  # marker, then nothing
+                    raise StageError(
+                        f"{self.path}: no end-of-stream marker after its last record batch: "
+                        "the shard is truncated"
+                    ) from None
                 return
             except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
                 raise StageError(f"{self.path}: damaged record batch ({e})") from None
@@ -143,13 +151,8 @@ def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardRea
                     f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
                     "datasets writes; re-save it with datasets' save_to_disk"
                 )
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
+            if os.fstat(f.fileno()).st_size == 0:
                 raise StageError(f"{path}: empty file, not an Arrow stream shard")
-            f.seek(max(0, size - 8))
-            end = f.read(8)
-            if not end.endswith(_END_MARKERS):
-                raise StageError(f"{path}: no end-of-stream marker: the shard is truncated")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise StageError(f"{path}: cannot read ({e.strerror})") from None

@@ -130,10 +130,8 @@ def _content_hash(folder: Path, names: list[str], fp: str) -> str:
 
 
 def _check_params(cfg: P.Tokenize) -> None:
-    for key, low in (("max_seq_len", 1), ("num_proc", 1), ("shard_rows", 1),
-                     ("shard_max_mb", 1), ("min_loss_tokens", 0), ("check_sample", 0)):
-        if getattr(cfg, key) < low:
-            raise P.ParamError(f"tokenize.{key}: must be >= {low}, got {getattr(cfg, key)}")
+    P.at_least("tokenize", cfg, {"max_seq_len": 1, "num_proc": 1, "shard_rows": 1,
+                                 "shard_max_mb": 1, "min_loss_tokens": 0, "check_sample": 0})
 
 
 def _template_name(cfg: P.Tokenize) -> str:

@@ -18,9 +18,9 @@ The vocabulary size is `validate.vocab_size`, else tokenizer.vocab_size in
 data/merged/fingerprint.json.
 
 Memory does not grow with the dataset: shards are read through memory maps whose pages
-are dropped behind the reader, summaries are checked CHUNK_ROWS at a time, and the id
-hashes for the uniqueness check spill to a temporary file past a bound
-(stages/idhashes.py).
+are dropped behind the reader, summaries (one shard's at a time) are checked in chunks of
+about CHUNK_ROWS rows, and the id hashes for the uniqueness check spill to temporary
+files past a bound (stages/idhashes.py).
 """
 
 from __future__ import annotations
@@ -91,17 +91,10 @@ class Findings:
         return [name for name, c in self.checks.items() if not c["passed"]]
 
 
-def _check_params(cfg: P.Validate) -> None:
-    for key, low in (("max_seq_len", 1), ("min_loss_tokens", 0), ("max_examples", 0),
-                     ("vocab_size", 1), ("threads", 0)):
-        value = getattr(cfg, key)
-        if value is not None and value < low:
-            raise P.ParamError(f"validate.{key}: must be >= {low}, got {value}")
-
-
 def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
-    _check_params(cfg)
+    P.at_least("validate", cfg, {"max_seq_len": 1, "min_loss_tokens": 0, "max_examples": 0,
+                                 "vocab_size": 1, "threads": 0})
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
@@ -348,6 +341,10 @@ class Scanner:
             self.findings.add("id_unique", total, repeated.field("values").to_pylist())
 
 
+# what summarising a readable shard of the wrong types raises
+_SUMMARY_ERRORS = (StageError, pa.ArrowException, KeyError, ValueError, TypeError)
+
+
 def summarize_shard(path: Path, vocab: int, width: int):
     """(schema differences, summary batches, rows, per-source stats) of one shard.
 
@@ -385,9 +382,6 @@ def summarize_shard(path: Path, vocab: int, width: int):
     if summary is None:
         return diffs, [], rows, {}
     return diffs, [summary], rows, source_stats(summary, width)
-
-
-_SUMMARY_ERRORS = (StageError, pa.ArrowException, KeyError, ValueError, TypeError)
 
 
 def bin_width(max_seq_len: int) -> int:

@@ -280,7 +280,7 @@ def test_unreadable_shard_is_reported(repo):
     path = Path("data/merged/data-00001-of-00002.arrow")
     path.write_bytes(path.read_bytes()[:200])
     found = failures()
-    assert found["shards_readable"][0].startswith(f"{path}: no end-of-stream marker")
+    assert found["shards_readable"][0].startswith(f"{path}: not a readable Arrow stream")
     assert "row_count" in found
 
 

@@ -233,13 +233,22 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
         # fork: workers inherit the loaded tokenizer instead of loading it again
         ctx = multiprocessing.get_context("fork")
         window = collections.deque()
-        with ctx.Pool(cfg.num_proc, initializer=_ignore_sigint) as pool:
+        pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+        try:
             for chunk in _chunks(src, cfg.num_proc):
                 window.append(pool.apply_async(work, (chunk,)))
                 if len(window) >= 3 * cfg.num_proc:
                     yield window.popleft().get()
             while window:
                 yield window.popleft().get()
+            # all done: workers exit on their own (terminate() kills them mid-queue, where
+            # one holding the queue's lock can leave another waiting on it for ever)
+            pool.close()
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     finally:
         _STATE = None
         if saved is None:
@@ -248,9 +257,11 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
-def _ignore_sigint() -> None:
-    # Ctrl-C is the parent's to handle: it stops the pool, and nothing partial is kept
+def _worker_signals() -> None:
+    # Ctrl-C is the parent's to handle: it stops the pool, and nothing partial is kept;
+    # SIGTERM (terminate()) must end a worker at once, whatever handler fork copied
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------- one chunk

@@ -20,8 +20,8 @@ OOM after retracting) are cached too and not resent (`generate.retry_failed: tru
 resends them); transient ones (503, 429, timeouts, ...) are retried on the next run.
 
 `generate.limit: N` runs the first N prompts and prints the first request body.
-Ctrl-C (or SIGTERM) stops cleanly with exit status 130; the cache keeps every finished
-request. The API key is read from the environment variable named by
+Ctrl-C stops cleanly with exit status 130, SIGTERM with 143; the cache keeps every
+finished request. The API key is read from the environment variable named by
 `generate.server.api_key_env` and is never written anywhere.
 """
 
@@ -616,8 +616,8 @@ def run(cfg: P.Generate) -> dict:
     key = api_key(cfg.server)
     try:
         return asyncio.run(_run(cfg, key))
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
+    except asyncio.CancelledError:  # our SIGTERM handler cancelled the run (Ctrl-C: asyncio
+        raise cli.Terminated from None  # raises KeyboardInterrupt itself)
 
 
 async def _run(cfg: P.Generate, key: Optional[str]) -> dict:

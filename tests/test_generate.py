@@ -376,7 +376,9 @@ def test_a_changed_sampling_param_starts_a_new_key_space_and_the_old_one_stays(t
     assert len(list((tmp_path / ".cache/requests").iterdir())) == 2
 
 
-def test_ctrl_c_stops_cleanly_and_stops_the_launched_server(tmp_path):
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"),
+                                              (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_stops_cleanly_and_stops_the_launched_server(tmp_path, sig, code, word):
     rows = make_prompts(tmp_path, 120)
     spec = {"latency": {"min": 0.05, "max": 0.2}}
     write_params(tmp_path, server=launch_server(tmp_path, spec), concurrency=4)
@@ -384,10 +386,10 @@ def test_ctrl_c_stops_cleanly_and_stops_the_launched_server(tmp_path):
     deadline = time.monotonic() + 30
     while len(cache_entries(tmp_path)) < 10 and time.monotonic() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err
+    assert proc.returncode == code, err[-2000:]
+    assert word in err
     log_text = (tmp_path / ".cache/logs/generate-server.log").read_text()
     pid = int(log_text.split("fakeserver pid ")[1].split()[0])
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

@@ -1,0 +1,161 @@
+"""Keeping secrets out of everything the pipeline writes.
+
+Two kinds of secret reach the pipeline: an API key (read from the environment) and
+credentials inside a server URL (`http://user:password@host`). Neither may reach a file,
+a log line, a report or an error message, whole or in part. Every writer passes its text
+through one `Redactor`, and every URL shown to a person goes through
+`strip_url_credentials`.
+
+A server can echo a secret in forms other than the one sent: JSON-escaped,
+URL-encoded, or cut by its own length limit. The redactor therefore masks every run of
+at least `MIN_PIECE` characters of any of those forms, wherever it appears; a secret
+shorter than that is masked only whole. Redact first, then truncate: a cut made after
+redaction can only shorten the mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any, Iterable, Iterator, Optional
+from urllib.parse import quote, quote_plus, unquote, urlsplit, urlunsplit
+
+MASK = "***"
+MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it is
+
+
+def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
+    """(user, password) written in a URL, each None when absent."""
+    try:
+        parts = urlsplit(url)
+        user, password = parts.username, parts.password
+    except ValueError:  # an unparsable port or bracket: no credentials can be read
+        return None, None
+    return (unquote(user) if user else None), (unquote(password) if password else None)
+
+
+def strip_url_credentials(url: str) -> str:
+    """The URL without `user:password@`; anything that is not a URL comes back unchanged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def _forms(secret: str) -> set[str]:
+    """The ways a secret can be spelled in a body a server sends back."""
+    return {
+        secret,
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        json.dumps(secret, ensure_ascii=True)[1:-1],
+        quote(secret, safe=""),
+        quote_plus(secret, safe=""),
+    }
+
+
+class Redactor:
+    """Masks known secret values in text, JSON values and log records.
+
+    Build it from the secret values (None and empty strings are ignored) and from URLs
+    whose passwords are secrets: `Redactor([key], urls=[...])`.
+    """
+
+    def __init__(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()):
+        values = {s for s in secrets if s}
+        for url in urls:
+            user, password = url_credentials(url)
+            if password:
+                values.add(password)
+                if user:
+                    values.add(f"{user}:{password}")
+        forms = set().union(*(_forms(v) for v in values)) if values else set()
+        self._whole = sorted(forms, key=len, reverse=True)  # longest first: no half masks
+        self._long = [f for f in self._whole if len(f) >= MIN_PIECE]
+        self._windows = {f[i : i + MIN_PIECE] for f in self._long for i in range(len(f) - MIN_PIECE + 1)}  # fmt: skip
+
+    def __bool__(self) -> bool:
+        return bool(self._whole)
+
+    def found(self, text: str) -> bool:
+        """True when `text` holds a secret (whole) or a piece long enough to mask."""
+        return any(w in text for w in self._whole) or any(w in text for w in self._windows)
+
+    def __call__(self, text: str) -> str:
+        if not self._whole:
+            return text
+        for form in self._whole:
+            if form in text:
+                text = text.replace(form, MASK)
+        if any(w in text for w in self._windows):
+            text = self._mask_pieces(text)
+        return text
+
+    def _mask_pieces(self, text: str) -> str:
+        """Mask each maximal run of text that is a substring (>= MIN_PIECE) of a form."""
+        spans: list[tuple[int, int]] = []
+        for form in self._long:
+            for i in range(len(form) - MIN_PIECE + 1):
+                window = form[i : i + MIN_PIECE]
+                at = text.find(window)
+                while at >= 0:
+                    lo, hi, a, b = at, at + MIN_PIECE, i, i + MIN_PIECE
+                    while lo > 0 and a > 0 and text[lo - 1] == form[a - 1]:
+                        lo, a = lo - 1, a - 1
+                    while hi < len(text) and b < len(form) and text[hi] == form[b]:
+                        hi, b = hi + 1, b + 1
+                    spans.append((lo, hi))
+                    at = text.find(window, at + 1)
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        out, pos = [], 0
+        for lo, hi in merged:
+            out += [text[pos:lo], MASK]
+            pos = hi
+        out.append(text[pos:])
+        return "".join(out)
+
+    def scrub(self, value: Any) -> Any:
+        """A JSON value with every string (keys included) redacted."""
+        if not self._whole:
+            return value
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, dict):
+            return {self(str(k)): self.scrub(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.scrub(v) for v in value]
+        return value
+
+
+@contextlib.contextmanager
+def redacting_logs(redactor: Redactor) -> Iterator[None]:
+    """Every log record created inside the block is redacted, whatever logger or handler
+    (a tqdm redirect included) ends up writing it."""
+    if not redactor:
+        yield
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a bad format string: logging reports it later
+            return record
+        record.msg, record.args = redactor(message), ()
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(previous)

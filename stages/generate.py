@@ -774,22 +774,24 @@ def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict]) -
     n_transient = counts["failed_transient"]
     limit = cfg.max_transient_failures
     if n_transient > allowed(limit, n):
-        first = next(iter(transient.values()))
+        first = transient[min(transient)]  # the first in prompt order: the same every run
         status = f"HTTP {first['status']} " if first["status"] else ""
         return (
             f"{n_transient} of {n} requests still failing after retries with errors that may "
-            f"pass when sent again ({_kinds(counts['failed_transient_by_kind'])}; first: "
-            f"{status}{first['message'][:120]!r}), more than generate.max_transient_failures="
-            f"{limit} allows ({allowed(limit, n)}): no version recorded; run `dvc repro` again "
-            "when the server is healthy (only unanswered requests are sent)"
+            f"pass when sent again ({_kinds(counts['failed_transient_by_kind'])}; e.g. "
+            f"{status}{first['message'][:120]!r}), above the {allowed(limit, n)} that "
+            f"generate.max_transient_failures={limit} allows: the run is not finished and no "
+            "version is recorded; run `dvc repro` again once the server is healthy (only "
+            "unanswered requests are sent)"
         )
     n_permanent = counts["failed"] - n_transient
     limit = cfg.max_permanent_failures
     if n_permanent > allowed(limit, n):
+        kinds = _kinds(counts["failed_permanent_by_kind"])
         return (
-            f"{n_permanent} of {n} requests failed permanently ({_kinds(counts['failed_permanent_by_kind'])}), "
-            f"more than generate.max_permanent_failures={limit} allows ({allowed(limit, n)}): "
-            f"see {OUT / 'failures.jsonl'}; fix the prompts or params and set "
+            f"{n_permanent} of {n} requests failed permanently ({kinds}), above the "
+            f"{allowed(limit, n)} that generate.max_permanent_failures={limit} allows: see "
+            f"{OUT / 'failures.jsonl'}; fix the prompts or params and set "
             "generate.retry_failed: true to resend them, or raise the tolerance"
         )
     return None

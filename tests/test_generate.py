@@ -23,7 +23,7 @@ from stages import generate
 from stages import params as P
 from stages.errors import StageError
 from tests.fakeserver import command as fake_command
-from tests.fakeserver import free_port, spawn
+from tests.fakeserver import free_port, secret_pieces, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
@@ -670,3 +670,98 @@ def test_the_cache_reader_survives_any_bytes_and_resends_the_damaged_records(tmp
     assert report(tmp_path)["cache_damaged"] == 8
     assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == before
     assert len(outputs(tmp_path)[0]) == len(rows)
+
+
+SECRET_KEY = 'sk-live/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7'  # JSON and URL forms differ
+PASSWORD = "hunter2-correct-horse-battery"
+
+
+def echo_rules(n_good_between: int = 1) -> list[dict]:
+    """Rules for every other prompt: the secret in each form and position a server can put
+    it, in every kind of reply (JSON and text errors, permanent and transient, a non-JSON
+    200, a valid answer)."""
+    refs = ["{key}", "{key_json}", "{key_url}", "{key[:20]}", "{key[9:]}", "{key[5:-5]}"]
+    kinds = [("bad_request", 400), ("queue_full", 503), ("echo", 400), ("echo", 503),
+             ("echo", 200), ("say", 200)]  # fmt: skip
+    rules = []
+    for ref in refs:
+        for pad in (0, 487, 499, 5000):  # messages are cut at 500 characters
+            for fault, status in kinds:
+                message = "x" * pad + "bad key " + ref + " !"
+                i = 2 * len(rules)
+                rules.append({"fault": fault, "status": status, "match": f"p{i:05d}$", "message": message})  # fmt: skip
+    return rules
+
+
+def test_a_secret_echoed_everywhere_is_written_nowhere(tmp_path):
+    rules = echo_rules()
+    make_prompts(tmp_path, 2 * len(rules))
+    lenient = dict(max_retries=0, max_retries_500=0, max_transient_failures=1.0,
+                   max_permanent_failures=1.0)  # fmt: skip
+    seen = []
+    # the key, also served as the model name (server.model unset: asked from the server)
+    with spawn() as fake:  # the rules are too long for a command line: sent after start
+        fake.reset({"api_key": SECRET_KEY, "model": f"org/{SECRET_KEY}", "rules": rules})
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        seen.append(ok(proc))
+        r = report(tmp_path)
+        assert r["failed"] == 5 * len(rules) // 6 and r["model"] == "org/***"
+        fake.reset({"api_key": SECRET_KEY, "rules": [{"fault": "echo", "status": 403, "message": "{key} is not allowed"}]})  # fmt: skip
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY", model="m"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "HTTP 403: *** is not allowed" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    # URL credentials: the password is the secret the server echoes
+    with spawn() as fake:
+        fake.reset({"rules": rules})
+        url = fake.url.replace("http://", f"http://alice:{PASSWORD}@")
+        write_params(tmp_path, server=url_server(url, model="m2"), limit=7, **lenient)
+        proc = stage(tmp_path)
+        seen.append(ok(proc))
+        assert report(tmp_path)["server"]["urls"] == [fake.url]
+        write_params(tmp_path, server=url_server(url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "use one of them" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    pieces = secret_pieces(SECRET_KEY) | secret_pieces(PASSWORD)
+    # everything but the params file, where the user wrote the URL with its password
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "params.yaml"]
+    assert any(p.name == "failures.jsonl" for p in written) and any(".log" in p.name for p in written)
+    for path in written:
+        data = path.read_bytes()
+        assert not [x for x in pieces if x.encode() in data], path
+    for text in seen:
+        assert "Traceback" not in text and not [x for x in pieces if x in text]
+
+
+def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
+    """The real dvc CLI: a run left with transient failures fails the stage, dvc.lock keeps
+    no generate entry, and a plain `dvc repro` (no -f) later sends only what failed."""
+    import re
+
+    from tests.repo import demo_clone, run
+
+    repo = demo_clone(tmp_path)
+    with spawn({"rules": [{"fault": "queue_full", "prob": 0.5}]}) as fake:
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params["generate"].update(
+            server={"url": fake.url, "unreachable_deadline": 10}, max_retries=0,
+            concurrency=4, backoff_base=0.02, backoff_max=0.1,
+        )  # fmt: skip
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = run(["dvc", "repro", "generate"], repo, check=False, timeout=300)
+        failed = re.search(r"error: (\d+) of (\d+) requests still failing after retries", out)
+        assert failed, out[-3000:]
+        n_failed, n = int(failed.group(1)), int(failed.group(2))
+        assert 0 < n_failed < n and "Traceback" not in out
+        lock = yaml.safe_load((repo / "dvc.lock").read_text()) if (repo / "dvc.lock").exists() else {}
+        assert "prepare" in lock["stages"] and "generate" not in lock["stages"]
+        fake.reset({})
+        out = run(["dvc", "repro", "generate"], repo, timeout=300)
+        assert "Running stage 'generate'" in out
+        assert fake.stats()["received"] == n_failed  # answered requests came from the cache
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert "generate" in lock["stages"]
+    assert len(outputs(repo)[0]) == n
+    assert "up to date" in run(["dvc", "status", "generate"], repo)

@@ -397,11 +397,11 @@ class ChatClient:
                     if cls == "fatal":
                         raise Rejected(
                             f"{self.urls[i]}{CHAT_PATH} answered HTTP {status}: "
-                            f"{self.redact(message)[:200]} (check generate.server.url/model"
+                            f"{self._say(message, 200)} (check generate.server.url/model"
                             f" and the key in generate.server.api_key_env)"
                         )
                     if cls == "permanent":
-                        text = self.redact(message)[:MAX_MESSAGE]
+                        text = self._say(message, MAX_MESSAGE)
                         raise Failure(kind, status, text, attempts, True)
             elif err.kind == "down":
                 attempts -= 1  # never reached the server: not an attempt
@@ -428,13 +428,18 @@ class ChatClient:
                 retries += 1
                 over = retries > self.retry.max_retries
             if over:
-                text = self.redact(err.message)[:MAX_MESSAGE]
+                text = self._say(err.message, MAX_MESSAGE)
                 raise Failure(err.kind, err.status, text, attempts, False)
             self.retries += 1
             delay = self.retry.delay(retries + retries_500, self._rng)
             if err.retry_after:
                 delay = max(delay, min(err.retry_after, self.retry.backoff_max))
             await asyncio.sleep(delay)
+
+    def _say(self, text: str, limit: int) -> str:
+        """A server's words as written: secrets masked, then cut, then UTF-8 safe (a JSON
+        error body can hold a lone surrogate, which no file can take)."""
+        return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
         """A checked reply; one that echoes a secret is re-encoded with the secret masked."""

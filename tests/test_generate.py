@@ -566,7 +566,9 @@ def test_total_transient_failure_exits_1_and_the_next_run_sends_only_what_failed
 
 def test_permanent_failures_have_their_own_tolerance(tmp_path):
     make_prompts(tmp_path, 40)
-    with spawn({"rules": [{"fault": "context_length", "match": "p0000[0-2]$"}]}) as fake:
+    rules = [{"fault": "context_length", "match": "p0000[0-1]$"},
+             {"fault": "context_length", "match": "p00002$", "message": "too long \ud800"}]  # fmt: skip
+    with spawn({"rules": rules}) as fake:
         write_params(tmp_path, server=url_server(fake.url))  # default: 1% of 40 = 0 allowed
         with pytest.raises(StageError) as err:
             here(tmp_path)
@@ -574,7 +576,8 @@ def test_permanent_failures_have_their_own_tolerance(tmp_path):
         assert msg.startswith("3 of 40 requests failed permanently (context_length 3)")
         assert "above the 0 that generate.max_permanent_failures=0.01 allows" in msg
         assert "failures.jsonl" in msg
-        assert len(outputs(tmp_path)[1]) == 3  # written, for the user to look at
+        failures = outputs(tmp_path)[1]  # written, for the user to look at
+        assert len(failures) == 3 and failures[2]["message"] == "too long ?"
         for limit in (3, 0.075):
             write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=limit)
             assert here(tmp_path)["sent"] == 0  # cached: data, never resent on its own

@@ -620,7 +620,9 @@ def write_outputs(
             if plan.seg[i] >= 0:
                 rec = cached_record(cache.read_json(int(plan.seg[i]), int(plan.off[i])))
                 if rec is None:
-                    raise StageError(f"{cache.dir}: changed while generate was running; run it again")
+                    raise StageError(
+                        f"{cache.dir}: changed while generate was running; run it again"
+                    )
             else:  # retries spent this run: reported, not cached, resent next run
                 rec = transient[plan.index.twins(i)[0]]
                 counts["failed_transient"] += 1
@@ -804,7 +806,8 @@ def _kinds(by_kind: dict[str, int]) -> str:
 def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: P.Generate) -> None:
     """The dry run's view: exactly the body sent (or that would be), the key redacted."""
     body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
-    where = server.shown_urls()[0] if server.urls else getattr(server.launched, "url", "") or "<launched>"
+    launched = getattr(server.launched, "url", "") or "<launched>"
+    where = server.shown_urls()[0] if server.urls else launched
     auth = f"Bearer <${cfg.server.api_key_env}, redacted>" if cfg.server.api_key_env else "(none)"
     print(f"first request: POST {where}{CHAT_PATH}  Authorization: {auth}")
     print(server.redact(json.dumps(body, indent=2, ensure_ascii=False)), flush=True)
@@ -888,7 +891,8 @@ async def _watch_url(gen: Generation) -> None:
             log.warning(
                 "no request finished for %.0f s with %d in flight: the server at %s may be hung "
                 "(generate.server.watchdog_seconds=%g)",
-                time.monotonic() - since, gen.client.in_flight, ", ".join(gen.server.shown_urls()), limit,
+                time.monotonic() - since, gen.client.in_flight,
+                ", ".join(gen.server.shown_urls()), limit,
             )  # fmt: skip
             since = time.monotonic()
 

@@ -76,7 +76,9 @@ class Redactor:
         forms = set().union(*(_forms(v) for v in values)) if values else set()
         self._whole = sorted(forms, key=len, reverse=True)  # longest first: no half masks
         self._long = [f for f in self._whole if len(f) >= MIN_PIECE]
-        self._windows = {f[i : i + MIN_PIECE] for f in self._long for i in range(len(f) - MIN_PIECE + 1)}  # fmt: skip
+        self._windows = {
+            f[i : i + MIN_PIECE] for f in self._long for i in range(len(f) - MIN_PIECE + 1)
+        }
 
     def __bool__(self) -> bool:
         return bool(self._whole)

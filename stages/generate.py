@@ -213,7 +213,8 @@ class Plan:
         damaged += cache.damaged
         if damaged:
             log.warning(
-                "request cache %s: dropped %d damaged record(s); their requests are sent again",
+                "request cache %s: dropped %d damaged record(s); a request left without an "
+                "intact record is sent again",
                 cache.dir, damaged,
             )  # fmt: skip
         return damaged

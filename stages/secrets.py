@@ -1,10 +1,10 @@
 """Keeping secrets out of everything the pipeline writes.
 
-Two kinds of secret reach the pipeline: an API key (read from the environment) and
-credentials inside a server URL (`http://user:password@host`). Neither may reach a file,
-a log line, a report or an error message, whole or in part. Every writer passes its text
-through one `Redactor`, and every URL shown to a person goes through
-`strip_url_credentials`.
+Secrets reach the pipeline as an API key (read from the environment), credentials inside
+a server URL (`http://user:password@host`) and values of secret flags in a launch command
+(`--api-key sk-...`). None may reach a file, a log line, a report, a card or an error
+message, whole or in part. Writers pass text through one `Redactor` (or `scrub`), URLs
+shown to a person through `strip_url_credentials`, argv through `redact_args`.
 
 A server can echo a secret in forms other than the one sent: JSON-escaped,
 URL-encoded, or cut by its own length limit. The redactor therefore masks every run of
@@ -18,11 +18,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from typing import Any, Iterable, Iterator, Optional
-from urllib.parse import quote, quote_plus, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 MASK = "***"
 MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it is
+# scheme://user:password@ or scheme://token@: up to the last @ before the host's end
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"']+@")
+# flags whose next argument (or `=value`) is a secret
+_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9-]*(api-key|apikey|token|password|secret)$", re.I)
 
 
 def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
@@ -35,16 +40,34 @@ def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
     return (unquote(user) if user else None), (unquote(password) if password else None)
 
 
-def strip_url_credentials(url: str) -> str:
-    """The URL without `user:password@`; anything that is not a URL comes back unchanged."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+def strip_url_credentials(text: str) -> str:
+    """`text` (a URL, or any text holding URLs) without the `user:password@` of each URL."""
+    return _URL_CREDENTIALS.sub(r"\g<scheme>", text)
+
+
+def redact_args(argv: Iterable[str]) -> list[str]:
+    """A command line with the values of --api-key/--token/--password-like flags masked
+    and URL credentials stripped."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                out.append(f"{flag}={MASK}")
+                continue
+            hide_next = True
+        out.append(strip_url_credentials(arg))
+    return out
+
+
+def scrub(value: Any, keys: Iterable[Optional[str]] = ()) -> Any:
+    """A JSON value with URL credentials stripped and every secret in `keys` masked."""
+    return Redactor(keys).scrub(value)
 
 
 def _forms(secret: str) -> set[str]:
@@ -88,6 +111,9 @@ class Redactor:
         return any(w in text for w in self._whole) or any(w in text for w in self._windows)
 
     def __call__(self, text: str) -> str:
+        """`text` with secrets masked and URL credentials stripped."""
+        if "@" in text:
+            text = strip_url_credentials(text)
         if not self._whole:
             return text
         for form in self._whole:
@@ -127,8 +153,6 @@ class Redactor:
 
     def scrub(self, value: Any) -> Any:
         """A JSON value with every string (keys included) redacted."""
-        if not self._whole:
-            return value
         if isinstance(value, str):
             return self(value)
         if isinstance(value, dict):

@@ -8,7 +8,15 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 
-from stages.secrets import MASK, Redactor, redacting_logs, strip_url_credentials, url_credentials
+from stages.secrets import (
+    MASK,
+    Redactor,
+    redact_args,
+    redacting_logs,
+    scrub,
+    strip_url_credentials,
+    url_credentials,
+)
 
 KEY = 'sk-proj/A1b2+C3d4"E5f6=G7h8 I9j0\\K1l2%M3n4'
 
@@ -61,17 +69,28 @@ def test_url_credentials_are_stripped_and_their_password_redacted():
     assert url_credentials(url) == ("bob", "p@ss-word-1234")
     assert strip_url_credentials("http://h:1/v1") == "http://h:1/v1"
     assert strip_url_credentials("http://user@h") == "http://h"
-    assert strip_url_credentials("not a url") == "not a url"
+    assert strip_url_credentials("not a url, a@b.c") == "not a url, a@b.c"
+    assert strip_url_credentials("http://h/?mail=a@b") == "http://h/?mail=a@b"
+    text = "down: http://alice:pw@h:30000/v1 and https://tok@h2/x, ftp://h3/ok, http://u:p@ss@h4"
+    assert strip_url_credentials(text) == "down: http://h:30000/v1 and https://h2/x, ftp://h3/ok, http://h4"
     assert url_credentials("http://[bad") == (None, None)
     r = Redactor(urls=[url, "http://plain:1"])
-    assert r(f"failed: {url}") == f"failed: https://bob:{MASK}@example.com:8443/v1?x=1"
+    assert r(f"failed: {url}") == "failed: https://example.com:8443/v1?x=1"
     assert r("said p@ss-word-1234 and bob:p@ss-word-1234") == f"said {MASK} and {MASK}"
 
 
 def test_scrub_masks_every_string_of_a_json_value():
-    r = Redactor([KEY])
-    doc = {"a": [KEY, 1, None, {"k": KEY[:12]}], KEY: True}
-    assert r.scrub(doc) == {"a": [MASK, 1, None, {"k": MASK}], MASK: True}
+    doc = {"a": [KEY, 1, None, {"k": KEY[:12], "url": "http://u:p@h"}], KEY: True}
+    expected = {"a": [MASK, 1, None, {"k": MASK, "url": "http://h"}], MASK: True}
+    assert Redactor([KEY]).scrub(doc) == scrub(doc, [KEY, None]) == expected
+    assert scrub({"u": ["https://tok@h2/x"], "n": 3}) == {"u": ["https://h2/x"], "n": 3}
+
+
+def test_secret_flags_are_masked_in_both_spellings():
+    argv = ["--tp", "8", "--api-key", "sk-1", "--hf-token=hf_2", "--password", "p",
+            "--port", "30000", "http://u:p@h:1"]  # fmt: skip
+    assert redact_args(argv) == ["--tp", "8", "--api-key", MASK, "--hf-token=" + MASK,
+                                 "--password", MASK, "--port", "30000", "http://h:1"]  # fmt: skip
 
 
 def test_log_records_are_redacted_inside_the_block_only(caplog):

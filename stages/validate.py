@@ -56,7 +56,9 @@ from stages.schema import (
     ROW_CHECKS,
     list_shards,
     open_shard,
+    row_rules,
     row_schema,
+    rows_pass,
     schema_differences,
 )
 
@@ -265,7 +267,8 @@ class Scanner:
     def __init__(self, cfg: P.Validate, vocab: int, findings: Findings, ids: IdHashes):
         self.vocab = vocab
         self.findings = findings
-        self.schema = row_schema(cfg.max_seq_len, cfg.min_loss_tokens)
+        self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
+        self.schema = row_schema(self.rules)
         self.width = bin_width(cfg.max_seq_len)
         self.rows = 0
         self.pending: list[pa.RecordBatch] = []
@@ -301,10 +304,11 @@ class Scanner:
             return
         frame = pl.from_arrow(pa.Table.from_batches(self.pending))
         self.pending, self.pending_rows = [], 0
-        try:
-            self.schema.validate(frame, lazy=True)
-        except pandera.errors.SchemaErrors as e:
-            self._record(frame, e.failure_cases)
+        if not rows_pass(frame, self.rules):
+            try:
+                self.schema.validate(frame, lazy=True)
+            except pandera.errors.SchemaErrors as e:
+                self._record(frame, e.failure_cases)
         ids = frame.filter(pl.col("id").is_not_null())
         self.ids.add(ids.get_column("id").hash(seed=0).to_numpy(),
                      ids.get_column("row").to_numpy())
@@ -328,8 +332,7 @@ class Scanner:
             self.findings.add(name, len(index), examples)
 
     def check_unique_ids(self, shards: list[Path]) -> None:
-        """Hash-level duplicates via pandera (see stages/idhashes.py), then confirmed on
-        the id strings."""
+        """Hash-level duplicates (stages/idhashes.py), then confirmed on the id strings."""
         suspects = self.ids.repeated_rows()
         if not len(suspects):
             return

@@ -1,17 +1,19 @@
 """The tokenized-row contract: explicit Arrow/datasets features shared by tokenize,
 merge and validate (datasets would infer int64 for unknown columns); how a dataset folder
-of such rows sits on disk (shard listing, read-only shard reading, type comparison,
-save_to_disk metadata); and the pandera schemas validate checks row summaries with."""
+of such rows sits on disk (shard names, listing, writing and read-only reading, type
+comparison, save_to_disk metadata and its state hash, the load_from_disk check); and the
+row rules validate checks row summaries with (as one polars pass and a pandera schema)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import os
 import re
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import datasets
 import pyarrow as pa
@@ -209,12 +211,66 @@ def castable(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
-def write_metadata(folder: str | Path, shard_names: list[str], fingerprint: str) -> None:
-    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder."""
+def shard_name(index: int, total: int) -> str:
+    """The file name of shard `index` of `total`, as datasets' save_to_disk names them."""
+    return f"data-{index:05d}-of-{total:05d}.arrow"
+
+
+class ShardFile:
+    """One shard being written: an Arrow IPC stream of the contract's schema.
+
+    Closing it writes the end-of-stream marker that tells a whole shard from a cut one.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+    def __enter__(self) -> "ShardFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def state_hash(folder: str | Path, shard_names: list[str]) -> str:
+    """state.json's `_fingerprint` (datasets' name) for a folder: cheap, and the same
+    whenever the output is: a hash of fingerprint.json, then each shard's name, size,
+    first and last 64 KiB."""
     folder = Path(folder)
-    state = {
+    h = hashlib.sha256((folder / FINGERPRINT_FILE).read_bytes())
+    for name in shard_names:
+        with open(folder / name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(f"{name}\0{size}\0".encode())
+            h.update(f.read(1 << 16))
+            if size > 1 << 16:
+                f.seek(max(1 << 16, size - (1 << 16)))
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def write_metadata(folder: str | Path, shard_names: list[str],
+                   state: Optional[str] = None) -> None:
+    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder.
+
+    `state` is state.json's `_fingerprint`; by default state_hash() of the folder, which
+    then must already hold its fingerprint.json and shards.
+    """
+    folder = Path(folder)
+    doc = {
         "_data_files": [{"filename": name} for name in shard_names],
-        "_fingerprint": fingerprint,
+        "_fingerprint": state if state is not None else state_hash(folder, shard_names),
         "_format_columns": None,
         "_format_kwargs": {},
         "_format_type": None,
@@ -223,8 +279,19 @@ def write_metadata(folder: str | Path, shard_names: list[str], fingerprint: str)
     }
     info = {"citation": "", "description": "", "features": FEATURES.to_dict(),
             "homepage": "", "license": ""}
-    for name, obj in ((STATE_FILE, state), (INFO_FILE, info)):
+    for name, obj in ((STATE_FILE, doc), (INFO_FILE, info)):
         (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def loaded_rows_and_features(folder: str | Path) -> tuple[int, datasets.Features]:
+    """(rows, features) of `folder` opened with `datasets.load_from_disk`, as training
+    opens it; raises whatever stops that.
+
+    The dataset itself is dropped at once: opening it maps a page or more of every record
+    batch, memory that grows with the dataset, so it is held only for the moment it takes.
+    """
+    loaded = datasets.load_from_disk(str(folder))
+    return len(loaded), loaded.features
 
 
 # ------------------------------------------------------------------- pandera

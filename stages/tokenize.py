@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -53,7 +52,7 @@ from stages import cli, outputs
 from stages import params as P
 from stages.chat import ChatEncoder
 from stages.errors import StageError, json_object
-from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, write_metadata
+from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name, write_metadata
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
         names = writer.close()
         fp = json.dumps(fingerprint(tok_fp, tok, cfg), indent=2, ensure_ascii=False) + "\n"
         (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
-        write_metadata(tmp, names, _content_hash(tmp, names, fp))
+        write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
              report["tokens"], report["loss_tokens"], len(names), dst)
@@ -114,19 +113,6 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if sample and not report["train_serve_checked"] and report["rows"]:
         log.warning("no row reached the train/serve check (all sampled rows were filtered)")
     return report
-
-
-def _content_hash(folder: Path, names: list[str], fp: str) -> str:
-    """state.json's fingerprint: cheap, and the same whenever the output is the same."""
-    h = hashlib.sha256(fp.encode())
-    for name in names:
-        with open(folder / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h.update(f"{name}:{size}".encode())
-            h.update(f.read(1 << 16))
-            f.seek(max(0, size - (1 << 16)))
-            h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def _check_params(cfg: P.Tokenize) -> None:
@@ -448,27 +434,24 @@ class ShardWriter:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.paths: list[Path] = []
-        self._writer = None
-        self._sink = None
+        self._shard: Optional[ShardFile] = None
         self._rows = 0
         self._bytes = 0
 
     def _open(self) -> None:
         path = self.folder / f".shard-{len(self.paths):05d}.arrow"
         self.paths.append(path)
-        self._sink = pa.OSFile(str(path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        self._shard = ShardFile(path)
         self._rows = self._bytes = 0
 
     def _close_current(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self._writer = self._sink = None
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
 
     def write(self, batch: pa.RecordBatch) -> None:
         while batch.num_rows:
-            if self._writer is None:
+            if self._shard is None:
                 self._open()
             per_row = max(1, batch.nbytes // batch.num_rows)
             fit = (self.max_bytes - self._bytes) // per_row
@@ -478,7 +461,7 @@ class ShardWriter:
                 self._close_current()
                 continue
             part = batch.slice(0, take)
-            self._writer.write_batch(part)
+            self._shard.write(part)
             self._rows += take
             self._bytes += part.nbytes
             batch = batch.slice(take)
@@ -493,7 +476,7 @@ class ShardWriter:
         n = len(self.paths)
         names = []
         for i, path in enumerate(self.paths):
-            name = f"data-{i:05d}-of-{n:05d}.arrow"
+            name = shard_name(i, n)
             os.replace(path, self.folder / name)
             names.append(name)
         return names

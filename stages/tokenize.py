@@ -83,7 +83,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
     started = time.monotonic()
-    tok, tok_fp = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
+    tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
                                   _file_stamp(cfg.chat_template))
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     sample = _sample_lines(src, cfg.check_sample)
@@ -98,7 +98,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
                 writer.write(result.batch)
             totals.progress(started)
         names = writer.close()
-        fp = json.dumps(fingerprint(tok_fp, tok, cfg), indent=2, ensure_ascii=False) + "\n"
+        fp = json.dumps(fingerprint(tok_id, tok, cfg), indent=2, ensure_ascii=False) + "\n"
         (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
         write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
@@ -127,11 +127,11 @@ def _template_name(cfg: P.Tokenize) -> str:
 @functools.lru_cache(maxsize=2)
 def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
                     stamp: Any):
-    """The tokenizer and its fingerprint, once per process (loading takes seconds)."""
+    """The tokenizer and its identity, once per process (loading takes seconds)."""
     from stages import tokenizer as T
 
     tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    return tok, T.fingerprint(tok)
+    return tok, T.identity(tok)
 
 
 def _file_stamp(path: Optional[str]) -> Any:
@@ -144,7 +144,8 @@ def _file_stamp(path: Optional[str]) -> Any:
     return (st.st_mtime_ns, st.st_size)
 
 
-def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
+def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
+    """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
     import datasets
     import tokenizers
     import transformers
@@ -152,7 +153,7 @@ def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
     from stages import tokenizer as T
 
     return {
-        "tokenizer": tok_fp,
+        "tokenizer": tok_id,
         "chat_template_sha256": T.template_sha256(tok),
         # num_proc and check_sample do not change a byte of the output
         "policy": {k: v for k, v in dataclasses.asdict(cfg).items()

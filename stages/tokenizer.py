@@ -86,8 +86,9 @@ def load_tokenizer(
     return tok
 
 
-def fingerprint(tok: "PreTrainedTokenizerFast") -> dict:
-    """What must match for two tokenized datasets to be mixed: name, vocabulary, specials."""
+def identity(tok: "PreTrainedTokenizerFast") -> dict:
+    """What must match for two tokenized datasets to be mixed: name, vocabulary, specials
+    (the `tokenizer` entry of a dataset's fingerprint.json)."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
     specials = {

@@ -255,7 +255,7 @@ def test_all_33_special_tokens_at_their_ids(tok):
 
 
 def test_fingerprint_is_stable_and_complete(tok):
-    fp = T.fingerprint(tok)
+    fp = T.identity(tok)
     assert fp["name"] == "bundled:qwen3.6"
     assert fp["vocab_size"] == 248077
     assert fp["special_tokens"] == {n: 248044 + i for i, n in enumerate(QWEN_SPECIALS)}
@@ -297,7 +297,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True] and backends == []
     assert second.chat_template.endswith("{#- changed -#}\n")
     assert (folder / "chat_template.jinja").read_text(encoding="utf-8") == second.chat_template
-    assert T.fingerprint(second) == T.fingerprint(tok)
+    assert T.identity(second) == T.identity(tok)
 
     # anything else stale (here: the build version): a full, byte-identical rebuild
     stamp = json.loads((folder / T.STAMP).read_text(encoding="utf-8"))
@@ -336,7 +336,7 @@ def test_local_folder_and_template_override(tmp_path):
     tpl.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}", encoding="utf-8")
     loaded = T.load_tokenizer(str(folder), chat_template=str(tpl))
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi|"
-    assert T.fingerprint(loaded)["name"] == str(folder)
+    assert T.identity(loaded)["name"] == str(folder)
     # several named templates: "default" is used
     named = tmp_path / "named"
     _tiny_fast_tokenizer(named, {"default": "D{{ messages[0].content }}", "tool_use": "T"})

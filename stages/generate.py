@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages import cli, outputs
+from stages import cli, outputs, secrets
 from stages import params as P
 from stages.client import (
     CHAT_PATH,
@@ -302,9 +302,7 @@ async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) ->
 
 
 def _scrub(obj: Any, key: Optional[str]) -> Any:
-    if not key:
-        return obj
-    return json.loads(json.dumps(obj).replace(key, "***"))
+    return secrets.scrub(obj, [key])
 
 
 # --------------------------------------------------------------------------- run
@@ -542,6 +540,7 @@ def write_outputs(
         "prompt_tokens": 0, "output_tokens": 0,
     }  # fmt: skip
     kinds: dict[str, int] = {}
+    by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     with outputs.atomic_dir(OUT) as tmp, open(plan.path, "rb") as src, open(
         tmp / "completions.jsonl", "w", encoding="utf-8", newline="\n"
@@ -556,18 +555,25 @@ def write_outputs(
             else:  # retries spent this run: reported, not cached, resent next run
                 rec = transient[plan.index.twins(i)[0]]
                 counts["failed_transient"] += 1
+            mine = by_source.setdefault(str(prompt.get("source")), {
+                "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
                 row = completion_row(prompt, rec["reply"], model, sampling_fp, split)
                 counts["completed"] += 1
                 counts["truncated"] += row["truncated"]
+                mine["completed"] += 1
+                mine["truncated"] += row["truncated"]
                 counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
                 counts["output_tokens"] += row["usage"]["completion_tokens"]
                 comp.write(dumps(row) + "\n")
             else:
                 counts["failed"] += 1
                 kinds[rec["kind"]] = kinds.get(rec["kind"], 0) + 1
+                mine["failed"] += 1
+                mine["failed_by_kind"][rec["kind"]] = mine["failed_by_kind"].get(rec["kind"], 0) + 1
                 fail.write(dumps(failure_row(prompt, rec)) + "\n")
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
+    counts["sources"] = by_source
     return counts
 
 

@@ -145,7 +145,9 @@ def served_model(generate: dict) -> dict:
         "launch_model": server.get("model"),
         "launch_args": secrets.redact_args(args) if isinstance(args, list) else None,
         "launch_command": secrets.redact_args(command) if isinstance(command, list) else None,
-        "urls": [secrets.strip_url_credentials(u) for u in server.get("urls") or []],
+        # a URL server's report lists `urls`, a launched one its `url`
+        "urls": [secrets.strip_url_credentials(u)
+                 for u in server.get("urls") or [server.get("url")] if u],
         "requests": generate.get("requests"),
         "completed": generate.get("completed"),
         "truncated": generate.get("truncated"),
@@ -392,9 +394,9 @@ def _model(lin: dict) -> str:
             lines.append(f"- launch command: `{' '.join(m['launch_command'])}`")
     elif m["urls"]:
         lines.append(f"- served at: {', '.join(m['urls'])} (not launched by this pipeline)")
+    kinds = f" ({_reasons(m['failed_by_kind'])})" if m["failed_by_kind"] else ""
     lines.append(f"- requests {_n(m['requests'])}: answered {_n(m['completed'])} "
-                 f"(truncated {_n(m['truncated'])}), failed {_n(m['failed'])} "
-                 f"{_reasons(m['failed_by_kind']) if m['failed'] else ''}".rstrip())
+                 f"(truncated {_n(m['truncated'])}), failed {_n(m['failed'])}{kinds}")
     lines.append(f"- output tokens: {_n(m['output_tokens'])}")
     params = sampling["params"] or {}
     lines.append(f"- sampling: {', '.join(f'{k} {v}' for k, v in params.items()) or 'unknown'}"
@@ -418,7 +420,7 @@ def _tokenizer(tok: dict) -> str:
 
 
 def _provenance(lin: dict) -> str:
-    lines = ["## Provenance\n", f"- git commit: `{lin['git_commit']}`",
+    lines = ["## Provenance\n", f"- git commit: `{lin['git_commit'] or 'unknown'}`",
              f"- dataset fingerprint (state.json): `{lin['dataset_fingerprint']}`; base: "
              f"`{lin['base']['dataset_fingerprint']}`", "",
              "| stage | out | DVC md5 | from |", "|---|---|---|---|"]

@@ -253,8 +253,14 @@ class Server:
         return self.label
 
     def info(self) -> dict:
+        launch = self.cfg.server.launch
         if self.launched is not None:
             info = dict(self.launched.info())
+        elif launch is not None:  # every answer came from the cache: nothing was started
+            info = {"engine": self.engine, "model": launch.model, "started": False,
+                    "args": secrets.redact_args(launch.args),
+                    "command": secrets.redact_args(launch.command) if launch.command else None,
+                    "version": None}
         else:
             info = {"urls": self.urls, "engine": self.engine}
         return _scrub(info, self.key)

@@ -142,6 +142,8 @@ def served_model(generate: dict) -> dict:
         "engine": server.get("engine"),
         "engine_version": server.get("version"),
         "launched": "args" in server,
+        # false: every answer came from the request cache, no engine was started this run
+        "started": server.get("started", "args" in server),
         "launch_model": server.get("model"),
         "launch_args": secrets.redact_args(args) if isinstance(args, list) else None,
         "launch_command": secrets.redact_args(command) if isinstance(command, list) else None,
@@ -390,6 +392,9 @@ def _model(lin: dict) -> str:
     if m["launched"]:
         lines.append(f"- launched by the generate stage: `{m['launch_model']}` with args "
                      f"`{' '.join(m['launch_args'] or []) or '(none)'}`")
+        if not m["started"]:
+            lines.append("- not started by the last generate run: every answer came from "
+                         "the request cache")
         if m["launch_command"]:
             lines.append(f"- launch command: `{' '.join(m['launch_command'])}`")
     elif m["urls"]:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import datasets
 import pytest
+import yaml
 from huggingface_hub import DatasetCard
 
 from stages import lineage, merge, validate
 from stages import params as P
-from tests.repo import run
+from tests.fakeserver import spawn
+from tests.repo import demo_clone, git_commit, run
 from tests.test_merge import FP, ids, rows, save
 
 PASSWORD = "hunter2-not-for-cards"
@@ -188,3 +194,126 @@ def test_validate_checks_the_whole_set_against_the_widened_limits(repo):
     report = validate.run(P.Validate())
     assert report["passed"] and report["max_seq_len"] == 32
     assert report["limits_from"]["max_seq_len"].endswith("policy.max_seq_len")
+
+
+# ------------------------------------------------------- the real pipeline, dvc and git
+
+
+@dataclasses.dataclass
+class Runs:
+    repo: Path
+    demo: str  # `python -m stages.demo` output (an API key in use)
+    key_leaks: list[str]  # files under data/ and reports/ holding the key after the demo
+    knob: str  # `dvc repro` output after tokenize.shard_rows changed
+    knob_params: dict  # `dvc params diff --json` before that commit
+    password_leaks: list[str]  # the same after generating through a URL with a password
+    lock: dict  # dvc.lock after the last run
+
+
+def leaks(repo: Path, secret: str) -> list[str]:
+    """Every file under data/ and reports/ whose bytes hold `secret`."""
+    found = []
+    for top in ("data", "reports"):
+        for path in (repo / top).rglob("*"):
+            if path.is_file() and secret.encode() in path.read_bytes():
+                found.append(str(path.relative_to(repo)))
+    return found
+
+
+def set_params(repo: Path, section: str, **values) -> None:
+    path = repo / "params.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc[section].update(values)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def set_server(repo: Path, url: str, api_key_env) -> None:
+    path = repo / "params.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["generate"]["server"].update(url=url, api_key_env=api_key_env, launch=None,
+                                     unreachable_deadline=20)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    """The demo against the fake server (with an API key), then a default-only knob, then
+    the same answers through a URL carrying a password."""
+    repo = demo_clone(tmp_path_factory.mktemp("lineage"))
+    short = {"reasoning_tokens": 6, "reply_tokens": 6}  # well under generate.max_tokens
+    os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.repo.run passes the environment on
+    try:
+        with spawn({**short, "api_key": KEY}) as keyed, spawn(short) as open_server:
+            set_server(repo, keyed.url, "LINEAGE_TEST_KEY")
+            git_commit(repo, "generate through the fake server")
+            demo = run([sys.executable, "-m", "stages.demo"], repo)
+            key_leaks = leaks(repo, KEY)
+            git_commit(repo, "v1")
+
+            set_params(repo, "tokenize", shard_rows=3)
+            knob = run(["dvc", "repro"], repo)
+            knob_params = json.loads(run(["dvc", "params", "diff", "--json"], repo))
+            git_commit(repo, "v2: tokenize.shard_rows")
+
+            url = open_server.url.replace("http://", f"http://alice:{PASSWORD}@")
+            set_server(repo, url, None)
+            run(["dvc", "repro"], repo)
+            password_leaks = leaks(repo, PASSWORD)
+            git_commit(repo, "v3: through a URL with a password")
+    finally:
+        del os.environ["LINEAGE_TEST_KEY"]
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return Runs(repo, demo, key_leaks, knob, knob_params, password_leaks, lock)
+
+
+@pytest.mark.slow
+def test_demo_prints_where_the_card_is_and_the_card_loads(runs):
+    assert "its lineage card (version 1): data/merged/README.md" in runs.demo
+    card = DatasetCard.load(runs.repo / "data/merged/README.md")
+    lin = json.loads((runs.repo / "data/merged/lineage.json").read_text())
+    merged = json.loads((runs.repo / "reports/merge.json").read_text())["merged"]
+    assert card.data.to_dict()["distill_data"]["rows"] == lin["rows"] == merged["rows"]
+    assert len(datasets.load_from_disk(str(runs.repo / "data/merged"))) == merged["rows"]
+    prepare = json.loads((runs.repo / "reports/prepare.json").read_text())["sources"]
+    assert set(lin["sources"]) == set(prepare)
+    for name, counts in prepare.items():
+        assert lin["sources"][name]["prepare"]["kept"] == counts["kept"]
+        assert f"| {name} | {counts['read']} | {counts['kept']} |" in card.text
+
+
+@pytest.mark.slow
+def test_card_hashes_are_those_in_dvc_lock(runs):
+    lin = json.loads((runs.repo / "data/merged/lineage.json").read_text())
+    for stage, out in lineage.UPSTREAM.items():
+        (locked,) = [o for o in runs.lock["stages"][stage]["outs"] if o["path"] == out]
+        assert lin["dvc"][out] == {"stage": stage, "md5": locked["md5"], "from": "dvc.lock"}
+    assert lin["git_commit"] == run(["git", "rev-parse", "HEAD~1"], runs.repo).strip()
+
+
+@pytest.mark.slow
+def test_a_default_only_knob_reruns_what_it_shapes_and_diff_names_it(runs):
+    ran = re.findall(r"Running stage '([^']+)'", runs.knob)
+    assert ran == ["tokenize", "merge", "validate"], runs.knob
+    assert runs.knob_params == {"params.yaml": {"tokenize.shard_rows": {
+        "old": 20000, "new": 3, "diff": -19997}}}
+
+
+@pytest.mark.slow
+def test_the_card_of_an_older_version_is_read_with_dvc_get(runs, tmp_path):
+    first = run(["git", "rev-list", "--max-parents=1", "-n1", "HEAD~2"], runs.repo).strip()
+    run(["dvc", "get", "--rev", first, str(runs.repo), "data/merged/lineage.json",
+         "-o", str(tmp_path / "old.json")], tmp_path)
+    old = json.loads((tmp_path / "old.json").read_text())
+    now = json.loads((runs.repo / "data/merged/lineage.json").read_text())
+    assert old["dvc"]["data/tokenized"] != now["dvc"]["data/tokenized"]
+    assert old["rows"] == now["rows"]  # shard_rows changes the layout, not the rows
+
+
+@pytest.mark.slow
+def test_no_key_or_password_anywhere_under_data_or_reports(runs):
+    assert runs.key_leaks == []
+    assert runs.password_leaks == []
+    gen = json.loads((runs.repo / "reports/generate.json").read_text())
+    assert gen["server"]["urls"] == [gen["server"]["urls"][0].replace(f"alice:{PASSWORD}@", "")]
+    assert "127.0.0.1" in json.loads(
+        (runs.repo / "data/merged/lineage.json").read_text())["model"]["urls"][0]

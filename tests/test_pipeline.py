@@ -51,5 +51,6 @@ def test_dvc_dag_shows_the_chain(clone):
     dag = run(["dvc", "dag", "--dot"], clone)
     edges = {tuple(x.strip('"') for x in line.rstrip(";").split(" -> "))
              for line in dag.splitlines() if " -> " in line}
+    # merge also reads the prepare and generate reports, for the lineage card
     assert edges == {("prepare", "generate"), ("generate", "tokenize"), ("tokenize", "merge"),
-                     ("merge", "validate")}
+                     ("merge", "validate"), ("prepare", "merge"), ("generate", "merge")}

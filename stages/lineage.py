@@ -159,14 +159,20 @@ def served_model(generate: dict) -> dict:
     }
 
 
+# what "the code" is for git_dirty: not params.yaml, reports or dvc.lock, which every run
+# rewrites before its version is committed
+CODE = ("stages", "dvc.yaml", "pyproject.toml")
+
+
 def git_commit() -> tuple[Optional[str], Optional[bool]]:
-    """HEAD and whether tracked files differ from it (the run's own edits, e.g. params)."""
+    """HEAD, and whether the code differs from it (uncommitted edits under CODE)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=60)
         if head.returncode != 0:
             return None, None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no",
+                                 "--", *CODE],
                                 capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired):
         return None, None
@@ -334,7 +340,7 @@ def _reasons(counts: Optional[dict]) -> str:
 def _intro(lin: dict) -> str:
     commit = lin["git_commit"] or "unknown"
     if lin["git_dirty"]:
-        commit += " (with uncommitted changes: the version is the commit that follows)"
+        commit += " plus uncommitted edits to the code"
     return (
         f"# distill-data training set, version {lin['version']}\n\n"
         f"Written by the merge stage on {lin['created']} from code at git commit {commit}. "

@@ -109,12 +109,11 @@ def read_report(stage: str) -> dict:
 
 def sources(reports: dict) -> dict:
     """Per source: read/kept/dropped at prepare, outcomes at generate, rows at tokenize."""
-    prepare = reports["prepare"].get("sources") or {}
-    generate = reports["generate"].get("sources") or {}
-    tokenize = reports["tokenize"].get("sources") or {}
+    prepare, generate, tokenize = (_mapping(reports[stage].get("sources"))
+                                   for stage in ("prepare", "generate", "tokenize"))
     table = {}
     for name in list(dict.fromkeys([*prepare, *generate, *tokenize])):
-        p, g, t = prepare.get(name, {}), generate.get(name, {}), tokenize.get(name, {})
+        p, g, t = (_mapping(part.get(name)) for part in (prepare, generate, tokenize))
         table[name] = {
             "prepare": {"read": p.get("read"), "kept": p.get("kept"),
                         "dropped": _nonzero(p.get("dropped_by_reason"))} if p else None,
@@ -128,13 +127,18 @@ def sources(reports: dict) -> dict:
     return table
 
 
+def _mapping(value: Any) -> dict:
+    """`value` if it is a mapping, else {}: a report of another shape adds nothing."""
+    return value if isinstance(value, dict) else {}
+
+
 def _nonzero(counts: Any) -> dict:
     return {k: v for k, v in counts.items() if v} if isinstance(counts, dict) else {}
 
 
 def served_model(generate: dict) -> dict:
     """The target model as it was served: name, engine, version, launch args (no secrets)."""
-    server = generate.get("server") or {}
+    server = _mapping(generate.get("server"))
     args = server.get("args")
     command = server.get("command")
     return {
@@ -333,8 +337,13 @@ def _n(value: Any) -> str:
         "–" if value is None else str(value))
 
 
+def _cell(text: str) -> str:
+    """`text` safe inside a markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def _reasons(counts: Optional[dict]) -> str:
-    return ", ".join(f"{k} {v:,}" for k, v in (counts or {}).items()) or "–"
+    return ", ".join(f"{_cell(k)} {_n(v)}" for k, v in _mapping(counts).items()) or "–"
 
 
 def _intro(lin: dict) -> str:
@@ -377,7 +386,7 @@ def _sources_table(table: dict) -> str:
         if g.get("failed_by_kind"):
             failed += f" ({_reasons(g['failed_by_kind'])})"
         lines.append(
-            f"| {name} | {_n(p.get('read'))} | {_n(p.get('kept'))} | "
+            f"| {_cell(name)} | {_n(p.get('read'))} | {_n(p.get('kept'))} | "
             f"{_reasons(p.get('dropped'))} | {_n(g.get('completed'))} | "
             f"{_n(g.get('truncated'))} | {failed} | {_n(t.get('rows'))} | "
             f"{_reasons(t.get('dropped'))} |")

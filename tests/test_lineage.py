@@ -317,3 +317,31 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
     assert gen["server"]["urls"] == [gen["server"]["urls"][0].replace(f"alice:{PASSWORD}@", "")]
     assert "127.0.0.1" in json.loads(
         (runs.repo / "data/merged/lineage.json").read_text())["model"]["urls"][0]
+
+
+# the stages whose output each shared module can change (README, "Rerun only what changed")
+SHAPED_BY = {
+    "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
+    "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
+    "stages/errors.py": {"generate", "tokenize", "merge"},
+    "stages/secrets.py": {"generate", "merge"},
+    "stages/schema.py": {"tokenize", "merge", "validate"},
+    "stages/lineage.py": {"merge"},
+    "stages/cli.py": set(),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", list(SHAPED_BY))
+def test_an_edited_shared_module_outdates_the_stages_it_shapes(runs, module):
+    path = runs.repo / module
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + b"\n# edited\n")
+        status = json.loads(run(["dvc", "status", "--json"], runs.repo))
+    finally:
+        path.write_bytes(original)
+    changed = {stage for stage, entries in status.items()
+               if any(module in (e.get("changed deps") or {}) for e in entries
+                      if isinstance(e, dict))}
+    assert changed == SHAPED_BY[module], status

@@ -44,7 +44,7 @@ FINGERPRINT = {
     "tokenizer": {"name": "bench", "vocab_sha256": "0" * 64, "vocab_size": VOCAB,
                   "special_tokens": {}},
     "chat_template_sha256": "1" * 64,
-    "policy": {},
+    "policy": {"max_seq_len": 4096, "min_loss_tokens": 1},  # what validate reads as limits
     "versions": {},
 }
 

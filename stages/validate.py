@@ -5,7 +5,8 @@
 Shard by shard, every row is reduced to a summary computed with columnar operations on
 the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
 {0, 1}, supervised count, longest supervised run, stored counters); the summaries are
-checked by the pandera schema in stages/schema.py. Then dataset checks: each shard's
+checked against the row rules in stages/schema.py, in one polars pass, and only when a
+rule fails does its pandera schema name the rows. Then dataset checks: each shard's
 Arrow types and dataset_info.json equal the contract, `datasets.load_from_disk` opens
 the folder, ids are unique across all shards, the row count equals reports/merge.json.
 
@@ -73,7 +74,7 @@ MERGE_REPORT = Path("reports/merge.json")
 PLOTS = Path("reports/plots")
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
-CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
+CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
 LENGTH_BINS = 64
 FRACTION_BINS = 20
 

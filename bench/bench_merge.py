@@ -35,7 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peak import outcome, stage_command  # noqa: E402
-from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, open_shard, write_metadata  # noqa: E402
+from stages.schema import (  # noqa: E402
+    ARROW_SCHEMA,
+    FINGERPRINT_FILE,
+    ShardFile,
+    open_shard,
+    write_metadata,
+)
 
 WORK = ROOT / "bench" / "work" / "merge"
 VOCAB = 248_077
@@ -58,12 +64,11 @@ def generate(folder: Path, total_bytes: int, shard_bytes: int, prefix: str, seed
     names, rows, written = [], 0, 0
     while written < total_bytes:
         name = f"data-{len(names):05d}.arrow"
-        with pa.OSFile(str(folder / name), "wb") as sink, \
-                pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
+        with ShardFile(folder / name) as writer:
             size = 0
             while size < min(shard_bytes, total_bytes - written):
                 batch = _batch(rng, rows, 1000, prefix, lengths)
-                writer.write_batch(batch)
+                writer.write(batch)
                 size += batch.nbytes
                 rows += batch.num_rows
         written += (folder / name).stat().st_size

@@ -56,6 +56,36 @@ class Source:
 
 
 @dataclass
+class EvalSet:
+    """An evaluation set kept out of the mix, read like a Source (its user turns count)."""
+
+    name: str
+    path: str
+    format: Literal["sharegpt", "messages", "columns"]
+    prompt_field: Optional[str] = None
+    subset: Optional[str] = None
+    split: Optional[str] = None
+    messages_field: Optional[str] = None
+    role_key: Optional[str] = None
+    content_key: Optional[str] = None
+    role_map: list[str] = field(default_factory=list)
+    revision: Optional[str] = None
+
+    def as_source(self) -> Source:
+        return Source(**dataclasses.asdict(self))
+
+
+@dataclass
+class Decontaminate:
+    evals: list[EvalSet] = field(default_factory=list)
+    ngram: int = 13  # words per n-gram
+    # null: one shared n-gram drops a prompt; a number in (0, 1]: the fraction of the
+    # prompt's n-grams it must share with one evaluation item
+    min_overlap: Optional[float] = None
+    short_exact: bool = True  # items of fewer than `ngram` words match whole messages
+
+
+@dataclass
 class Prepare:
     sources: list[Source]
     seed: int = 0
@@ -66,6 +96,7 @@ class Prepare:
     dedup: Literal["prompt", "user", "off"] = "prompt"
     # worker processes for large sources (0: CPUs - 1, up to 8, none on 2 CPUs; 1: none)
     num_proc: int = 0
+    decontaminate: Decontaminate = field(default_factory=Decontaminate)
 
 
 # -------------------------------------------------------------------------- generate

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import sys
 import time
 import unicodedata
-from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -40,8 +41,6 @@ from stages.errors import StageError
 
 log = logging.getLogger("prepare")
 
-# character classes
-_SEP, _WORD, _ALONE, _BREAK = 0, 1, 2, 3
 # Letters of scripts written without spaces: one word each.
 _ALONE_RANGES = (
     (0x0E00, 0x0EFF),  # Thai, Lao
@@ -56,39 +55,50 @@ _ALONE_RANGES = (
     (0xFF66, 0xFF9F),  # halfwidth Katakana
     (0x20000, 0x3FFFF),  # CJK extensions B and later
 )
-_UNI_LIMIT = 0x40000  # code points above (planes 4-16: tags, private use) separate words
 
-_ASCII_CLASS = np.zeros(256, np.uint8)
+# UTF-8 bytes -> what the hash sees: ASCII letters lower-cased, digits and bytes of other
+# letters kept, every other ASCII byte 0 (a separator), the segment break \0 -> 1.
+_BYTES = bytearray(range(256))
 for _c in range(128):
-    if chr(_c).isalnum():
-        _ASCII_CLASS[_c] = _WORD
-_ASCII_CLASS[0] = _BREAK
-_ASCII_LOWER = np.arange(256, dtype=np.uint8)
-_ASCII_LOWER[ord("A"): ord("Z") + 1] += 32
-_unicode_class: Optional[np.ndarray] = None  # built on the first non-ASCII text
+    _BYTES[_c] = ord(chr(_c).lower()) if chr(_c).isalnum() else 0
+_BYTES[0] = 1
+_BYTES = bytes(_BYTES)
+_patterns: Optional[tuple[re.Pattern, re.Pattern]] = None  # built for the first non-ASCII text
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_LEN = np.uint64(0x9E3779B97F4A7C15)  # n-grams of different lengths hash apart
+_LEN = np.uint64(0x9E3779B97F4A7C15)  # words and n-grams of different lengths hash apart
+_CHUNK = np.uint64(0xD6E8FEB86659FD93)
+_MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], np.uint64)
 _BITS_PER_ENTRY = 32
 
 
-def _classes() -> np.ndarray:
-    global _unicode_class
-    if _unicode_class is None:
-        table = np.zeros(_UNI_LIMIT, np.uint8)
-        cat = unicodedata.category
-        for c in range(_UNI_LIMIT):
-            if cat(chr(c))[0] in "LNM":
-                table[c] = _WORD
-        for lo, hi in _ALONE_RANGES:
-            part = table[lo: hi + 1]
-            part[part == _WORD] = _ALONE
-        table[0] = _BREAK
-        table[ord("_")] = _SEP
-        _unicode_class = table
-    return _unicode_class
+def _canonical(text: str) -> str:
+    """Non-ASCII text as the byte pass expects it: NFC, lower case, every character that is
+    not a letter, digit or mark a space, spaces around the letters of spaceless scripts."""
+    global _patterns
+    if _patterns is None:
+        _patterns = _build_patterns()
+    seps, alone = _patterns
+    text = seps.sub(" ", unicodedata.normalize("NFC", text).lower())
+    return alone.sub(r" \g<0> ", text)
+
+
+def _build_patterns() -> tuple[re.Pattern, re.Pattern]:
+    cat = unicodedata.category
+    ranges: list[list[int]] = []
+    for c in range(sys.maxunicode + 1):
+        if cat(chr(c))[0] in "LNM":
+            if ranges and ranges[-1][1] == c - 1:
+                ranges[-1][1] = c
+            else:
+                ranges.append([c, c])
+
+    def cls(rs) -> str:
+        return "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in rs)
+
+    return re.compile(f"[^{cls(ranges)}]+"), re.compile(f"[{cls(_ALONE_RANGES)}]")
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -123,43 +133,57 @@ class _Powers:
         return np.cumprod(t, out=t)
 
 
-_CHAR_POWERS = _Powers(0x100000001B3 * 2 + 1)  # odd: invertible mod 2^64
-_WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)
+_WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)  # odd: invertible mod 2^64
 
 
 class _Words:
     """The words of a batch of texts (segments), hashed: `hashes[j]` is word j's hash,
-    `segment[j]` the text it is in; `first[s]`, `count[s]` locate segment s's words."""
+    `segment[j]` the text it is in; `first[s]`, `count[s]` locate segment s's words.
+
+    One pass of bytes.translate folds case and punctuation; a word is a run of non-zero
+    bytes, hashed from the 8-byte little-endian words that cover it (most words fit in
+    one), so no numpy pass runs per character beyond finding the runs."""
 
     def __init__(self, texts: Sequence[str]):
-        joined = "\x00".join(t.replace("\x00", " ") if "\x00" in t else t for t in texts)
-        if joined.isascii():
-            raw = np.frombuffer(joined.encode(), np.uint8)
-            cls = _ASCII_CLASS[raw]
-            code = _ASCII_LOWER[raw]
-            starts, ends = _runs(cls == _WORD)
-        else:
-            joined = unicodedata.normalize("NFC", joined).lower()
-            code = np.frombuffer(joined.encode("utf-32-le"), np.uint32)
-            cls = _classes()[np.minimum(code, _UNI_LIMIT - 1)]
-            cls[code >= _UNI_LIMIT] = _SEP
-            starts, ends = _runs_alone(cls)
-        self.text = joined
+        joined = "\0".join(texts)
+        if not joined.isascii():
+            joined = "\0".join(t if t.isascii() else _canonical(t) for t in texts)
+        # \0 marks where a text ends; the 8 spaces at the end keep the windows below in bounds
+        raw = ("\0" + joined + "\0        ").encode("utf-8").translate(_BYTES)
+        size = len(raw) - 8
+        b = np.frombuffer(raw, np.uint8, size)
+        breaks = np.flatnonzero(b == 1)
+        if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
+            self.__init__([t.replace("\0", " ") for t in texts])
+            return
+        self.raw = raw
+        word = b > 1
+        edges = np.flatnonzero(word[1:] != word[:-1]) + 1  # the text starts and ends with \0
+        starts, ends = edges[0::2], edges[1::2]
         self.starts, self.ends = starts, ends
-        n = len(code)
-        pw, inv = _CHAR_POWERS.upto(n + 1)
-        prefix = np.zeros(n + 1, np.uint64)
-        np.cumsum(code * pw[:n], out=prefix[1:])
-        self.hashes = _mix((prefix[ends] - prefix[starts]) * inv[starts])
-        breaks = np.flatnonzero(cls == _BREAK)
-        self.segment = np.searchsorted(breaks, starts)
-        self.count = np.bincount(self.segment, minlength=len(texts))
-        self.first = np.zeros(len(texts), np.int64)
-        np.cumsum(self.count[:-1], out=self.first[1:])
+        lengths = (ends - starts).astype(np.uint64)
+        # the 8 bytes at every offset, as one little-endian integer (an unaligned view)
+        windows = np.ndarray((size,), np.dtype("<u8"), raw, 0, (1,))
+        h = np.take(windows, starts) & _MASKS[np.minimum(lengths, 8)]
+        h ^= lengths * _LEN
+        _mix(h)
+        longer = np.flatnonzero(lengths > 8)
+        k = 1
+        while len(longer):  # the next 8 bytes of words longer than 8 k bytes
+            rest = lengths[longer] - np.uint64(8 * k)
+            part = np.take(windows, starts[longer] + 8 * k) & _MASKS[np.minimum(rest, 8)]
+            h[longer] = _mix((h[longer] ^ part) + _CHUNK)
+            longer = longer[rest > 8]
+            k += 1
+        self.hashes = h
+        firsts = np.searchsorted(starts, breaks)  # the first word after each \0
+        self.first = firsts[:-1]
+        self.count = np.diff(firsts)
+        self.segment = np.repeat(np.arange(len(texts)), self.count)
         w = len(starts)
         wpw, winv = _WORD_POWERS.upto(w + 1)
         self.prefix = np.zeros(w + 1, np.uint64)
-        np.cumsum(self.hashes * wpw[:w], out=self.prefix[1:])
+        np.cumsum(h * wpw[:w], out=self.prefix[1:])
         self.winv = winv
 
     def spans(self, first: np.ndarray, length) -> np.ndarray:
@@ -177,25 +201,8 @@ class _Words:
         return first, self.spans(first, n)
 
     def phrase(self, first: int, n: int) -> str:
-        return " ".join(self.text[s:e] for s, e in zip(self.starts[first: first + n], self.ends[first: first + n])).lower()
-
-
-def _runs(word: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    edges = np.diff(np.concatenate(([0], word.view(np.int8), [0])))
-    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-
-
-def _runs_alone(cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Word runs where every _ALONE character is a run of its own."""
-    inword = (cls == _WORD) | (cls == _ALONE)
-    alone = cls == _ALONE
-    before = np.concatenate(([False], inword[:-1]))
-    after = np.concatenate((inword[1:], [False]))
-    alone_before = np.concatenate(([False], alone[:-1]))
-    alone_after = np.concatenate((alone[1:], [False]))
-    starts = np.flatnonzero(inword & (~before | alone | alone_before))
-    ends = np.flatnonzero(inword & (~after | alone | alone_after)) + 1
-    return starts, ends
+        spans = zip(self.starts[first: first + n].tolist(), self.ends[first: first + n].tolist())
+        return " ".join(self.raw[s:e].decode("utf-8", "replace") for s, e in spans)
 
 
 def words(text: str) -> list[str]:
@@ -266,7 +273,7 @@ class Index:
         meta = json.loads((folder / "index.json").read_text())
         policy = P.Decontaminate(**meta["policy"])
         # memory-mapped: worker processes share one copy through the page cache
-        arrays = {key: np.load(folder / f"{key}.npy", mmap_mode="r") for key in _ARRAYS}
+        arrays = {key: np.asarray(np.load(folder / f"{key}.npy", mmap_mode="r")) for key in _ARRAYS}
         return cls(policy, meta["names"], arrays)
 
     def where(self, item: int) -> tuple[str, int]:
@@ -275,28 +282,23 @@ class Index:
 
     # -- checking ------------------------------------------------------------------
 
-    def check(self, prompts: Sequence[Sequence[str]]) -> list[Optional[tuple[int, str]]]:
-        """Per prompt (its message texts): None, or (global eval item, shared n-gram)."""
-        texts: list[str] = []
-        owner: list[int] = []
-        for p, messages in enumerate(prompts):
-            texts.extend(messages)
-            owner.extend([p] * len(messages))
-        out: list[Optional[tuple[int, str]]] = [None] * len(prompts)
+    def check(self, texts: list[str], counts: Sequence[int]) -> list[Optional[tuple[int, str]]]:
+        """Prompts given as their message texts in a row, counts[p] of them for prompt p:
+        per prompt None, or (global eval item, shared n-gram)."""
+        out: list[Optional[tuple[int, str]]] = [None] * len(counts)
         if not texts:
             return out
         w = _Words(texts)
-        owner_arr = np.asarray(owner, np.int64)
-        n = self.n
-        first, h = w.ngrams(n)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        first, h = w.ngrams(self.n)
         if len(h) and len(self.hashes):
             slot = h >> self.shift
             maybe = (self.bits[slot >> np.uint64(3)] >> (slot & np.uint64(7)).astype(np.uint8)) & 1
             cand = np.flatnonzero(maybe)
             if len(cand):
-                self._confirm(w, first[cand], h[cand], owner_arr, out)
+                self._confirm(w, first[cand], h[cand], owner, out)
         if len(self.short_hashes):
-            self._exact(w, owner_arr, out)
+            self._exact(w, owner, out)
         return out
 
     def _confirm(self, w: _Words, first, h, owner, out) -> None:
@@ -305,24 +307,25 @@ class Index:
         found = np.flatnonzero(hi > lo)
         if not len(found):
             return
-        shared: dict[int, Counter] = {}
-        where: dict[tuple[int, int], int] = {}  # (prompt, item) -> first word of a shared n-gram
-        for k in found.tolist():
-            start = int(first[k])
-            p = int(owner[w.segment[start]])
-            counts = shared.setdefault(p, Counter())
-            for item in self.items[lo[k]: min(hi[k], lo[k] + 64)].tolist():  # cap: boilerplate n-grams
-                counts[item] += 1
-                where.setdefault((p, item), start)
-        n, need = self.n, self.policy.min_overlap
-        for p, counts in shared.items():
-            item, count = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-            if need is not None:
-                segs = np.flatnonzero(owner == p)
-                total = int(np.maximum(w.count[segs] - n + 1, 0).sum())
-                if count < need * total:
-                    continue
-            out[p] = (item, w.phrase(where[(p, item)], n))
+        # one entry per (shared n-gram, eval item), at most 64 items per n-gram (boilerplate)
+        lo, first = lo[found], first[found]
+        reps = np.minimum(hi[found] - lo, 64)
+        pair_first = np.repeat(first, reps)
+        offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
+        items = self.items[np.repeat(lo, reps) + offset].astype(np.int64)
+        prompts = owner[w.segment[pair_first]]
+        pairs, at, shared = np.unique((prompts << 32) | items, return_index=True, return_counts=True)
+        prompt, item = pairs >> 32, pairs & 0xFFFFFFFF
+        # per prompt, the item sharing most n-grams (the lowest item of a tie)
+        order = np.lexsort((item, -shared, prompt))
+        best = order[np.concatenate(([True], prompt[order][1:] != prompt[order][:-1]))]
+        need = self.policy.min_overlap
+        if need is not None:
+            per_text = np.maximum(w.count - self.n + 1, 0)
+            total = np.bincount(owner, weights=per_text, minlength=len(out))
+            best = best[shared[best] >= need * total[prompt[best]]]
+        for b in best.tolist():
+            out[int(prompt[b])] = (int(item[b]), w.phrase(int(pair_first[at[b]]), self.n))
 
     def _exact(self, w: _Words, owner, out) -> None:
         short = np.flatnonzero((w.count > 0) & (w.count < self.n))

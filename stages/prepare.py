@@ -167,17 +167,20 @@ class _RowMaker:
         make = self.make
         if self.evals is None:
             return [make(item) for item in items]
-        texts: list[list[str]] = []
-        results = [make(item, texts) for item in items]
-        # candidates in order, as make() appended their texts: checked in one batch
+        texts: list[str] = []
+        counts: list[int] = []
+        results = [make(item, texts, counts) for item in items]
+        hits = self.evals.check(texts, counts)  # one per candidate, in order
+        if hits.count(None) == len(hits):
+            return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]
-        for i, hit in zip(at, self.evals.check(texts)):
+        for i, hit in zip(at, hits):
             if hit is not None:
                 pid = results[i][1][7:39].decode()  # the line starts {"id":"<32 hex>"
                 results[i] = decontam.Match(pid, *self.evals.where(hit[0]), hit[1])
         return results
 
-    def make(self, item, texts: Optional[list] = None):
+    def make(self, item, texts: Optional[list] = None, counts: Optional[list] = None):
         if type(item) is bytes:
             try:
                 item = orjson.loads(item)
@@ -207,8 +210,10 @@ class _RowMaker:
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
         multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
-        if texts is not None:
-            texts.append([m["content"] for m in messages])
+        if texts is not None:  # what decontamination checks: all but the answers kept as context
+            asked = [m["content"] for m in messages if m["role"] != "assistant"]
+            texts.extend(asked)
+            counts.append(len(asked))
         return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
 
 

@@ -106,11 +106,11 @@ def _check(cfg: P.Prepare) -> None:
     _check_names("prepare.decontaminate.evals", dc.evals, "eval set")
 
 
-def _check_names(key: str, entries: list, what: str = "entry") -> None:
+def _check_names(section: str, entries: list, what: str) -> None:
     """Names unique and not empty; a layout's fields given for the layout that reads them."""
     names = set()
     for i, src in enumerate(entries):
-        where = f"{key}[{i}]"
+        where = f"{section}[{i}]"
         if not src.name.strip():
             raise StageError(f"{where}.name: must not be empty")
         if src.name in names:

@@ -443,9 +443,12 @@ def test_cli_runs_the_stage(tmp_path):
 def test_shipped_demo_sources(tmp_path):
     cfg = P.load("prepare", ROOT / "params.yaml")
     os.chdir(tmp_path)
-    for src in cfg.sources:
+    for src in cfg.sources + cfg.decontaminate.evals:
         src.path = str(ROOT / src.path)
     report = prepare.run(cfg)
+    # the eval sample holds two demo prompts the limit would not have drawn
+    assert report["totals"]["dropped_by_reason"]["contaminated"] == 2
+    assert report["decontamination"]["evals"]["eval_sample"]["by_source"] == {"qa_sample": 2}
     for src in cfg.sources:  # the demo's limits bind: the sample is a real mix
         stats = report["sources"][src.name]
         assert stats["kept"] == min(src.limit or stats["cleaned"], stats["cleaned"])

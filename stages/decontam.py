@@ -148,9 +148,9 @@ class _Words:
         joined = "\0".join(texts)
         if not joined.isascii():
             joined = "\0".join(t if t.isascii() else _canonical(t) for t in texts)
-        # \0 marks where a text ends; the 8 spaces at the end keep the windows below in bounds
-        raw = ("\0" + joined + "\0        ").encode("utf-8").translate(_BYTES)
-        size = len(raw) - 8
+        raw = ("\0" + joined + "\0").encode("utf-8").translate(_BYTES)  # \0: where a text ends
+        size = len(raw)
+        raw += bytes(8 + (-size) % 8)  # whole 8-byte words, one more for reads at the end
         b = np.frombuffer(raw, np.uint8, size)
         breaks = np.flatnonzero(b == 1)
         if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
@@ -203,6 +203,16 @@ class _Words:
     def phrase(self, first: int, n: int) -> str:
         spans = zip(self.starts[first: first + n].tolist(), self.ends[first: first + n].tolist())
         return " ".join(self.raw[s:e].decode("utf-8", "replace") for s, e in spans)
+
+
+def _bytes_at(aligned: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The 8 bytes at each byte offset, as little-endian integers, from two aligned reads
+    (numpy copies a whole unaligned view to read from it)."""
+    q = offsets >> 3
+    r = (offsets & 7).astype(np.uint64) << np.uint64(3)
+    low = aligned[q] >> r
+    high = (aligned[q + 1] << np.uint64(1)) << (np.uint64(63) - r)  # two shifts: r may be 0
+    return low | high
 
 
 def words(text: str) -> list[str]:
@@ -302,14 +312,13 @@ class Index:
         return out
 
     def _confirm(self, w: _Words, first, h, owner, out) -> None:
-        lo = np.searchsorted(self.hashes, h, side="left")
-        hi = np.searchsorted(self.hashes, h, side="right")
-        found = np.flatnonzero(hi > lo)
+        lo = np.searchsorted(self.hashes, h)
+        found = np.flatnonzero(self.hashes[np.minimum(lo, len(self.hashes) - 1)] == h)
         if not len(found):
             return
         # one entry per (shared n-gram, eval item), at most 64 items per n-gram (boilerplate)
         lo, first = lo[found], first[found]
-        reps = np.minimum(hi[found] - lo, 64)
+        reps = np.minimum(np.searchsorted(self.hashes, h[found], side="right") - lo, 64)
         pair_first = np.repeat(first, reps)
         offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
         items = self.items[np.repeat(lo, reps) + offset].astype(np.int64)
@@ -344,7 +353,7 @@ class Index:
 def _sorted_unique(hashes, items) -> tuple[np.ndarray, np.ndarray]:
     hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
     items = np.concatenate(items) if items else np.zeros(0, np.uint32)
-    order = np.lexsort((items, hashes))
+    order = np.argsort(hashes, kind="stable")  # items were appended in increasing order
     hashes, items = hashes[order], items[order]
     if len(hashes) > 1:
         keep = np.concatenate(([True], (hashes[1:] != hashes[:-1]) | (items[1:] != items[:-1])))

@@ -36,18 +36,17 @@ def at_least(section: str, cfg, minimums: dict[str, int]) -> None:
 
 
 @dataclass
-class Source:
+class Dataset:
+    """What a prompt source and an evaluation set share: where the rows are, their layout."""
+
     name: str
     path: str
     format: Literal["sharegpt", "messages", "columns"]
     prompt_field: Optional[str] = None
-    system_field: Optional[str] = None
     subset: Optional[str] = None
     split: Optional[str] = None
-    limit: Optional[int] = None
     # where the conversation lives for sharegpt/messages layouts, and its key names
     messages_field: Optional[str] = None
-    tools_field: Optional[str] = None
     role_key: Optional[str] = None
     content_key: Optional[str] = None
     # extra role names as "NAME:ROLE" (ROLE: system/user/assistant/tool), e.g. "prompter:user"
@@ -56,20 +55,15 @@ class Source:
 
 
 @dataclass
-class EvalSet:
-    """An evaluation set kept out of the mix, read like a Source (its user turns count)."""
+class Source(Dataset):
+    system_field: Optional[str] = None
+    limit: Optional[int] = None
+    tools_field: Optional[str] = None
 
-    name: str
-    path: str
-    format: Literal["sharegpt", "messages", "columns"]
-    prompt_field: Optional[str] = None
-    subset: Optional[str] = None
-    split: Optional[str] = None
-    messages_field: Optional[str] = None
-    role_key: Optional[str] = None
-    content_key: Optional[str] = None
-    role_map: list[str] = field(default_factory=list)
-    revision: Optional[str] = None
+
+@dataclass
+class EvalSet(Dataset):
+    """An evaluation set kept out of the mix (prepare.decontaminate): its user turns count."""
 
     def as_source(self) -> Source:
         return Source(**dataclasses.asdict(self))

@@ -71,7 +71,10 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _LEN = np.uint64(0x9E3779B97F4A7C15)  # words and n-grams of different lengths hash apart
 _CHUNK = np.uint64(0xD6E8FEB86659FD93)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], np.uint64)
-_BITS_PER_ENTRY = 32
+# Two filters before the sorted hashes: a small one (4 bits per n-gram, ~1 in 5 absent
+# n-grams pass) that stays in the CPU caches beside the dedup set of a large mix, then a
+# large one (32 bits, ~1 in 40 pass) read only for those.
+_COARSE_BITS, _FINE_BITS = 4, 32
 
 
 def _canonical(text: str) -> str:
@@ -162,16 +165,15 @@ class _Words:
         starts, ends = edges[0::2], edges[1::2]
         self.starts, self.ends = starts, ends
         lengths = (ends - starts).astype(np.uint64)
-        # the 8 bytes at every offset, as one little-endian integer (an unaligned view)
-        windows = np.ndarray((size,), np.dtype("<u8"), raw, 0, (1,))
-        h = np.take(windows, starts) & _MASKS[np.minimum(lengths, 8)]
+        aligned = np.frombuffer(raw, "<u8")
+        h = _bytes_at(aligned, starts) & _MASKS[np.minimum(lengths, 8)]
         h ^= lengths * _LEN
         _mix(h)
         longer = np.flatnonzero(lengths > 8)
         k = 1
         while len(longer):  # the next 8 bytes of words longer than 8 k bytes
             rest = lengths[longer] - np.uint64(8 * k)
-            part = np.take(windows, starts[longer] + 8 * k) & _MASKS[np.minimum(rest, 8)]
+            part = _bytes_at(aligned, starts[longer] + 8 * k) & _MASKS[np.minimum(rest, 8)]
             h[longer] = _mix((h[longer] ^ part) + _CHUNK)
             longer = longer[rest > 8]
             k += 1
@@ -189,8 +191,8 @@ class _Words:
     def spans(self, first: np.ndarray, length) -> np.ndarray:
         """Hashes of the word runs first[k] .. first[k] + length - 1."""
         h = (self.prefix[first + length] - self.prefix[first]) * self.winv[first]
-        h += np.asarray(length, np.uint64) * _LEN
-        return _mix(h)
+        h += np.asarray(length, np.uint64) * _LEN  # (words hashes are mixed: a sum of them is too)
+        return h
 
     def ngrams(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(first word of each n-gram within one segment, its hash)."""
@@ -240,7 +242,7 @@ class Match:
                 "eval_item": self.eval_item, "ngram": self.ngram}
 
 
-_ARRAYS = ("hashes", "items", "bits", "short_hashes", "short_items", "set_starts")
+_ARRAYS = ("hashes", "items", "coarse", "fine", "short_hashes", "short_items", "set_starts")
 
 
 class Index:
@@ -254,17 +256,13 @@ class Index:
         self.names = names
         for key in _ARRAYS:
             setattr(self, key, arrays[key])
-        self.shift = np.uint64(64 - int(len(self.bits) * 8).bit_length() + 1)
 
     @classmethod
     def from_pairs(cls, policy, names, set_starts, hashes, items, short_hashes, short_items) -> "Index":
         hashes, items = _sorted_unique(hashes, items)
         short_hashes, short_items = _sorted_unique(short_hashes, short_items)
-        slots = 1 << max(6, (max(len(hashes), 1) * _BITS_PER_ENTRY - 1).bit_length())
-        bits = np.zeros(slots // 8, np.uint8)
-        slot = hashes >> np.uint64(64 - slots.bit_length() + 1)
-        np.bitwise_or.at(bits, slot >> np.uint64(3), np.left_shift(1, slot & np.uint64(7)).astype(np.uint8))
-        arrays = dict(hashes=hashes, items=items, bits=bits, short_hashes=short_hashes,
+        arrays = dict(hashes=hashes, items=items, coarse=_bitmap(hashes, _COARSE_BITS, high=True),
+                      fine=_bitmap(hashes, _FINE_BITS, high=False), short_hashes=short_hashes,
                       short_items=short_items, set_starts=np.asarray(set_starts, np.int64))
         return cls(policy, names, arrays)
 
@@ -302,9 +300,8 @@ class Index:
         owner = np.repeat(np.arange(len(counts)), counts)
         first, h = w.ngrams(self.n)
         if len(h) and len(self.hashes):
-            slot = h >> self.shift
-            maybe = (self.bits[slot >> np.uint64(3)] >> (slot & np.uint64(7)).astype(np.uint8)) & 1
-            cand = np.flatnonzero(maybe)
+            cand = np.flatnonzero(_bits_set(self.coarse, h, high=True))
+            cand = cand[_bits_set(self.fine, h[cand], high=False)]
             if len(cand):
                 self._confirm(w, first[cand], h[cand], owner, out)
         if len(self.short_hashes):
@@ -312,10 +309,13 @@ class Index:
         return out
 
     def _confirm(self, w: _Words, first, h, owner, out) -> None:
+        order = np.argsort(h)  # sorted keys: each binary search starts where the last ended
+        first, h = first[order], h[order]
         lo = np.searchsorted(self.hashes, h)
         found = np.flatnonzero(self.hashes[np.minimum(lo, len(self.hashes) - 1)] == h)
         if not len(found):
             return
+        found = found[np.argsort(first[found])]  # back in text order: examples show the first
         # one entry per (shared n-gram, eval item), at most 64 items per n-gram (boilerplate)
         lo, first = lo[found], first[found]
         reps = np.minimum(np.searchsorted(self.hashes, h[found], side="right") - lo, 64)
@@ -350,11 +350,36 @@ class Index:
                 out[p] = (int(self.short_items[pos[k]]), w.phrase(int(w.first[s]), int(w.count[s])))
 
 
+def _bitmap(hashes: np.ndarray, bits_per_entry: int, high: bool) -> np.ndarray:
+    """A bit per slot, set for the slots of `hashes` (their top or bottom bits)."""
+    slots = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
+    bits = np.zeros(slots // 8, np.uint8)
+    slot = _slots(hashes, slots, high)
+    np.bitwise_or.at(bits, slot >> np.uint64(3), np.left_shift(1, slot & np.uint64(7)).astype(np.uint8))
+    return bits
+
+
+def _slots(h: np.ndarray, slots: int, high: bool) -> np.ndarray:
+    if high:
+        return h >> np.uint64(65 - slots.bit_length())
+    return h & np.uint64(slots - 1)
+
+
+def _bits_set(bits: np.ndarray, h: np.ndarray, high: bool) -> np.ndarray:
+    slot = _slots(h, len(bits) * 8, high)
+    return ((bits[slot >> np.uint64(3)] >> (slot & np.uint64(7)).astype(np.uint8)) & 1).view(bool)
+
+
 def _sorted_unique(hashes, items) -> tuple[np.ndarray, np.ndarray]:
     hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
     items = np.concatenate(items) if items else np.zeros(0, np.uint32)
-    order = np.argsort(hashes, kind="stable")  # items were appended in increasing order
+    order = np.argsort(hashes)
     hashes, items = hashes[order], items[order]
+    tie = np.flatnonzero(hashes[1:] == hashes[:-1])
+    if len(tie):  # an n-gram of several items (or twice in one): those rows by item, then unique
+        rows = np.union1d(tie, tie + 1)
+        by_item = np.lexsort((items[rows], hashes[rows]))
+        hashes[rows], items[rows] = hashes[rows][by_item], items[rows][by_item]
     if len(hashes) > 1:
         keep = np.concatenate(([True], (hashes[1:] != hashes[:-1]) | (items[1:] != items[:-1])))
         hashes, items = hashes[keep], items[keep]

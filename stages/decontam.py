@@ -8,18 +8,19 @@ spacing and punctuation never hide a copy. Scripts written without spaces betwee
 each of their letters is a word of its own, so an n-gram there is n characters.
 
 An evaluation item is the text of its user turns. Its n-grams (n words in a row within
-one message) go into the index; an item of fewer than n words goes, when `short_exact`,
-into a list matched against whole messages instead. A prompt matches when one of its
-n-grams (from any message) is in the index, or with `min_overlap` when at least that
-fraction of its n-grams is shared with one evaluation item; it is attributed to the
+one text) go into the index; an item of fewer than n words goes, when `short_exact`,
+into a list matched against whole messages instead. A prompt is checked on its system,
+user and tool messages (earlier assistant answers kept as context are not questions); it
+matches when one of its n-grams is in the index, or with `min_overlap` when at least that
+fraction of its n-grams is shared with one evaluation item, and is attributed to the
 item it shares most n-grams with.
 
-Hashing is vectorised over a whole batch of texts (numpy, no Python loop per word):
-each word gets a 64-bit polynomial hash of its code points, mixed; each n-gram a
-polynomial hash of its words' hashes, mixed again. The index is those hashes sorted, the
-item of each, and a bit array of 32 bits per n-gram that answers "surely absent" for
-almost every n-gram of a clean prompt without touching the sorted array. Its memory is
-~16 bytes per indexed n-gram, whatever the size of the mix.
+Hashing is vectorised over a whole batch of texts (numpy, no Python loop per word): a
+word's hash mixes the 8-byte little-endian words of its folded UTF-8 bytes; an n-gram's
+is a polynomial of its words' hashes mod 2^64, from prefix sums. The index is those
+hashes sorted with the item of each, and two bit filters that answer "surely absent"
+for almost every n-gram of a clean prompt without touching the sorted array: ~18 bytes
+per indexed n-gram, whatever the size of the mix.
 """
 
 from __future__ import annotations
@@ -370,11 +371,17 @@ def _bits_set(bits: np.ndarray, h: np.ndarray, high: bool) -> np.ndarray:
     return ((bits[slot >> np.uint64(3)] >> (slot & np.uint64(7)).astype(np.uint8)) & 1).view(bool)
 
 
-def _sorted_unique(hashes, items) -> tuple[np.ndarray, np.ndarray]:
-    hashes = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
-    items = np.concatenate(items) if items else np.zeros(0, np.uint32)
+def _sorted_unique(parts: list, item_parts: list) -> tuple[np.ndarray, np.ndarray]:
+    """The (hash, item) pairs of the batches in `parts`, sorted, each once; the lists are
+    emptied as they are read so the peak stays near twice the index."""
+    hashes = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+    items = np.concatenate(item_parts) if item_parts else np.zeros(0, np.uint32)
+    parts.clear()
+    item_parts.clear()
     order = np.argsort(hashes)
-    hashes, items = hashes[order], items[order]
+    hashes = hashes[order]
+    items = items[order]
+    del order
     tie = np.flatnonzero(hashes[1:] == hashes[:-1])
     if len(tie):  # an n-gram of several items (or twice in one): those rows by item, then unique
         rows = np.union1d(tie, tie + 1)

@@ -328,9 +328,7 @@ SHAPED_BY = {
     "stages/schema.py": {"tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
     "stages/cli.py": set(),
-    # prepare's own inputs: an edited eval set reruns prepare (and what its outputs feed)
     "stages/decontam.py": {"prepare"},
-    "data/evals/eval_sample.jsonl": {"prepare"},
 }
 
 
@@ -348,3 +346,15 @@ def test_an_edited_shared_module_outdates_the_stages_it_shapes(runs, module):
                if any(module in (e.get("changed deps") or {}) for e in entries
                       if isinstance(e, dict))}
     assert changed == SHAPED_BY[module], status
+
+
+@pytest.mark.slow
+def test_an_edited_eval_set_outdates_prepare_only(runs):
+    path = runs.repo / "data/evals/eval_sample.jsonl"
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + b'{"question": "What is the tallest mountain in Africa?"}\n')
+        status = json.loads(run(["dvc", "status", "--json"], runs.repo))
+    finally:
+        path.write_bytes(original)
+    assert status == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}

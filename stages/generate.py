@@ -42,6 +42,7 @@ from typing import Any, Optional
 import numpy as np
 
 from stages import cli, outputs
+from stages import messages as contract
 from stages import params as P
 from stages.client import (
     CHAT_PATH,
@@ -213,13 +214,9 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
-    messages = prompt.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and "role" in m for m in messages
-    ):
-        raise StageError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-    if "tools" in prompt and not isinstance(prompt["tools"], list):
-        raise StageError(f"{where}: 'tools' must be a list")
+    bad = contract.problem(prompt.get("messages"), prompt.get("tools"))
+    if bad:
+        raise StageError(f"{where}: {bad}")
     return prompt
 
 

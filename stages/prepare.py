@@ -40,7 +40,7 @@ import xxhash
 
 from stages import cli, outputs, sources
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_type
 
 log = logging.getLogger("prepare")
 
@@ -155,7 +155,7 @@ class _RowMaker:
         if type(item) is not dict:
             if item is None or type(item) is sources.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {sources.json_type(item)}")
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
         if type(res) is str:
             return res

@@ -27,10 +27,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import orjson
 
-from stages.errors import StageError
+from stages import messages as contract
+from stages.errors import StageError, json_type
 from stages.params import Source
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = contract.ROLES
 
 # Role names seen in public chat datasets, lower-cased, mapped to OpenAI roles.
 # `function_call` (LLaMA-Factory ShareGPT) is the assistant's own call text.
@@ -102,12 +103,6 @@ def parse_line(line: bytes):
     if type(obj) is not dict:
         return BadRow("not_an_object", f"expected a JSON object, got {json_type(obj)}")
     return obj
-
-
-def json_type(obj) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(obj), "a number"
-    )
 
 
 # ----------------------------------------------------------------------------- readers
@@ -661,6 +656,8 @@ class Layout:
             messages.append(msg)
         if not messages[-1]["content"].strip():
             return "empty"
+        if self.extras and contract.problem(messages):  # e.g. tool_calls that are not objects
+            return "bad_value"
         return self._finish(messages, system, tools, chars, calls)
 
     @staticmethod
@@ -698,7 +695,7 @@ def _tools(value) -> Union[list, str, None]:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return "bad_value"
-    if type(value) is not list:
+    if type(value) is not list or not all(type(t) is dict for t in value):
         return "bad_value"
     return value or None
 

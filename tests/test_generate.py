@@ -445,6 +445,16 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
         generate.run(cfg)
+    user = [{"role": "user", "content": "q"}]
+    for row, message in [
+        ({"messages": user, "tools": [1, "f"]}, "'tools' must be a list of objects"),
+        ({"messages": [{"role": ["user"], "content": "q"}]}, r"messages\[0\] must be an object"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         r"messages\[0\].content\[0\]"),
+    ]:
+        (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
+        with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):
+            generate.run(cfg)
 
 
 @pytest.mark.slow

@@ -251,6 +251,11 @@ def test_messages_layout_keeps_tool_calls_and_parts():
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert layout("messages").convert(image) == "non_text_content"
     assert layout("messages", tools_field="tools").convert({**row, "tools": "{oops"}) == "bad_value"
+    # tools and tool calls that are not objects break the prompt contract (stages/messages.py)
+    assert layout("messages", tools_field="tools").convert({**row, "tools": [1, "f"]}) == "bad_value"
+    bad_calls = {"messages": [row["messages"][0], {"role": "assistant", "tool_calls": ["f"]},
+                              *row["messages"][2:]]}
+    assert layout("messages").convert(bad_calls) == "bad_value"
 
 
 def test_columns_layout_with_system_field():

@@ -202,6 +202,19 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
      "last message must be the assistant"),
     (json.dumps(completion(9, "s", [{"role": "bot", "content": "q"}])) + "\n", "role"),
     (json.dumps(completion(9, "s", qa("q", 5))) + "\n", "content must be"),
+    (json.dumps(completion(9, "s", qa([{"type": "text", "text": 5}], "a"))) + "\n",
+     "messages[0].content[0] must be a string or"),
+    (json.dumps(completion(9, "s", [{"role": ["user"], "content": "q"},
+                                    {"role": "assistant", "content": "a"}])) + "\n",
+     "messages[0] must be an object with role"),
+    (json.dumps(completion(9, "s", [{"role": {"user": 1}, "content": "q"},
+                                    {"role": "assistant", "content": "a"}])) + "\n",
+     "messages[0] must be an object with role"),
+    (json.dumps(completion(9, "s", qa("q", "a"), tools=[1, "f"])) + "\n",
+     "'tools' must be a list of objects"),
+    (json.dumps(completion(9, "s", [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "", "tool_calls": ["f"]}]))
+     + "\n", "messages[1].tool_calls must be a list of objects"),
 ])
 def test_bad_line_is_one_error_naming_file_and_line(tmp_path, line, message):
     src = write(tmp_path / "c.jsonl", [ROWS[0], "\n", line])

@@ -1,0 +1,54 @@
+"""The conversation contract every stage shares: what a row's `messages` and `tools` may
+hold. prepare writes only rows that meet it, and generate (prompts) and tokenize
+(completions) refuse a row that does not, so a hand-edited or foreign file fails with one
+line naming the row instead of deep inside a chat template."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from stages.errors import json_type
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# optional keys of a message and the types they may hold (besides null)
+_OPTIONAL = {"reasoning_content": str, "name": str, "tool_call_id": str, "tool_calls": list}
+
+
+def problem(messages: Any, tools: Any = None) -> Optional[str]:
+    """What in `messages` / `tools` breaks the contract (a short phrase), or None."""
+    if type(messages) is not list or not messages:
+        return "'messages' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if type(m) is not dict or type(m.get("role")) is not str or m["role"] not in ROLES:
+            return f"messages[{i}] must be an object with role {', '.join(ROLES)}"
+        bad = _content_problem(m.get("content"))
+        if bad:
+            return f"messages[{i}].content{bad}"
+        for key, kind in _OPTIONAL.items():
+            value = m.get(key)
+            if value is not None and type(value) is not kind:
+                return f"messages[{i}].{key} must be a {_NAMES[kind]} or null, got {json_type(value)}"
+        calls = m.get("tool_calls")
+        if calls and not all(type(c) is dict for c in calls):
+            return f"messages[{i}].tool_calls must be a list of objects"
+    if tools is not None and (type(tools) is not list or not all(type(t) is dict for t in tools)):
+        return "'tools' must be a list of objects"
+    return None
+
+
+def _content_problem(content: Any) -> Optional[str]:
+    if content is None or type(content) is str:
+        return None
+    if type(content) is not list:
+        return f" must be a string, a list of text parts or null, got {json_type(content)}"
+    for j, part in enumerate(content):
+        if type(part) is str:
+            continue
+        if type(part) is not dict or part.get("type") != "text" or type(part.get("text")) is not str:
+            return f"[{j}] must be a string or {{\"type\": \"text\", \"text\": <string>}}"
+    return None
+
+
+_NAMES = {str: "string", list: "list"}
+

@@ -66,6 +66,8 @@ class Prepare:
     dedup: Literal["prompt", "user", "off"] = "prompt"
     # worker processes for large sources (0: CPUs - 1, up to 8, none on 2 CPUs; 1: none)
     num_proc: int = 0
+    # a longer line or JSON array element stops the stage: bounds memory on a bad file
+    max_record_bytes: int = 64 << 20
 
 
 # -------------------------------------------------------------------------- generate

@@ -253,7 +253,7 @@ def _one_source(
                  src.limit is not None)
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
-    reader = sources.Reader(src, layout.columns(), probe.check_schema)
+    reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
     dropped = dict.fromkeys(sources.REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"

@@ -21,6 +21,7 @@ import json
 import lzma
 import os
 import re
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -29,7 +30,7 @@ import orjson
 
 from stages import messages as contract
 from stages.errors import StageError, json_type
-from stages.params import Source
+from stages.params import Prepare, Source
 
 ROLES = contract.ROLES
 
@@ -140,8 +141,10 @@ class Reader:
     with features) is opened, so a misnamed field fails before any row is read.
     """
 
-    def __init__(self, src: Source, columns: list[str], check: Callable[[list[str], str], None]):
+    def __init__(self, src: Source, columns: list[str], check: Callable[[list[str], str], None],
+                 max_record_bytes: int = Prepare.max_record_bytes):
         self.src = src
+        self.max_record_bytes = max_record_bytes
         self.columns = columns
         self.check = check
         self.current = src.path
@@ -249,7 +252,7 @@ class Reader:
             kind = _kind(path)
             self.unit = "line" if kind == "json" else "row"
             if kind == "json":
-                yield from _json_batches(path)
+                yield from _json_batches(path, self.max_record_bytes)
             elif kind == "parquet":
                 yield from self._parquet(path)
             else:
@@ -371,23 +374,75 @@ def _open_binary(path: Path):
     return open(path, "rb", buffering=1 << 20)
 
 
-def _json_batches(path: Path) -> Iterator[tuple[Sequence[int], list]]:
+# what reading a damaged file raises: truncated .gz/.bz2/.xz (EOFError), bad .xz data
+# (LZMAError), bad deflate data (zlib.error), a file that is not gzip or bz2 (OSError)
+_READ_ERRORS = (EOFError, lzma.LZMAError, zlib.error, OSError)
+
+
+def _read_error(path: Path, line: int, e: BaseException) -> StageError:
+    why = "the compressed data ends early; is the file truncated?" if isinstance(e, EOFError) \
+        else _first_line(e)
+    return StageError(f"{path}:{line}: cannot read ({why})")
+
+
+def _too_long(path: Path, line: int, max_bytes: int, what: str = "line") -> StageError:
+    return StageError(f"{path}:{line}: a {what} longer than prepare.max_record_bytes "
+                      f"({max_bytes} bytes); raise it if such records are real")
+
+
+def _json_batches(path: Path, max_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
     """A JSON lines file, its lines unparsed (parse_line parses them, possibly in a
     worker process); or a JSON array file, when its first character is `[`."""
     with _open_binary(path) as f:
-        head = f.peek(64) if hasattr(f, "peek") else b""
+        try:
+            head = f.peek(64) if hasattr(f, "peek") else b""
+        except _READ_ERRORS as e:
+            raise _read_error(path, 1, e) from None
         if head[:3] == b"\xef\xbb\xbf":
             head = head[3:]
         if head.lstrip()[:1] == b"[":
-            yield from _grouped(_json_array(path, f))
+            yield from _grouped(_json_array(path, f, max_bytes))
             return
-        n = 1
-        while True:
-            lines = f.readlines(_LINES_BYTES)
-            if not lines:
-                return
-            yield range(n, n + len(lines)), lines
-            n += len(lines)
+        yield from _json_lines(path, f, max_bytes)
+
+
+def _json_lines(path: Path, f, max_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
+    """Lines (without their newline) in groups of about _LINES_BYTES. A line is never
+    held past `max_bytes`, so one endless line (a decompression bomb) stops early."""
+    n = 1  # the line number of the first line not yet yielded
+    partial: list[bytes] = []  # pieces of line n, read so far
+    size = 0
+    while True:
+        try:
+            block = f.read(_LINES_BYTES)
+        except _READ_ERRORS as e:
+            raise _read_error(path, n, e) from None
+        if not block:
+            break
+        if b"\n" not in block:
+            size += len(block)
+            if size > max_bytes:
+                raise _too_long(path, n, max_bytes)
+            partial.append(block)
+            continue
+        lines = block.split(b"\n")
+        if partial:
+            if size + len(lines[0]) > max_bytes:
+                raise _too_long(path, n, max_bytes)
+            partial.append(lines[0])
+            lines[0] = b"".join(partial)
+        last = lines.pop()
+        partial, size = ([last], len(last)) if last else ([], 0)
+        if len(block) > max_bytes:  # only then can a whole line in it be too long
+            for i, line in enumerate(lines):
+                if len(line) > max_bytes:
+                    raise _too_long(path, n + i, max_bytes)
+        if size > max_bytes:
+            raise _too_long(path, n + len(lines), max_bytes)
+        yield range(n, n + len(lines)), lines
+        n += len(lines)
+    if partial:
+        yield range(n, n + 1), [b"".join(partial)]
 
 
 def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
@@ -403,7 +458,7 @@ def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
         yield positions, items
 
 
-def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
+def _json_array(path: Path, raw, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, decoded one at a time from 1 MiB chunks."""
     text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict")
     decode = json.JSONDecoder().raw_decode
@@ -416,6 +471,8 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
             data = text.read(chunk)
         except UnicodeDecodeError as e:
             raise StageError(f"{path}:{line}: not UTF-8 ({_first_line(e)})") from None
+        except _READ_ERRORS as e:
+            raise _read_error(path, line, e) from None
         if not data:
             eof = True
             return False
@@ -455,7 +512,10 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
                 obj, end = decode(buf, pos)
             except json.JSONDecodeError as e:
                 if not eof:
-                    chunk *= 2  # a large element: grow reads so re-decoding stays linear
+                    if len(buf) - pos > max_bytes:
+                        raise _too_long(path, line, max_bytes, "JSON array element")
+                    # a large element: grow reads so re-decoding stays linear
+                    chunk = min(2 * chunk, max(1 << 20, max_bytes))
                     if more():
                         continue  # the element runs past the buffer
                 fail(e.msg, e.pos)
@@ -464,6 +524,8 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
             if end == len(buf) and not eof and more():
                 continue  # a number may continue in the next chunk
             break
+        if end - pos > max_bytes:  # read whole in one chunk: still refused
+            raise _too_long(path, line, max_bytes, "JSON array element")
         yield line, obj
         line += buf.count("\n", pos, end)
         pos = end
@@ -678,7 +740,7 @@ class Layout:
             if role not in ROLES:
                 if role is None:
                     return "missing_field"
-                self.unknown_roles[str(role)] += 1
+                self.unknown_roles[str(role)[:40]] += 1
                 return "unknown_role"
         return None
 

@@ -84,32 +84,7 @@ def check(cfg: P.Generate) -> None:
     for u in [s.url] if isinstance(s.url, str) else (s.url or []):
         if not u.startswith(("http://", "https://")):
             raise StageError(f"generate.server.url: {u!r} is not an http(s):// URL")
-    positive = {
-        "generate.concurrency": cfg.concurrency,
-        "generate.max_tokens": cfg.max_tokens,
-        "generate.request_timeout": cfg.request_timeout,
-        "generate.progress_interval": cfg.progress_interval,
-        "generate.backoff_base": cfg.backoff_base,
-        "generate.backoff_max": cfg.backoff_max,
-        "generate.server.unreachable_deadline": s.unreachable_deadline,
-        "generate.server.watchdog_seconds": s.watchdog_seconds,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise StageError(f"{name}: must be > 0, got {value}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise StageError(f"generate.limit: must be >= 1 or null, got {cfg.limit}")
-    retries = {
-        "generate.max_retries": cfg.max_retries,
-        "generate.max_retries_500": cfg.max_retries_500,
-    }
-    for name, value in retries.items():
-        if value < 0:
-            raise StageError(f"{name}: must be >= 0, got {value}")
-    if not 0 <= cfg.temperature:
-        raise StageError(f"generate.temperature: must be >= 0, got {cfg.temperature}")
-    if not 0 < cfg.top_p <= 1:
-        raise StageError(f"generate.top_p: must be in (0, 1], got {cfg.top_p}")
+    P.check_ranges(cfg, "generate")
 
 
 def api_key(server: P.Server) -> Optional[str]:

@@ -167,7 +167,7 @@ class Reader:
                 self.hub = True
                 self.hub_id = raw[len(prefix):]
                 return []
-        path = Path(raw).expanduser()
+        path = Path(raw)  # a leading ~ is expanded by params.build
         if not path.exists():
             if _HUB_ID.match(raw) and _kind(path) is None:
                 self.hub = True
@@ -564,7 +564,7 @@ class Layout:
             name, role = name.strip().lower(), role.strip()
             if not name or role not in ROLES:
                 raise StageError(
-                    f"source {src.name}: role_map entry {entry!r}: expected 'NAME:ROLE' with "
+                    f"source {src.name}: role_map entry {entry[:100]!r}: expected 'NAME:ROLE' with "
                     f"ROLE one of {', '.join(ROLES)}"
                 )
             self.aliases[name] = role

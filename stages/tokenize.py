@@ -79,7 +79,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
                   **overrides: Any) -> dict:
     """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
     cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
-    _check_params(cfg)
+    P.check_ranges(cfg, "tokenize")
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
@@ -127,11 +127,6 @@ def _content_hash(folder: Path, names: list[str], fp: str) -> str:
             f.seek(max(0, size - (1 << 16)))
             h.update(f.read())
     return h.hexdigest()[:16]
-
-
-def _check_params(cfg: P.Tokenize) -> None:
-    P.at_least("tokenize", cfg, {"max_seq_len": 1, "num_proc": 1, "shard_rows": 1,
-                                 "shard_max_mb": 1, "min_loss_tokens": 0, "check_sample": 0})
 
 
 def _template_name(cfg: P.Tokenize) -> str:

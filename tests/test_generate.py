@@ -435,9 +435,9 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"concurrency": 0}, "generate.concurrency"),
         ({"request_timeout": -1}, "generate.request_timeout"),
     ]:
-        cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra}, "generate")
-        with pytest.raises(StageError, match=message):
-            generate.run(cfg)
+        with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
+            generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
+                                 "generate"))
     cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
         generate.run(cfg)

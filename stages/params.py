@@ -239,7 +239,8 @@ def _read(path: Path) -> str:
     """The text of a regular params file of at most MAX_FILE_BYTES, or ParamError
     (never reads /dev/zero, a FIFO or a huge file to its end)."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ParamError(f"{path}: not a regular file")
             data = f.read(MAX_FILE_BYTES + 1)

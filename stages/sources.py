@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import orjson
 
 from stages import messages as contract
-from stages.errors import StageError, json_type
+from stages.errors import StageError, json_object, json_type
 from stages.params import Prepare, Source
 
 ROLES = contract.ROLES
@@ -201,7 +201,10 @@ class Reader:
                 raise StageError(f"source {src.name}: subset folder {sub} not found")
             path = sub
         if (path / "dataset_dict.json").is_file():
-            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            where = path / "dataset_dict.json"
+            splits = json_object(where.read_bytes(), str(where)).get("splits")
+            if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+                raise StageError(f"{where}: 'splits' must be a list of names")
             split = src.split or ("train" if "train" in splits else None)
             if split is None and len(splits) == 1:
                 split = splits[0]
@@ -232,8 +235,9 @@ class Reader:
         return files
 
     def _saved(self, path: Path) -> list[Path]:
-        state = json.loads((path / "state.json").read_text())
-        return [path / f["filename"] for f in state["_data_files"]]
+        from stages.schema import list_shards  # pyarrow: imported only when needed
+
+        return list_shards(path)
 
     # -- iterating ----------------------------------------------------------------
 

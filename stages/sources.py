@@ -168,6 +168,9 @@ class Reader:
                 self.hub_id = raw[len(prefix):]
                 return []
         path = Path(raw)  # a leading ~ is expanded by params.build
+        if path.is_symlink() and not path.exists():
+            raise StageError(f"source {src.name}: path {raw!r} is a link that leads nowhere "
+                             "(a missing target or a loop of links)")
         if not path.exists():
             if _HUB_ID.match(raw) and _kind(path) is None:
                 self.hub = True
@@ -191,6 +194,8 @@ class Reader:
                     "(expected .jsonl, .json, .parquet or .arrow, optionally .gz/.bz2/.xz)"
                 )
             return [path]
+        if not path.is_dir():
+            raise StageError(f"source {src.name}: path {raw!r} is neither a file nor a folder")
         return self._folder(path)
 
     def _folder(self, path: Path) -> list[Path]:
@@ -417,10 +422,7 @@ def _json_lines(path: Path, f, max_bytes: int) -> Iterator[tuple[Sequence[int], 
     partial: list[bytes] = []  # pieces of line n, read so far
     size = 0
     while True:
-        try:
-            block = f.read(_LINES_BYTES)
-        except _READ_ERRORS as e:
-            raise _read_error(path, n, e) from None
+        block = _read_block(f, path, n)
         if not block:
             break
         if b"\n" not in block:
@@ -447,6 +449,23 @@ def _json_lines(path: Path, f, max_bytes: int) -> Iterator[tuple[Sequence[int], 
         n += len(lines)
     if partial:
         yield range(n, n + 1), [b"".join(partial)]
+
+
+def _read_block(f, path: Path, line: int) -> bytes:
+    """About _LINES_BYTES from `f`, read in the pieces the decompressor gives, so that an
+    error names the line it was reading (`line` is the first line of the block)."""
+    pieces: list[bytes] = []
+    size = 0
+    try:
+        while size < _LINES_BYTES:
+            piece = f.read1(_LINES_BYTES - size)
+            if not piece:
+                break
+            pieces.append(piece)
+            size += len(piece)
+    except _READ_ERRORS as e:
+        raise _read_error(path, line + sum(p.count(b"\n") for p in pieces), e) from None
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:

@@ -7,6 +7,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import subprocess
 import sys
 import time
@@ -375,3 +376,35 @@ def test_a_decompression_bomb_stops_early_with_flat_memory(tmp_path):
     print(f"peak RSS: tiny source {small_kib} KiB, 256 MiB bomb {bomb_kib} KiB; "
           f"bomb run {seconds:.1f}s")
     assert bomb_kib - small_kib < 32 * 1024  # a 4 MiB cap, never the 256 MiB line
+
+
+def test_links_fifos_and_bad_dataset_dicts_are_one_line(tmp_path):
+    (tmp_path / "loop.jsonl").symlink_to("loop.jsonl")
+    with pytest.raises(StageError, match=r"path '.*loop.jsonl' is a link that leads nowhere"):
+        rows_of(src(tmp_path / "loop.jsonl"))
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(StageError, match=r"path '.*fifo.jsonl' is neither a file nor a folder"):
+        rows_of(src(tmp_path / "fifo.jsonl"))
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd/dataset_dict.json").write_text('{"splits": "train"}')
+    with pytest.raises(StageError, match=r"dd/dataset_dict.json: 'splits' must be a list of names"):
+        rows_of(src(tmp_path / "dd"))
+    (tmp_path / "dd/dataset_dict.json").write_text('{"splits": ["train"')
+    with pytest.raises(StageError, match=r"dd/dataset_dict.json: not valid JSON"):
+        rows_of(src(tmp_path / "dd"))
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved/state.json").write_text('{"_data_files": [{"filename": "../x.arrow"}]}')
+    with pytest.raises(StageError, match=r"saved/state.json: lists '../x.arrow', which is not a file"):
+        rows_of(src(tmp_path / "saved"))
+
+
+def test_cli_damaged_source_is_one_line_and_writes_nothing(tmp_path):
+    whole = gzip.compress(ROWS)
+    (tmp_path / "a.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "params.yaml").write_text(
+        "prepare:\n  sources:\n    - {name: s, path: a.jsonl.gz, format: columns, prompt_field: q}\n")
+    line, _ = stagecli.fail("prepare", tmp_path)
+    reached = re.fullmatch(r"error: a\.jsonl\.gz:(\d+): cannot read \(the compressed data ends "
+                           r"early; is the file truncated\?\)", line)
+    assert reached and 2000 < int(reached[1]) < 20000  # the line it was reading, mid-file
+    assert not (tmp_path / "data/prompts").exists() and not (tmp_path / "reports").exists()

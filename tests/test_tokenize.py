@@ -18,6 +18,7 @@ from stages.chat import ChatEncoder
 from stages.errors import StageError
 from stages.params import ParamError, Tokenize
 from stages.schema import FEATURES
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END = 248046
@@ -299,4 +300,15 @@ def test_cli_bad_input_exits_1_with_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and errors[0].startswith(
         "error: data/completions/completions.jsonl:2: not valid JSON")
+    assert not (tmp_path / "data/tokenized").exists()
+
+
+@pytest.mark.slow
+def test_cli_row_breaking_the_contract_is_one_line(tmp_path):
+    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    write(tmp_path / "data/completions/completions.jsonl",
+          [ROWS[0], completion(9, "s", qa("q", "a"), tools=[1, "f"])])
+    (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 1\n")
+    line, _ = stagecli.fail("tokenize", tmp_path)
+    assert line == "error: data/completions/completions.jsonl:2: 'tools' must be a list of objects"
     assert not (tmp_path / "data/tokenized").exists()

@@ -189,7 +189,8 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
-    bad = contract.problem(prompt.get("messages"), prompt.get("tools"))
+    bad = contract.problem(prompt.get("messages"), prompt.get("tools")) or \
+        contract.unicode_problem(line, prompt)
     if bad:
         raise StageError(f"{where}: {bad}")
     return prompt

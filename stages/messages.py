@@ -5,7 +5,10 @@ line naming the row instead of deep inside a chat template."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
+
+import orjson
 
 from stages.errors import json_type
 
@@ -30,10 +33,57 @@ def problem(messages: Any, tools: Any = None) -> Optional[str]:
             if value is not None and type(value) is not kind:
                 return f"messages[{i}].{key} must be a {_NAMES[kind]} or null, got {json_type(value)}"
         calls = m.get("tool_calls")
-        if calls and not all(type(c) is dict for c in calls):
-            return f"messages[{i}].tool_calls must be a list of objects"
-    if tools is not None and (type(tools) is not list or not all(type(t) is dict for t in tools)):
-        return "'tools' must be a list of objects"
+        if calls:
+            bad = _objects_problem(calls)
+            if bad:
+                return f"messages[{i}].tool_calls {bad}"
+    if tools is not None:
+        bad = _objects_problem(tools)
+        if bad:
+            return f"'tools' {bad}"
+    return None
+
+
+def tools_problem(tools: Any) -> Optional[str]:
+    """What makes `tools` (a list) break the contract, or None."""
+    return _objects_problem(tools)
+
+
+def _objects_problem(value: Any) -> Optional[str]:
+    if type(value) is not list or not all(type(t) is dict for t in value):
+        return "must be a list of objects"
+    if _deeper_than(value, MAX_DEPTH):
+        return f"nest deeper than {MAX_DEPTH} levels"
+    return None
+
+
+MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurse per level
+
+
+def _deeper_than(value: Any, levels: int) -> bool:
+    if levels < 0:
+        return True
+    if type(value) is dict:
+        return any(_deeper_than(v, levels - 1) for v in value.values())
+    if type(value) is list:
+        return any(_deeper_than(v, levels - 1) for v in value)
+    return False
+
+
+# a JSON escape of a UTF-16 surrogate: only these can decode to a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def unicode_problem(raw: bytes, row: dict) -> Optional[str]:
+    """A phrase when the JSON line `raw` (parsed as `row`) holds a lone surrogate, text
+    that cannot be written as UTF-8 (nor tokenized); None otherwise."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return None
+    try:
+        orjson.dumps(row)  # pairs are fine; a lone surrogate is refused
+    except TypeError as e:
+        if "surrogate" in str(e):
+            return "text that is not valid Unicode (a lone surrogate such as \\ud800)"
     return None
 
 

@@ -399,7 +399,8 @@ def _parse(raw: bytes, path: str, no: int) -> dict:
     for key in ("id", "source"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise StageError(f"{where}: '{key}' must be a non-empty string")
-    bad = contract.problem(row.get("messages"), row.get("tools"))
+    bad = contract.problem(row.get("messages"), row.get("tools")) or \
+        contract.unicode_problem(raw, row)
     if bad:
         raise StageError(f"{where}: {bad}")
     msgs = row["messages"]

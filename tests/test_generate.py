@@ -451,6 +451,7 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"messages": [{"role": ["user"], "content": "q"}]}, r"messages\[0\] must be an object"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
          r"messages\[0\].content\[0\]"),
+        ({"messages": [{"role": "user", "content": "q \udfff"}]}, "text that is not valid Unicode"),
     ]:
         (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
         with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):

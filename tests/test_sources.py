@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from stages import messages as contract
 from stages import params as P
 from stages import sources
 from stages.errors import StageError
@@ -262,6 +263,13 @@ def test_messages_layout_keeps_tool_calls_and_parts():
     bad_calls = {"messages": [row["messages"][0], {"role": "assistant", "tool_calls": ["f"]},
                               *row["messages"][2:]]}
     assert layout("messages").convert(bad_calls) == "bad_value"
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    assert layout("messages", tools_field="tools").convert({**row, "tools": [{"a": deep}]}) == "bad_value"
+    # surrogate pairs are text; only a lone surrogate is refused
+    assert contract.unicode_problem(b'"\\ud83d\\ude00"', {"c": "\U0001f600"}) is None
+    assert "not valid Unicode" in contract.unicode_problem(b'"\\ud83d"', {"c": "\ud83d"})
 
 
 def test_columns_layout_with_system_field():

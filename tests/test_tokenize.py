@@ -216,6 +216,9 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
     (json.dumps(completion(9, "s", [{"role": "user", "content": "q"},
                                     {"role": "assistant", "content": "", "tool_calls": ["f"]}]))
      + "\n", "messages[1].tool_calls must be a list of objects"),
+    (json.dumps(completion(9, "s", qa("q", "a\ud800"))) + "\n", "not valid Unicode"),
+    (json.dumps(completion(9, "s", qa("q", "a"), tools=[{"f": json.loads("[" * 70 + "]" * 70)}]))
+     + "\n", "'tools' nest deeper than 64 levels"),
 ])
 def test_bad_line_is_one_error_naming_file_and_line(tmp_path, line, message):
     src = write(tmp_path / "c.jsonl", [ROWS[0], "\n", line])

@@ -266,3 +266,11 @@ def test_cli_hostile_params_are_one_line(tmp_path, stage):
         (tmp_path / "big.yaml").write_text(f"{stage}:\n{sources}  num_proc: {2**70}\n")
         line, _ = stagecli.fail(stage, tmp_path, params)
         assert line.startswith(message), line
+
+
+def test_cli_error_quoting_a_line_break_or_surrogate_stays_one_line(tmp_path):
+    (tmp_path / "params.yaml").write_text(
+        'prepare:\n  sources:\n    - {name: "a\\nb\\u2028c\\ud800", path: nowhere.jsonl, format: columns, '
+        'prompt_field: q}\n')
+    line, _ = stagecli.fail("prepare", tmp_path)
+    assert line == r"error: source a\nb\u2028c\ud800: path 'nowhere.jsonl' not found"

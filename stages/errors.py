@@ -22,7 +22,7 @@ def json_object(text: bytes | str, where: str) -> dict:
 
 
 def json_type(value) -> str:
-    """The JSON kind of a parsed value, for messages ("an array", "null", ...)."""
+    """How a JSON value's type reads in an error message."""
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             type(None): "null"}
+             type(None): "null"}  # fmt: skip
     return names.get(type(value), "a number")

@@ -158,6 +158,10 @@ class Generate:
     cache_dir: str = path_field(".cache/requests")
     progress_interval: float = ranged(30.0, gt=0, le=MAX_SECONDS)
     retry_failed: bool = False  # resend prompts whose permanent failure is cached
+    # failures a finished run may keep: an integer is a count, a float in [0, 1] a
+    # fraction of the prompts; above either the stage exits 1 and DVC records nothing
+    max_transient_failures: Union[int, float] = 0
+    max_permanent_failures: Union[int, float] = 0.01
 
 
 # -------------------------------------------------------------------------- tokenize
@@ -193,8 +197,9 @@ class Merge:
 
 @dataclass
 class Validate:
-    max_seq_len: int = ranged(32768, ge=1, le=INT32)
-    min_loss_tokens: int = ranged(1, ge=0, le=INT32)
+    # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
+    max_seq_len: Optional[int] = ranged(None, ge=1, le=INT32)
+    min_loss_tokens: Optional[int] = ranged(None, ge=0, le=INT32)
     max_examples: int = ranged(10, ge=0, le=1_000_000)
     # default: data/merged/fingerprint.json tokenizer.vocab_size
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)

@@ -198,6 +198,7 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ("{not json\n", "not valid JSON"),
     ("[1, 2]\n", "expected a JSON object"),
+    ('{"id": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "not valid JSON (nested too deeply)"),
     (json.dumps({"source": "s", "messages": qa("q", "a")}) + "\n", "'id' must be"),
     (json.dumps(completion(9, "s", [{"role": "user", "content": "q"}])) + "\n",
      "last message must be the assistant"),

@@ -16,6 +16,12 @@ ROLES = ("system", "user", "assistant", "tool")
 
 # optional keys of a message and the types they may hold (besides null)
 _OPTIONAL = {"reasoning_content": str, "name": str, "tool_call_id": str, "tool_calls": list}
+_NAMES = {str: "string", list: "list"}
+
+MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurse per level
+
+# a JSON escape of a UTF-16 surrogate: only these can decode to a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def problem(messages: Any, tools: Any = None) -> Optional[str]:
@@ -31,47 +37,28 @@ def problem(messages: Any, tools: Any = None) -> Optional[str]:
         for key, kind in _OPTIONAL.items():
             value = m.get(key)
             if value is not None and type(value) is not kind:
-                return f"messages[{i}].{key} must be a {_NAMES[kind]} or null, got {json_type(value)}"
+                return (f"messages[{i}].{key} must be a {_NAMES[kind]} or null, "
+                        f"got {json_type(value)}")
         calls = m.get("tool_calls")
         if calls:
-            bad = _objects_problem(calls)
+            bad = objects_problem(calls)
             if bad:
                 return f"messages[{i}].tool_calls {bad}"
     if tools is not None:
-        bad = _objects_problem(tools)
+        bad = objects_problem(tools)
         if bad:
             return f"'tools' {bad}"
     return None
 
 
-def tools_problem(tools: Any) -> Optional[str]:
-    """What makes `tools` (a list) break the contract, or None."""
-    return _objects_problem(tools)
-
-
-def _objects_problem(value: Any) -> Optional[str]:
+def objects_problem(value: Any) -> Optional[str]:
+    """What keeps `value` (tools, tool calls) from being a list of objects nested at most
+    MAX_DEPTH levels, or None."""
     if type(value) is not list or not all(type(t) is dict for t in value):
         return "must be a list of objects"
     if _deeper_than(value, MAX_DEPTH):
         return f"nest deeper than {MAX_DEPTH} levels"
     return None
-
-
-MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurse per level
-
-
-def _deeper_than(value: Any, levels: int) -> bool:
-    if levels < 0:
-        return True
-    if type(value) is dict:
-        return any(_deeper_than(v, levels - 1) for v in value.values())
-    if type(value) is list:
-        return any(_deeper_than(v, levels - 1) for v in value)
-    return False
-
-
-# a JSON escape of a UTF-16 surrogate: only these can decode to a lone surrogate
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def unicode_problem(raw: bytes, row: dict) -> Optional[str]:
@@ -95,10 +82,17 @@ def _content_problem(content: Any) -> Optional[str]:
     for j, part in enumerate(content):
         if type(part) is str:
             continue
-        if type(part) is not dict or part.get("type") != "text" or type(part.get("text")) is not str:
+        if type(part) is not dict or part.get("type") != "text" \
+                or type(part.get("text")) is not str:
             return f"[{j}] must be a string or {{\"type\": \"text\", \"text\": <string>}}"
     return None
 
 
-_NAMES = {str: "string", list: "list"}
-
+def _deeper_than(value: Any, levels: int) -> bool:
+    if levels < 0:
+        return True
+    if type(value) is dict:
+        return any(_deeper_than(v, levels - 1) for v in value.values())
+    if type(value) is list:
+        return any(_deeper_than(v, levels - 1) for v in value)
+    return False

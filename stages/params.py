@@ -122,7 +122,8 @@ class Launch:
     port: Optional[int] = ranged(None, ge=1, le=65535)
     # argv replacing the engine's own command; {model} {host} {port} {python} are filled in
     command: Optional[list[str]] = None
-    stop_timeout: float = ranged(30.0, gt=0, le=MAX_SECONDS)  # SIGTERM, then SIGKILL of the process group after this
+    # SIGTERM, then SIGKILL of the process group after this
+    stop_timeout: float = ranged(30.0, gt=0, le=MAX_SECONDS)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class Server:
     api_key_env: Optional[str] = None  # name of the env var holding the key, never the key
     unreachable_deadline: float = ranged(600.0, gt=0, le=MAX_SECONDS)
     watchdog_seconds: float = ranged(600.0, gt=0, le=MAX_SECONDS)
-    max_restarts: int = ranged(3, ge=0, le=1000)  # watchdog restarts in a row without a completion, then give up
+    # watchdog restarts in a row without a completion, then give up
+    max_restarts: int = ranged(3, ge=0, le=1000)
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -180,7 +182,8 @@ class Tokenize:
     num_proc: int = ranged(1, ge=1, le=MAX_PROCS)
     shard_rows: int = ranged(20000, ge=1, le=INT32)
     check_sample: int = ranged(64, ge=0, le=INT64)
-    shard_max_mb: int = ranged(512, ge=1, le=1 << 20)  # a shard also closes at this many MiB of Arrow data
+    # a shard also closes at this many MiB of Arrow data
+    shard_max_mb: int = ranged(512, ge=1, le=1 << 20)
     enable_thinking: bool = True
 
 
@@ -203,7 +206,8 @@ class Validate:
     max_examples: int = ranged(10, ge=0, le=1_000_000)
     # default: data/merged/fingerprint.json tokenizer.vocab_size
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)
-    threads: int = ranged(0, ge=0, le=MAX_PROCS)  # shards summarised at once; 0: one per idle CPU, 1 to 4
+    # shards summarised at once; 0: one per idle CPU, 1 to 4
+    threads: int = ranged(0, ge=0, le=MAX_PROCS)
 
 
 SECTIONS: dict[str, type] = {
@@ -332,7 +336,8 @@ def _expand_user(value: str, key: str) -> str:
     expanded = os.path.expanduser(value)
     if expanded.startswith("~"):
         user = value[1:].split("/", 1)[0]
-        raise ParamError(f"{key}: cannot expand {_show(value)}: no home folder for user {user!r}"[:300])
+        raise ParamError(f"{key}: cannot expand {_show(value)}: no home folder for user "
+                         f"{user[:40]!r}")
     return expanded
 
 

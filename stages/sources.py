@@ -780,7 +780,7 @@ def _tools(value) -> Union[list, str, None]:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return "bad_value"
-    if contract.tools_problem(value):
+    if contract.objects_problem(value):
         return "bad_value"
     return value or None
 

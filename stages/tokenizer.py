@@ -74,7 +74,8 @@ def load_tokenizer(
         try:
             tok.chat_template = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise StageError(f"chat_template {chat_template!r}: not UTF-8 text (byte {e.start})") from None
+            raise StageError(
+                f"chat_template {chat_template!r}: not UTF-8 text (byte {e.start})") from None
     if not tok.chat_template:
         raise StageError(
             f"tokenizer {spec!r} has no chat template; name a template file in "

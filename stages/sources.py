@@ -277,10 +277,27 @@ class Reader:
         names = pf.schema_arrow.names
         self.check(names, str(path))
         cols = [c for c in self.columns if c in names]
+        self._check_parquet_sizes(path, pf.metadata, cols)
         n = 0
         for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
             yield range(n, n + batch.num_rows), batch.to_pylist()
             n += batch.num_rows
+
+    def _check_parquet_sizes(self, path: Path, meta, cols: list[str]) -> None:
+        """Refuse, from the footer alone, a column whose rows average more than
+        max_record_bytes once decompressed (a one-row Parquet bomb); a page is
+        decompressed whole, so such a file would fill memory while reading."""
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                name = chunk.path_in_schema.split(".")[0]
+                if name in cols and chunk.total_uncompressed_size > \
+                        self.max_record_bytes * max(group.num_rows, 1):
+                    raise StageError(
+                        f"{path}: row group {g}: column {name} holds "
+                        f"{chunk.total_uncompressed_size} bytes for {group.num_rows} rows, "
+                        f"over prepare.max_record_bytes ({self.max_record_bytes} bytes) a row")
 
     def _arrow(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
         import pyarrow as pa

@@ -416,3 +416,13 @@ def test_cli_damaged_source_is_one_line_and_writes_nothing(tmp_path):
                            r"early; is the file truncated\?\)", line)
     assert reached and 2000 < int(reached[1]) < 20000  # the line it was reading, mid-file
     assert not (tmp_path / "data/prompts").exists() and not (tmp_path / "reports").exists()
+
+
+def test_a_one_row_parquet_bomb_is_refused_from_its_footer(tmp_path):
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"q": ["x" * (8 << 20)], "other": [1]}), path, compression="zstd")
+    assert path.stat().st_size < 100_000
+    with pytest.raises(StageError, match=rf"^{path}: row group 0: column q holds \d+ bytes for 1 "
+                                         r"rows, over prepare.max_record_bytes \(1048576 bytes\)"):
+        rows_of(src(path), max_record_bytes=1 << 20)
+    assert len(rows_of(src(path), max_record_bytes=16 << 20)) == 1

@@ -417,7 +417,8 @@ def forget(key: str) -> None:
 _BUILD_BATCH = 2048  # evaluation items hashed at once
 
 
-def build(policy: P.Decontaminate, on_bad_row: str) -> tuple[Index, dict]:
+def build(policy: P.Decontaminate, on_bad_row: str,
+          max_record_bytes: int = P.Prepare.max_record_bytes) -> tuple[Index, dict]:
     """Read every evaluation set and index it; also return the report's per-set figures."""
     started = time.monotonic()
     names = [e.name for e in policy.evals]
@@ -434,7 +435,7 @@ def build(policy: P.Decontaminate, on_bad_row: str) -> tuple[Index, dict]:
                                "skipped": {}}
         batch: list[str] = []
         batch_items: list[int] = []
-        for text in _eval_texts(ev, on_bad_row, st):
+        for text in _eval_texts(ev, on_bad_row, max_record_bytes, st):
             if text is not None:
                 batch.append(text)
                 batch_items.append(total)
@@ -479,7 +480,7 @@ def _index_batch(policy, texts, item_ids, hashes, items, short_hashes, short_ite
         st["skipped"]["short"] = st["skipped"].get("short", 0) + len(short)
 
 
-def _eval_texts(ev: P.EvalSet, on_bad_row: str, st: dict):
+def _eval_texts(ev: P.EvalSet, on_bad_row: str, max_record_bytes: int, st: dict):
     """The text of each row of an evaluation set (its user turns), or None for a row
     without one (counted in st['skipped'] by reason)."""
     src = ev.as_source()
@@ -491,7 +492,7 @@ def _eval_texts(ev: P.EvalSet, on_bad_row: str, st: dict):
             shown = ", ".join(sorted(names)[:40]) or "none"
             raise StageError(f"eval set {ev.name}: field {field!r}: not in {where} (fields: {shown})")
 
-    reader = sources.Reader(src, layout.columns(), check)
+    reader = sources.Reader(src, layout.columns(), check, max_record_bytes)
     skipped = st["skipped"]
     for pos, item in reader:
         if type(item) is bytes:

@@ -41,7 +41,7 @@ import xxhash
 
 from stages import cli, decontam, outputs, sources
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_type
 
 log = logging.getLogger("prepare")
 
@@ -87,23 +87,9 @@ def run(cfg: P.Prepare) -> dict:
 def _check(cfg: P.Prepare) -> None:
     if not cfg.sources:
         raise StageError("prepare.sources: at least one source is needed")
-    if cfg.num_proc < 0:
-        raise StageError(f"prepare.num_proc: must be >= 0 (0: one per CPU), got {cfg.num_proc}")
-    if cfg.max_prompt_chars < 1:
-        raise StageError(f"prepare.max_prompt_chars: must be positive, got {cfg.max_prompt_chars}")
-    for i, src in enumerate(cfg.sources):
-        where = f"prepare.sources[{i}]"
-        if src.limit is not None and src.limit < 0:
-            raise StageError(f"{where}.limit: must be >= 0 or null, got {src.limit}")
+    P.check_ranges(cfg, "prepare")
     _check_names("prepare.sources", cfg.sources, "source")
-    dc = cfg.decontaminate
-    P.at_least("prepare.decontaminate", dc, {"ngram": 1})
-    if dc.min_overlap is not None and not 0 < dc.min_overlap <= 1:
-        raise StageError(
-            f"prepare.decontaminate.min_overlap: must be in (0, 1] or null (one shared n-gram), "
-            f"got {dc.min_overlap}"
-        )
-    _check_names("prepare.decontaminate.evals", dc.evals, "eval set")
+    _check_names("prepare.decontaminate.evals", cfg.decontaminate.evals, "eval set")
 
 
 def _check_names(section: str, entries: list, what: str) -> None:
@@ -160,7 +146,7 @@ class _RowMaker:
         self.layout = sources.Layout(spec.src, spec.multi_turn)
         self.id_prefix = spec.src.name.encode() + b"\0"
         self.line_prefix = b'","source":' + orjson.dumps(spec.src.name) + b","
-        self.seed = spec.seed & 0xFFFFFFFFFFFFFFFF  # xxh3 takes an unsigned 64-bit seed
+        self.seed = spec.seed  # in xxh3's range: params.Prepare.seed
         self.evals = decontam.opened(spec.evals) if spec.evals else None
 
     def make_all(self, items: list) -> list:
@@ -189,7 +175,7 @@ class _RowMaker:
         if type(item) is not dict:
             if item is None or type(item) is sources.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {sources.json_type(item)}")
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
         if type(res) is str:
             return res
@@ -292,7 +278,7 @@ def _one_source(
                  src.limit is not None, evals.key)
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
-    reader = sources.Reader(src, layout.columns(), probe.check_schema)
+    reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
     dropped = dict.fromkeys(sources.REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
@@ -397,7 +383,7 @@ class _Evals:
         self.examples: list[dict] = []
         if not policy.evals:
             return
-        self.index, self.stats = decontam.build(policy, cfg.on_bad_row)
+        self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
         for st in self.stats.values():
             st.update(contaminated=0, by_source={})
         if workers:  # saved once; workers memory-map it

@@ -75,23 +75,47 @@ def _number(bound) -> str:
 
 
 @dataclass
-class Source:
+class Dataset:
+    """What a prompt source and an evaluation set share: where the rows are, their layout."""
+
     name: str
     path: str = path_field()
     format: Literal["sharegpt", "messages", "columns"]
     prompt_field: Optional[str] = None
-    system_field: Optional[str] = None
     subset: Optional[str] = None
     split: Optional[str] = None
-    limit: Optional[int] = ranged(None, ge=0, le=INT64)
     # where the conversation lives for sharegpt/messages layouts, and its key names
     messages_field: Optional[str] = None
-    tools_field: Optional[str] = None
     role_key: Optional[str] = None
     content_key: Optional[str] = None
     # extra role names as "NAME:ROLE" (ROLE: system/user/assistant/tool), e.g. "prompter:user"
     role_map: list[str] = field(default_factory=list)
     revision: Optional[str] = None  # Hugging Face datasets: a commit or tag to pin the data
+
+
+@dataclass
+class Source(Dataset):
+    system_field: Optional[str] = None
+    limit: Optional[int] = ranged(None, ge=0, le=INT64)
+    tools_field: Optional[str] = None
+
+
+@dataclass
+class EvalSet(Dataset):
+    """An evaluation set kept out of the mix (prepare.decontaminate): its user turns count."""
+
+    def as_source(self) -> Source:
+        return Source(**dataclasses.asdict(self))
+
+
+@dataclass
+class Decontaminate:
+    evals: list[EvalSet] = field(default_factory=list)
+    ngram: int = ranged(13, ge=1, le=INT32)  # words per n-gram
+    # null: one shared n-gram drops a prompt; a number in (0, 1]: the fraction of the
+    # prompt's n-grams it must share with one evaluation item
+    min_overlap: Optional[float] = ranged(None, gt=0.0, le=1.0)
+    short_exact: bool = True  # items of fewer than `ngram` words match whole messages
 
 
 @dataclass
@@ -107,6 +131,7 @@ class Prepare:
     num_proc: int = ranged(0, ge=0, le=MAX_PROCS)
     # a longer line or JSON array element stops the stage: bounds memory on a bad file
     max_record_bytes: int = ranged(64 << 20, ge=1, le=1 << 40)
+    decontaminate: Decontaminate = field(default_factory=Decontaminate)
 
 
 # -------------------------------------------------------------------------- generate

@@ -59,6 +59,7 @@ REASONS = (
     "empty",              # the turn to answer is empty or whitespace only
     "too_long",           # prompt characters over prepare.max_prompt_chars
     "invalid_text",       # text that is not valid Unicode (lone surrogates)
+    "contaminated",       # shares n-grams with an evaluation set (prepare.decontaminate)
     "duplicate",          # same normalized prompt earlier in this source
     "duplicate_cross_source",  # same normalized prompt in an earlier source
     "over_limit",         # not drawn by the per-source `limit` sample

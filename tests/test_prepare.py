@@ -443,9 +443,12 @@ def test_cli_runs_the_stage(tmp_path):
 def test_shipped_demo_sources(tmp_path):
     cfg = P.load("prepare", ROOT / "params.yaml")
     os.chdir(tmp_path)
-    for src in cfg.sources:
+    for src in cfg.sources + cfg.decontaminate.evals:
         src.path = str(ROOT / src.path)
     report = prepare.run(cfg)
+    # the eval sample holds two demo prompts the limit would not have drawn
+    assert report["totals"]["dropped_by_reason"]["contaminated"] == 2
+    assert report["decontamination"]["evals"]["eval_sample"]["by_source"] == {"qa_sample": 2}
     for src in cfg.sources:  # the demo's limits bind: the sample is a real mix
         stats = report["sources"][src.name]
         assert stats["kept"] == min(src.limit or stats["cleaned"], stats["cleaned"])
@@ -455,3 +458,127 @@ def test_shipped_demo_sources(tmp_path):
     roles = [[m["role"] for m in r["messages"]] for r in rows]
     assert any(r[-1] == "tool" for r in roles) and any(r.count("user") > 1 for r in roles)
     assert any("<tools>" in r["messages"][0]["content"] for r in rows)
+
+
+# ------------------------------------------------------------------ decontamination
+
+from tests.test_decontam import GSM, INTL, TRIVIA, evals as eval_sets  # noqa: E402
+
+
+def planted_mix(tmp_path: Path) -> tuple[list[dict], dict[str, tuple[str, int]]]:
+    """Sources seeded with evaluation items in disguise, and clean prompts around them;
+    returns the sources and, per planted prompt text, the (eval set, item) it copies."""
+    planted = {
+        GSM[0]: ("gsm", 0),  # verbatim
+        "  natalia SOLD clips to 48 of her friends in April ... and then she sold HALF as many "
+        "clips in May.How many clips did natalia sell altogether in april & may ?!": ("gsm", 0),
+        "What is 7 TIMES 8": ("gsm", 2),  # a short item, whole message
+        "Please solve the following problem and explain each step carefully. " + GSM[1]
+        + " Give the final answer on its own line.": ("gsm", 1),
+        "Trivia time! " + TRIVIA[1].replace(" ", "\n") + " (one sentence)": ("trivia", 1),
+        INTL[0].lower(): ("intl", 0),
+        "请回答：" + INTL[1] + "写出过程。": ("intl", 1),
+    }
+    clean = [
+        "In April Natalia sold clips to 48 friends; in May she sold half that many. "
+        "What is the total number of clips she sold over the two months?",  # a paraphrase
+        "What is 7 times 9?",
+        "Explain, in two sentences, why the sky looks blue during the day.",
+        "Сколько будет семь умножить на восемь?",
+        "区块链是什么？请用三句话解释。",
+        "Who wrote Moby-Dick?",
+    ]
+    texts = list(planted)
+    chat = write_jsonl(tmp_path / "src/chat.jsonl", [
+        {"conversations": [{"from": "system", "value": "Be helpful."}, {"from": "human", "value": t},
+                           {"from": "gpt", "value": "..."}]}
+        for t in texts[:4] + clean[:3]])
+    qa = write_jsonl(tmp_path / "src/qa.jsonl", [{"q": t} for t in texts[4:] + clean[3:]])
+    sources = [{"name": "chat", "path": str(chat), "format": "sharegpt"},
+               {"name": "qa", "path": str(qa), "format": "columns", "prompt_field": "q"}]
+    return sources, planted
+
+
+def test_planted_eval_items_are_dropped_and_attributed(tmp_path):
+    sources, planted = planted_mix(tmp_path)
+    _, plain, plain_bytes = run(tmp_path, sources)
+    report, rows, data = run(tmp_path, sources, decontaminate={"evals": eval_sets(tmp_path)})
+    user = [r["messages"][-1]["content"] for r in rows]
+    assert not set(user) & set(planted)
+    assert len(rows) == len(plain) - len(planted)
+    # clean prompts are written exactly as without decontamination
+    kept_lines = [line for line in plain_bytes.splitlines(keepends=True)
+                  if json.loads(line)["messages"][-1]["content"] not in planted]
+    assert data == b"".join(kept_lines)
+
+    assert report["sources"]["chat"]["dropped_by_reason"]["contaminated"] == 4
+    assert report["sources"]["qa"]["dropped_by_reason"]["contaminated"] == 3
+    assert report["totals"]["dropped_by_reason"]["contaminated"] == 7
+    dc = report["decontamination"]
+    assert {name: (s["contaminated"], s["by_source"]) for name, s in dc["evals"].items()} == {
+        "gsm": (4, {"chat": 4}), "trivia": (1, {"qa": 1}), "intl": (2, {"qa": 2})}
+    assert dc["evals"]["gsm"]["items"] == 3 and dc["evals"]["gsm"]["short"] == 1
+    ids = {r["id"]: r["messages"][-1]["content"] for r in plain}
+    assert len(dc["examples"]) == 3 + 1 + 2  # at most 3 per eval set
+    for ex in dc["examples"]:
+        assert planted[ids[ex["prompt_id"]]] == (ex["eval_set"], ex["eval_item"])
+        assert ex["ngram"] in " ".join(decontam_words(ids[ex["prompt_id"]]))
+
+
+def decontam_words(text: str) -> list[str]:
+    from stages import decontam
+
+    return decontam.words(text)
+
+
+def test_contaminated_prompts_leave_before_the_limit(tmp_path):
+    rows = [{"q": GSM[0]}, {"q": TRIVIA[0]}] + [{"q": f"Clean question number {i}?"} for i in range(30)]
+    path = write_jsonl(tmp_path / "src/a.jsonl", rows)
+    src = [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q", "limit": 30}]
+    report, kept, _ = run(tmp_path, src, decontaminate={"evals": eval_sets(tmp_path)})
+    assert len(kept) == 30 and all(r["messages"][0]["content"].startswith("Clean") for r in kept)
+    assert report["sources"]["a"]["dropped_by_reason"]["contaminated"] == 2
+    assert report["sources"]["a"]["dropped_by_reason"]["over_limit"] == 0
+
+
+def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, monkeypatch):
+    sources, planted = planted_mix(tmp_path)
+    big = write_jsonl(tmp_path / "src/big.jsonl",
+                      [{"q": f"Question {i}: " + (GSM[0] if i % 100 == 7 else "is this clean?")}
+                       for i in range(800)])
+    sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
+    dc = {"evals": eval_sets(tmp_path)}
+    one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    report, _, two = run(tmp_path, sources, num_proc=2, decontaminate=dc)
+    assert one == two
+    assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 8
+    assert report["decontamination"]["evals"] == one_report["decontamination"]["evals"]
+
+
+sources_mod = sources
+
+
+def test_decontamination_param_errors(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"q": "Q"}])
+    one = [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}]
+    ev = eval_sets(tmp_path)
+    with pytest.raises(StageError, match=r"prepare.decontaminate.min_overlap: must be > 0 and <= 1, got"):
+        run(tmp_path, one, decontaminate={"evals": ev, "min_overlap": 1.5})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.ngram: must be >= 1 and .*, got int 0"):
+        run(tmp_path, one, decontaminate={"evals": ev, "ngram": 0})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.evals\[1\].name: 'gsm' is used by an earlier eval set"):
+        run(tmp_path, one, decontaminate={"evals": [ev[0], ev[0]]})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.evals\[0\].prompt_field: required with format columns"):
+        run(tmp_path, one, decontaminate={"evals": [{**ev[0], "prompt_field": None}]})
+    with pytest.raises(P.ParamError, match=r"prepare.decontaminate.evals\[0\].limit: unknown key"):
+        run(tmp_path, one, decontaminate={"evals": [{**ev[0], "limit": 3}]})
+
+
+def test_eval_files_are_dvc_deps_of_prepare():
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
+    assert "stages/decontam.py" in stage["deps"]
+    shipped = P.load("prepare", ROOT / "params.yaml").decontaminate
+    for ev in shipped.evals:
+        assert any(Path(ev.path).is_relative_to(dep) for dep in stage["deps"]), ev.path

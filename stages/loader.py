@@ -53,11 +53,11 @@ class Row(NamedTuple):
 
 def rows(folder: str | Path) -> Iterator[Row]:
     """Every row of the dataset folder, in dataset order."""
-    for chunk in _chunks(folder):
+    for chunk in chunks(folder):
         yield from chunk
 
 
-def _chunks(folder: str | Path) -> Iterator[list[Row]]:
+def chunks(folder: str | Path) -> Iterator[list[Row]]:
     """The rows of each record batch of each shard, in dataset order."""
     for path in list_shards(folder):
         with open_shard(path, drop_behind=True) as reader:
@@ -227,7 +227,7 @@ def grouped(chunks: Iterable[list[Row]], tokens_per_batch: int,
 def batches(folder: str | Path = "data/merged", tokens_per_batch: int = 16384,
             packed: bool = False, pad_id: int = 0, tensors: bool = True) -> Iterator[dict]:
     """Training batches of the dataset folder (see the module docstring)."""
-    for group in grouped(_chunks(folder), tokens_per_batch, packed):
+    for group in grouped(chunks(folder), tokens_per_batch, packed):
         batch = collate_packed(group) if packed else collate_padded(group, pad_id)
         yield to_torch(batch) if tensors else batch
 

@@ -151,12 +151,26 @@ class Merge:
 
 
 @dataclass
+class TrainCheck:
+    enabled: bool = True
+    model: str = "demo:tiny-qwen3"  # or a local causal LM folder
+    batches: int = 2  # the first batches of data/merged, each one training step
+    tokens_per_batch: int = 16384  # also the token budget's batch size
+    batches_per_step: int = 1  # batches per optimizer step (grad accumulation x ranks)
+    packed: bool = True  # the layout of the training step (both are compared either way)
+    longest_batch_tokens: Optional[int] = None  # the memory dry run; null: max_seq_len, 0: off
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
 class Validate:
     max_seq_len: int = 32768
     min_loss_tokens: int = 1
     max_examples: int = 10
     vocab_size: Optional[int] = None  # default: data/merged/fingerprint.json tokenizer.vocab_size
     threads: int = 0  # shards summarised at once; 0: one per idle CPU, 1 to 4
+    train_check: TrainCheck = field(default_factory=TrainCheck)
 
 
 SECTIONS: dict[str, type] = {

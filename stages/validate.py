@@ -44,7 +44,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, outputs
+from stages import cli, loader, outputs, traincheck
 from stages import params as P
 from stages.errors import StageError
 from stages.idhashes import IdHashes
@@ -77,7 +77,12 @@ class Findings:
 
     def __init__(self, names: list[str], max_examples: int):
         self.max_examples = max_examples
-        self.checks = {name: {"passed": True, "failures": 0, "examples": []} for name in names}
+        self.checks: dict[str, dict] = {}
+        for name in names:
+            self.expect(name)
+
+    def expect(self, name: str) -> None:
+        self.checks[name] = {"passed": True, "failures": 0, "examples": []}
 
     def add(self, name: str, count: int, examples: list[str]) -> None:
         check = self.checks[name]
@@ -95,6 +100,9 @@ def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
     P.at_least("validate", cfg, {"max_seq_len": 1, "min_loss_tokens": 0, "max_examples": 0,
                                  "vocab_size": 1, "threads": 0})
+    P.at_least("validate.train_check", cfg.train_check,
+               {"batches": 1, "tokens_per_batch": 1, "batches_per_step": 1,
+                "longest_batch_tokens": 0})
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
@@ -137,6 +145,7 @@ def run(cfg: P.Validate) -> dict:
         scan.check_unique_ids(shards)
         _check_loads(findings, loads.result(), scan.rows)
     expected = _check_row_count(findings, scan.rows)
+    budget, train_check = _training(cfg, findings)
 
     _write_plots(scan.stats, scan.width)
     sources = {
@@ -157,6 +166,8 @@ def run(cfg: P.Validate) -> dict:
         "failed_checks": len(failed),
         "checks": findings.checks,
         "sources": sources,
+        "budget": budget,
+        "train_check": train_check,
         "seconds": round(time.perf_counter() - start, 3),
     }
     outputs.write_report("validate", report)
@@ -187,6 +198,33 @@ def _idle_cpus() -> int:
 
 
 # ---------------------------------------------------------------- dataset checks
+
+
+def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict]:
+    """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
+    on data that passed every other check: a trainer would stop at a broken row first."""
+    tc = cfg.train_check
+    if findings.failed():
+        return None, {"skipped": "other checks failed"}
+    budget = loader.budget(DATA, tc.tokens_per_batch, tc.batches_per_step)
+    if not tc.enabled:
+        return budget, {"skipped": "validate.train_check.enabled is false"}
+    missing = traincheck.missing_torch()
+    if missing:
+        log.warning("training check skipped: %s", missing)
+        return budget, {"skipped": missing}
+    findings.expect("train_step")
+    try:
+        result = traincheck.run(tc, DATA, cfg.max_seq_len)
+    except traincheck.TrainCheckFailed as e:
+        findings.add("train_step", 1, [str(e)])
+        return budget, {"failed": str(e)}
+    log.info("training check: %d steps of %s batches on %s, %.0f tokens/s, peak %.0f MB; "
+             "longest batch %s", result["batches"], result["layout"], result["device"],
+             result["tokens_per_second"] or 0, result["peak_memory_mb"] or 0,
+             result["longest_batch"])
+    return budget, result
+
 
 
 def _fingerprint(findings: Findings) -> Optional[dict]:

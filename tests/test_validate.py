@@ -64,7 +64,9 @@ def write(root: Path, parts: list[list[dict]], schemas=None, report_rows: int | 
 
 
 def cfg(**kw) -> P.Validate:
-    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, **kw})
+    """Params for these tests; the training check only where a test turns it on."""
+    off = P.TrainCheck(enabled=False)
+    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, "train_check": off, **kw})
 
 
 def failures(**kw) -> dict:

@@ -44,7 +44,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, loader, outputs, traincheck
+from stages import charts, cli, loader, outputs, traincheck
 from stages import params as P
 from stages.errors import StageError
 from stages.idhashes import IdHashes
@@ -630,7 +630,8 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
 
 
 def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
-    """One CSV per source and plot, under reports/plots/ (declared as DVC plots).
+    """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
+    one SVG per plot beside them, all rows then each source (stages/charts.py).
 
     token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
     edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows
@@ -644,6 +645,7 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
         ("token_length", "tokens", lengths, slice(3, 3 + lb)),
         ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
     ):
+        _write_svg(folder, [0] + edges, {s: stats[s][part].tolist() for s in sorted(stats)})
         with outputs.atomic_dir(PLOTS / folder) as tmp:
             for source, file in names.items():
                 counts = stats[source][part].tolist()
@@ -653,6 +655,24 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
                     w = csv.writer(f, lineterminator="\n")
                     w.writerow([column, "rows"])
                     w.writerows(zip(edges, counts))
+
+
+SVG_TITLES = {
+    "token_length": ("Token length per row", "tokens per row"),
+    "supervised_fraction": ("Supervised fraction per row", "supervised tokens / tokens"),
+}
+
+
+def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
+    """reports/plots/NAME.svg: a panel for all rows, then one per source."""
+    overall = [sum(column) for column in zip(*counts.values())]
+    if name == "token_length" and overall and overall[-1] == 0:  # no overflow bin
+        overall, edges = overall[:-1], edges[:-1]
+        counts = {s: c[:-1] for s, c in counts.items()}
+    panels = [("all sources", overall)] + list(counts.items())
+    title, x_label = SVG_TITLES[name]
+    with outputs.atomic_file(PLOTS / f"{name}.svg") as f:
+        f.write(charts.histogram_svg(title, x_label, edges, panels))
 
 
 def _file_names(sources: list[str]) -> dict[str, str]:

@@ -6,8 +6,8 @@
 
 Shards are read through read-only memory maps, one Arrow record batch at a time, with
 the pages of batches already handed out released behind the reader: memory stays flat
-whatever the size of the set. Rows come in dataset order (shuffle in the trainer's
-sampler, or over shards; shuffling on disk makes reads slow).
+whatever the size of the set. Rows come in dataset order, or block-shuffled with a
+`seed` (merged sets hold base rows first, then new ones; never shuffle on disk).
 
 Labels are `input_ids` where `loss_mask` is 1 and -100 (what PyTorch's cross-entropy and
 every Hugging Face causal LM ignore) elsewhere, and also at each row's first position:
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -51,25 +51,38 @@ class Row(NamedTuple):
     source: str
 
 
-def rows(folder: str | Path) -> Iterator[Row]:
-    """Every row of the dataset folder, in dataset order."""
-    for chunk in chunks(folder):
+def rows(folder: str | Path, seed: Optional[int] = None) -> Iterator[Row]:
+    """Every row of the dataset folder, in dataset order (or shuffled: see chunks)."""
+    for chunk in chunks(folder, seed):
         yield from chunk
 
 
-def chunks(folder: str | Path) -> Iterator[list[Row]]:
-    """The rows of each record batch of each shard, in dataset order."""
-    for path in list_shards(folder):
-        with open_shard(path, drop_behind=True) as reader:
-            for batch in reader:
+def chunks(folder: str | Path, seed: Optional[int] = None) -> Iterator[list[Row]]:
+    """The rows of each record batch of each shard, in dataset order.
+
+    With a seed, a block shuffle: shards in a random order, the record batches of each
+    shard in a random order, rows within each record batch shuffled (memory then grows
+    up to one shard's mapped pages, released when the shard is done).
+    """
+    rng = None if seed is None else np.random.default_rng(seed)
+    shards = list_shards(folder)
+    for path in shards if rng is None else [shards[i] for i in rng.permutation(len(shards))]:
+        with open_shard(path, drop_behind=rng is None) as reader:
+            record_batches = reader if rng is None else _shuffled(list(reader), rng)
+            for batch in record_batches:
                 ids_off, ids = _flat(batch.column("input_ids"))
                 mask_off, mask = _flat(batch.column("loss_mask"))
                 if not np.array_equal(ids_off, mask_off):
                     raise StageError(f"{path}: input_ids and loss_mask lengths differ "
                                      "(run validate)")
                 sources = batch.column("source").to_pylist()
-                yield [Row(ids[lo:hi], mask[lo:hi], source)
-                       for lo, hi, source in zip(ids_off[:-1], ids_off[1:], sources)]
+                chunk = [Row(ids[lo:hi], mask[lo:hi], source)
+                         for lo, hi, source in zip(ids_off[:-1], ids_off[1:], sources)]
+                yield chunk if rng is None else _shuffled(chunk, rng)
+
+
+def _shuffled(items: list, rng: np.random.Generator) -> list:
+    return [items[i] for i in rng.permutation(len(items))]
 
 
 def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -225,9 +238,11 @@ def grouped(chunks: Iterable[list[Row]], tokens_per_batch: int,
 
 
 def batches(folder: str | Path = "data/merged", tokens_per_batch: int = 16384,
-            packed: bool = False, pad_id: int = 0, tensors: bool = True) -> Iterator[dict]:
-    """Training batches of the dataset folder (see the module docstring)."""
-    for group in grouped(chunks(folder), tokens_per_batch, packed):
+            packed: bool = False, pad_id: int = 0, tensors: bool = True,
+            seed: Optional[int] = None) -> Iterator[dict]:
+    """Training batches of the dataset folder (see the module docstring); `seed`: a new
+    block shuffle per seed (see chunks), e.g. the epoch number."""
+    for group in grouped(chunks(folder, seed), tokens_per_batch, packed):
         batch = collate_packed(group) if packed else collate_padded(group, pad_id)
         yield to_torch(batch) if tensors else batch
 

@@ -183,3 +183,14 @@ def test_budget_matches_plain_arithmetic(merged):
 def test_bad_budget_is_one_line():
     with pytest.raises(StageError, match="tokens_per_batch must be >= 1, got 0"):
         loader.Batcher(0, True)
+
+
+def test_a_seed_shuffles_every_row_once_and_repeats(merged):
+    folder, flat = merged
+    order = [r.input_ids.tolist() for r in loader.rows(folder, seed=1)]
+    assert sorted(order) == sorted(r["input_ids"] for r in flat)
+    assert order != [r["input_ids"] for r in flat]
+    assert order == [r.input_ids.tolist() for r in loader.rows(folder, seed=1)]
+    assert order != [r.input_ids.tolist() for r in loader.rows(folder, seed=2)]
+    packed = list(loader.batches(folder, 64, packed=True, tensors=False, seed=1))
+    assert sum(len(b["cu_seq_lens_q"]) - 1 for b in packed) == len(flat)

@@ -168,17 +168,17 @@ def _batch(model, group, packed: bool, pad_id: int, device, tolerance: float):
     if not math.isfinite(loss):
         raise TrainCheckFailed(f"train step: the loss is {loss} on rows {_rows(group)}")
     _check_labels(model, logits, group, train, pad_id, loss, device, tolerance)
-    per_row = {train: _per_row(logits, layouts[train], group, train)}
+    per_row = {train: _per_row(logits, group, train)}
     with torch.no_grad():
         other = "padded" if packed else "packed"
         logits_other = model(**_inputs(layouts[other], device), use_cache=False).logits
-        per_row[other] = _per_row(logits_other, layouts[other], group, other)
+        per_row[other] = _per_row(logits_other, group, other)
         del logits_other
         alone = []
         for row in group:
             single = loader.collate_packed([row])
             one = model(**_inputs(single, device), use_cache=False).logits
-            alone.extend(_per_row(one, single, [row], "packed"))
+            alone.extend(_per_row(one, [row], "packed"))
     differences = {}
     for name in ("packed", "padded"):
         worst = 0.0
@@ -198,21 +198,22 @@ def _inputs(batch: dict, device) -> dict:
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in loader.to_torch(batch).items()}
 
 
-def _per_row(logits, batch: dict, group, layout: str) -> list:
+def _per_row(logits, group, layout: str) -> list:
     """Per row, the cross-entropy of every next token (float32, on the CPU)."""
     import torch.nn.functional as F
 
-    out = []
+    return [F.cross_entropy(row_logits[:-1].float(), _targets(row.input_ids[1:], logits.device),
+                            reduction="none").cpu()
+            for row, row_logits in zip(group, _row_logits(logits, group, layout))]
+
+
+def _row_logits(logits, group, layout: str):
+    """Each row's logits, [its tokens, vocabulary], in either layout."""
+    offset = 0
     for k, row in enumerate(group):
         n = len(row.input_ids)
-        if layout == "packed":
-            start = int(batch["cu_seq_lens_q"][k])
-            rows_logits = logits[0, start : start + n - 1]
-        else:
-            rows_logits = logits[k, : n - 1]
-        targets = _targets(row.input_ids[1:], logits.device)
-        out.append(F.cross_entropy(rows_logits.float(), targets, reduction="none").cpu())
-    return out
+        yield logits[0, offset : offset + n] if layout == "packed" else logits[k, :n]
+        offset += n
 
 
 def _targets(ids: np.ndarray, device):
@@ -246,8 +247,12 @@ def _check_labels(model, logits, group, layout: str, pad_id: int, loss: float, d
         )
     k, p = _a_supervised_position(group)
     if k is not None:
+        # the replacement whose logit is farthest from the token's: the largest change
+        scores = list(_row_logits(logits, group, layout))[k][p - 1]
         ids = group[k].input_ids.copy()
-        ids[p] = (ids[p] + 1) % vocab
+        top, bottom = int(scores.argmax()), int(scores.argmin())
+        here = scores[int(ids[p])]
+        ids[p] = top if abs(scores[top] - here) >= abs(scores[bottom] - here) else bottom
         moved = list(group)
         moved[k] = group[k]._replace(input_ids=ids)
         if loss_with(moved) == baseline:
@@ -258,14 +263,10 @@ def _check_labels(model, logits, group, layout: str, pad_id: int, loss: float, d
     # the reference: cross-entropy at supervised positions, from input_ids and loss_mask
     total, count = 0.0, 0
     with torch.no_grad():
-        offset = 0
-        for k, row in enumerate(group):
-            n = len(row.input_ids)
-            rows_logits = logits[0, offset : offset + n] if layout == "packed" else logits[k, :n]
-            offset += n
+        for row, row_logits in zip(group, _row_logits(logits, group, layout)):
             where = np.flatnonzero(row.loss_mask[1:] == 1)
             if len(where):
-                picked = rows_logits[torch.from_numpy(where).to(logits.device)].float()
+                picked = row_logits[torch.from_numpy(where).to(logits.device)].float()
                 total += F.cross_entropy(picked, _targets(row.input_ids[1:][where], logits.device),
                                          reduction="sum").item()
                 count += len(where)

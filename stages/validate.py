@@ -666,9 +666,10 @@ SVG_TITLES = {
 def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
     """reports/plots/NAME.svg: a panel for all rows, then one per source."""
     overall = [sum(column) for column in zip(*counts.values())]
-    if name == "token_length" and overall and overall[-1] == 0:  # no overflow bin
-        overall, edges = overall[:-1], edges[:-1]
-        counts = {s: c[:-1] for s, c in counts.items()}
+    if name == "token_length":  # up to the longest rows, not max_seq_len: readable bars
+        keep = max([8] + [b + 1 for b, n in enumerate(overall) if n])
+        overall, edges = overall[:keep], edges[: keep + 1]
+        counts = {s: c[:keep] for s, c in counts.items()}
     panels = [("all sources", overall)] + list(counts.items())
     title, x_label = SVG_TITLES[name]
     with outputs.atomic_file(PLOTS / f"{name}.svg") as f:

@@ -164,11 +164,12 @@ def training_lines(val: dict) -> list[str]:
     if budget:
         padded, packed = budget["padded"], budget["packed"]
         lines.append(
-            f"budget    {budget['tokens_per_batch']} tokens per batch: {packed['batches']} packed "
-            f"batches ({packed['padding_fraction']:.0%} unused) or {padded['batches']} padded "
-            f"({padded['padding_fraction']:.0%} padding) per epoch, "
-            f"{packed['supervised_tokens_per_step']:.0f} supervised tokens per packed step"
+            f"budget    an epoch at {budget['tokens_per_batch']} tokens per batch: "
+            f"{packed['batches']} packed batches ({packed['padding_fraction']:.0%} unused) or "
+            f"{padded['batches']} padded ({padded['padding_fraction']:.0%} padding)"
         )
+        lines.append(f"          {packed['supervised_tokens_per_step']:.0f} supervised tokens per "
+                     f"packed step (by source: reports/validate.json)")
     pictures = sorted(str(p) for p in (REPORTS / "plots").glob("*.svg"))
     if pictures:
         lines.append(f"pictures  {', '.join(pictures)}")

@@ -117,6 +117,10 @@ class Generate:
     cache_dir: str = ".cache/requests"
     progress_interval: float = 30.0
     retry_failed: bool = False  # resend prompts whose permanent failure is cached
+    # failures a finished run may keep: an integer is a count, a float in [0, 1] a
+    # fraction of the prompts; above either the stage exits 1 and DVC records nothing
+    max_transient_failures: Union[int, float] = 0
+    max_permanent_failures: Union[int, float] = 0.01
 
 
 # -------------------------------------------------------------------------- tokenize

@@ -76,6 +76,8 @@ def run(cfg: P.TrainCheck, folder: Path, max_seq_len: int) -> dict:
         rows += len(group)
         tokens += sum(len(r.input_ids) for r in group)
         supervised += sum(int(r.loss_mask.sum()) for r in group)
+    if not steps:
+        raise TrainCheckFailed(f"train step: {folder} has no rows to train on")
     longest = cfg.longest_batch_tokens if cfg.longest_batch_tokens is not None else max_seq_len
     step_seconds = sum(s for s, _ in steps)
     out = {
@@ -89,9 +91,9 @@ def run(cfg: P.TrainCheck, folder: Path, max_seq_len: int) -> dict:
         "tokens": tokens,
         "supervised_tokens": supervised,
         "loss": losses,
-        "tokens_per_second": round(tokens / step_seconds, 1) if step_seconds else None,
-        "batches_per_second": round(len(steps) / step_seconds, 3) if step_seconds else None,
-        "peak_memory_mb": max((p for _, p in steps), default=None),
+        "tokens_per_second": round(tokens / step_seconds, 1),
+        "batches_per_second": round(len(steps) / step_seconds, 3),
+        "peak_memory_mb": max(p for _, p in steps),
         "memory": "torch.cuda.max_memory_allocated" if device.type == "cuda"
                   else "process peak RSS (VmHWM)",
         "max_loss_difference": {k: float(f"{v:.3g}") for k, v in diffs.items()},

@@ -219,10 +219,11 @@ def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict
     except traincheck.TrainCheckFailed as e:
         findings.add("train_step", 1, [str(e)])
         return budget, {"failed": str(e)}
+    longest = result["longest_batch"] or {}
     log.info("training check: %d steps of %s batches on %s, %.0f tokens/s, peak %.0f MB; "
-             "longest batch %s", result["batches"], result["layout"], result["device"],
-             result["tokens_per_second"] or 0, result["peak_memory_mb"] or 0,
-             result["longest_batch"])
+             "longest batch %s tokens, peak %s MB", result["batches"], result["layout"],
+             result["device"], result["tokens_per_second"], result["peak_memory_mb"],
+             longest.get("tokens", "-"), longest.get("peak_memory_mb", "-"))
     return budget, result
 
 

@@ -489,3 +489,9 @@ def test_without_torch_the_check_says_so_and_validate_passes(repo):
     report = json.loads((repo / "reports/validate.json").read_text())
     assert report["passed"] and report["train_check"] == {"skipped": "torch is not installed"}
     assert "train_step" not in report["checks"] and report["budget"]["rows"] == 10
+
+
+def test_an_empty_set_is_not_ready_to_train_on(repo, demo_model_cache):
+    write(repo, [[]])
+    found = failures(train_check=train_cfg().train_check)
+    assert found == {"train_step": ["train step: data/merged has no rows to train on"]}

@@ -135,6 +135,10 @@ def summary(ran: list[str] | None) -> str:
     lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
     lines += training_lines(val)
     lines.append(f"merged dataset: {MERGED.resolve()}")
+    card = MERGED / "README.md"
+    if card.exists():
+        lines.append(f"its lineage card (version {mer.get('version', '?')}): {card} "
+                     "(facts for machines: data/merged/lineage.json)")
     lines.append(
         "load it:  python -c \"from stages.loader import batches; "
         "print(next(batches('data/merged', 4096, packed=True)))\""

@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages import cli, outputs, replies
+from stages import cli, outputs, replies, secrets
 from stages import params as P
 from stages.client import (
     CHAT_PATH,
@@ -314,8 +314,14 @@ class Server:
         return [strip_url_credentials(u) for u in self.urls]
 
     def info(self) -> dict:
+        launch = self.cfg.server.launch
         if self.launched is not None:
             info = dict(self.launched.info())
+        elif launch is not None:  # every answer came from the cache: nothing was started
+            info = {"engine": self.engine, "model": launch.model, "started": False,
+                    "args": secrets.redact_args(launch.args),
+                    "command": secrets.redact_args(launch.command) if launch.command else None,
+                    "version": None}
         else:
             info = {"urls": self.shown_urls(), "engine": self.engine}
         return self.redact.scrub(info)
@@ -609,6 +615,7 @@ def write_outputs(
     }  # fmt: skip
     kinds: dict[str, int] = {}
     transient_kinds: dict[str, int] = {}
+    by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     with outputs.atomic_dir(OUT) as tmp, open(plan.path, "rb") as src, open(
         tmp / "completions.jsonl", "w", encoding="utf-8", newline="\n"
@@ -628,21 +635,28 @@ def write_outputs(
                 rec = transient[plan.index.twins(i)[0]]
                 counts["failed_transient"] += 1
                 transient_kinds[rec["kind"]] = transient_kinds.get(rec["kind"], 0) + 1
+            mine = by_source.setdefault(str(prompt.get("source")), {
+                "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
                 row = completion_row(prompt, rec["reply"], model, sampling_fp, split)
                 counts["completed"] += 1
                 counts["truncated"] += row["truncated"]
+                mine["completed"] += 1
+                mine["truncated"] += row["truncated"]
                 counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
                 counts["output_tokens"] += row["usage"]["completion_tokens"]
                 comp.write(dumps(row) + "\n")
             else:
                 counts["failed"] += 1
                 kinds[rec["kind"]] = kinds.get(rec["kind"], 0) + 1
+                mine["failed"] += 1
+                mine["failed_by_kind"][rec["kind"]] = mine["failed_by_kind"].get(rec["kind"], 0) + 1
                 fail.write(dumps(failure_row(prompt, rec)) + "\n")
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
     permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
     counts["failed_permanent_by_kind"] = {k: v for k, v in permanent.items() if v}
+    counts["sources"] = by_source
     return counts
 
 

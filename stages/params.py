@@ -169,8 +169,9 @@ class TrainCheck:
 
 @dataclass
 class Validate:
-    max_seq_len: int = 32768
-    min_loss_tokens: int = 1
+    # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
+    max_seq_len: Optional[int] = None
+    min_loss_tokens: Optional[int] = None
     max_examples: int = 10
     vocab_size: Optional[int] = None  # default: data/merged/fingerprint.json tokenizer.vocab_size
     threads: int = 0  # shards summarised at once; 0: one per idle CPU, 1 to 4

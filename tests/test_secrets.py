@@ -8,6 +8,7 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 
+from stages import secrets
 from stages.secrets import (
     MASK,
     Redactor,
@@ -103,3 +104,23 @@ def test_log_records_are_redacted_inside_the_block_only(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"server said {MASK}", f"url http://u:{MASK}@h", f"after {KEY}",
     ]
+
+
+# From the lineage work: the same module, seen from the card's side.
+def test_url_credentials_are_stripped_wherever_the_url_is():
+    text = "down: http://alice:pw@h:30000/v1 and https://tok@h2/x, ftp://h3/ok"
+    assert secrets.strip_url_credentials(text) == \
+        "down: http://h:30000/v1 and https://h2/x, ftp://h3/ok"
+
+
+def test_secret_flags_are_masked_in_both_spellings():
+    argv = ["--tp", "8", "--api-key", "sk-1", "--hf-token=hf_2", "--password", "p",
+            "--port", "30000", "http://u:p@h:1"]
+    assert secrets.redact_args(argv) == ["--tp", "8", "--api-key", "***", "--hf-token=***",
+                                         "--password", "***", "--port", "30000", "http://h:1"]
+
+
+def test_scrub_masks_keys_and_urls_in_nested_values():
+    obj = {"a": ["Bearer sk-9\"x", {"url": "http://u:p@h"}], "n": 3, "key": None}
+    assert secrets.scrub(obj, ["sk-9\"x", None]) == {"a": ["Bearer ***", {"url": "http://h"}],
+                                                     "n": 3, "key": None}

@@ -2,12 +2,20 @@
 open in any browser, image viewer or Git host, offline. (`dvc plots show` writes HTML
 that loads vega from a CDN: blank on an air-gapped host.)
 
+validate writes one per plot (PICTURES) under PLOTS; the dataset card links them.
 One chart stacks panels that share the x axis: all rows first, then one per source.
 """
 
 from __future__ import annotations
 
 from html import escape
+from pathlib import Path
+
+PLOTS = Path("reports/plots")  # validate's plots: CSV folders for DVC, these SVGs beside
+PICTURES = {  # name: (title, x label)
+    "token_length": ("Token length per row", "tokens per row"),
+    "supervised_fraction": ("Supervised fraction per row", "supervised tokens / tokens"),
+}
 
 WIDTH = 720
 PANEL = 120  # plot height of one panel
@@ -60,6 +68,11 @@ def histogram_svg(title: str, x_label: str, edges: list[float],
                    f'fill="#555">{escape(x_label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def picture(name: str) -> Path:
+    """Where validate writes the SVG of plot `name` (a key of PICTURES)."""
+    return PLOTS / f"{name}.svg"
 
 
 def _edge(value: float) -> str:

@@ -67,7 +67,7 @@ log = logging.getLogger("validate")
 
 DATA = Path("data/merged")
 MERGE_REPORT = Path("reports/merge.json")
-PLOTS = Path("reports/plots")
+PLOTS = charts.PLOTS
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
 CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
@@ -683,12 +683,6 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
                     w.writerows(zip(edges, counts))
 
 
-SVG_TITLES = {
-    "token_length": ("Token length per row", "tokens per row"),
-    "supervised_fraction": ("Supervised fraction per row", "supervised tokens / tokens"),
-}
-
-
 def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
     """reports/plots/NAME.svg: a panel for all rows, then one per source."""
     overall = [sum(column) for column in zip(*counts.values())]
@@ -697,8 +691,8 @@ def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
         overall, edges = overall[:keep], edges[: keep + 1]
         counts = {s: c[:keep] for s, c in counts.items()}
     panels = [("all sources", overall)] + list(counts.items())
-    title, x_label = SVG_TITLES[name]
-    with outputs.atomic_file(PLOTS / f"{name}.svg") as f:
+    title, x_label = charts.PICTURES[name]
+    with outputs.atomic_file(charts.picture(name)) as f:
         f.write(charts.histogram_svg(title, x_label, edges, panels))
 
 

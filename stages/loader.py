@@ -258,7 +258,7 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
     """
     def columns():
         for path in list_shards(folder):
-            with open_shard(path) as reader:
+            with open_shard(path, drop_behind=True) as reader:
                 for batch in reader:
                     yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
                            batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),

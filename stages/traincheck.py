@@ -54,6 +54,7 @@ def missing_torch() -> Optional[str]:
 
 
 def run(cfg: P.TrainCheck, folder: Path, max_seq_len: int) -> dict:
+    """The report section of the check; TrainCheckFailed on the first miss."""
     import torch
 
     device = _device(cfg.device)

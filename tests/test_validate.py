@@ -518,3 +518,13 @@ def test_an_empty_set_is_not_ready_to_train_on(repo, demo_model_cache):
     write(repo, [[]])
     found = failures(train_check=train_cfg().train_check)
     assert found == {"train_step": ["train step: data/merged has no rows to train on"]}
+
+
+@pytest.mark.parametrize("model, says", [
+    ("/nonexistent/model", "/nonexistent/model is not a local model folder"),
+    ("demo:nope", "unknown demo model 'demo:nope'"),
+])
+def test_a_model_that_cannot_be_used_is_named(repo, model, says):
+    write(repo, shards())
+    with pytest.raises(StageError, match=f"validate.train_check.model: {says}"):
+        validate.run(train_cfg(model=model))

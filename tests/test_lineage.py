@@ -336,9 +336,10 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
 SHAPED_BY = {
     "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
-    "stages/errors.py": {"generate", "tokenize", "merge"},
+    "stages/errors.py": {"prepare", "generate", "tokenize", "merge"},
+    "stages/messages.py": {"prepare", "generate", "tokenize"},
     "stages/secrets.py": {"generate", "merge"},
-    "stages/schema.py": {"tokenize", "merge", "validate"},
+    "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
     "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's

@@ -528,3 +528,11 @@ def test_a_model_that_cannot_be_used_is_named(repo, model, says):
     write(repo, shards())
     with pytest.raises(StageError, match=f"validate.train_check.model: {says}"):
         validate.run(train_cfg(model=model))
+
+
+@pytest.mark.parametrize("key, value", [("batches", 0), ("tokens_per_batch", 0),
+                                        ("batches_per_step", 0), ("longest_batch_tokens", -1)])
+def test_out_of_range_train_check_params_are_named(repo, key, value):
+    write(repo, shards())
+    with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
+        validate.run(train_cfg(**{key: value}))

@@ -5,11 +5,17 @@ fixed pool of workers (in generate.py) that each take the next prompt as soon as
 their last one finishes: no batch barrier, so one slow reply never holds the others.
 
 Errors are sorted by what a retry can change:
-  permanent  400/413/422 (`bad_request`), a prompt over the context (`context_length`),
-             500 "Out of memory even after retracting" (`oom`): sent once, never again.
+  permanent  400/413/422 (`bad_request`), 500 "Out of memory even after retracting"
+             (`oom`): sent once, never again.
+  too long   the engine's 400 for prompt + max_tokens over the context names both
+             numbers: the request is sent again once with max_tokens clamped to what
+             the context leaves; a prompt that leaves fewer than `min_new_tokens` (or
+             an unreadable context error) is a permanent `context_overflow`.
   transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
              dropped connections (`connection`), unparsable bodies (`malformed`), a 400
-             "duplicate rid" when a retry races the server's abort (`duplicate_rid`):
+             "duplicate rid" when a retry races the server's abort (`duplicate_rid`),
+             a 200 whose finish_reason is "abort" (`aborted`: an admin abort, a
+             pause or a weight update cut it, the model did not stop):
              retried with exponential backoff + jitter up to `max_retries`;
              other 5xx (`server_error`) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -34,6 +41,14 @@ from stages.errors import StageError
 
 CHAT_PATH = "/v1/chat/completions"
 CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "exceeds the")
+# (context, prompt tokens) in the engines' context errors, in the order they appear
+CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
+    (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 1, 2),
+    # SGLang: the prompt alone fills the context
+    (re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+)"), 2, 1),
+    # vLLM: "maximum context length is C tokens ... your request has P input tokens"
+    (re.compile(r"maximum context length is (\d+) tokens.*?(\d+) input tokens", re.S), 1, 2),
+)
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
 
@@ -221,7 +236,7 @@ def classify(status: int, message: str) -> tuple[str, str]:
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
     if status in (400, 413, 422) or (400 <= status < 500 and status not in (408, 429)):
         if any(h in low for h in CONTEXT_HINTS):
-            return "context_length", "permanent"
+            return "context_overflow", "permanent"
         return "bad_request", "permanent"
     if status in (429, 503):
         return "overloaded", "transient"
@@ -232,6 +247,22 @@ def classify(status: int, message: str) -> tuple[str, str]:
     if OOM_HINT in low:
         return "oom", "permanent"
     return "server_error", "t500"
+
+
+def context_numbers(message: str) -> Optional[tuple[int, int]]:
+    """(context length, prompt tokens) from an engine's context error, else None."""
+    for pattern, ctx, prompt in CONTEXT_ERRORS:
+        m = pattern.search(message)
+        if m:
+            return int(m.group(ctx)), int(m.group(prompt))
+    return None
+
+
+def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
+    """The same request asking for at most `max_tokens` (rare: only prompts near the context)."""
+    data = json.loads(body)
+    data["max_tokens"] = max_tokens
+    return json.dumps(data, ensure_ascii=False).encode()
 
 
 def _error_message(raw: bytes) -> str:
@@ -264,6 +295,7 @@ class ChatClient:
         split_reasoning: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
+        min_new_tokens: int = 1,
     ):
         self.urls = [u.rstrip("/") for u in urls]
         self._endpoints = [u + CHAT_PATH for u in self.urls]
@@ -279,6 +311,7 @@ class ChatClient:
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
         self.split = split_reasoning
+        self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
         self.inflight = [0] * len(self.urls)
@@ -331,12 +364,21 @@ class ChatClient:
             await self.gate.wait_ready()
             self.last_contact = time.monotonic()  # a restart is not silence
 
+    def _room(self, message: str, clamped: bool) -> Optional[int]:
+        """max_tokens that fits the context the engine reported, if worth a second try."""
+        numbers = None if clamped else context_numbers(message)
+        if numbers is None:
+            return None
+        room = numbers[0] - numbers[1]
+        return room if room >= self.min_new_tokens else None
+
     async def complete(self, body: bytes) -> Reply:
         """Send one request until it succeeds or gives up.
 
         Raises Failure (this request), Unreachable or Rejected (the whole run).
         """
         attempts = retries = retries_500 = waits = 0
+        clamped = False
         while True:
             await self._wait_gate()
             i = self._pick()
@@ -368,11 +410,15 @@ class ChatClient:
                 if status == 200:
                     try:
                         parsed = parse_reply(json.loads(raw), self.split)
-                        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
                     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
                         why = f"unparsable 200 reply ({type(e).__name__}: {e}): {raw[:120]!r}"
                         err = _Attempt("malformed", status, why)
-                        cls = "transient"
+                    else:
+                        if parsed[3] != "abort":
+                            return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
+                        # an admin abort, pause or weight update cut it: not the model's end
+                        err = _Attempt("aborted", status, "the server aborted the request")
+                    cls = "transient"
                 else:
                     message = _error_message(raw)
                     kind, cls = classify(status, message)
@@ -383,6 +429,10 @@ class ChatClient:
                             f"{self.redact(message)[:200]} (check generate.server.url/model"
                             f" and the key in generate.server.api_key_env)"
                         )
+                    room = self._room(message, clamped) if kind == "context_overflow" else None
+                    if room is not None:
+                        body, clamped = with_max_tokens(body, room), True
+                        continue  # not a retry: the engine said what fits
                     if cls == "permanent":
                         text = self.redact(message)[:MAX_MESSAGE]
                         raise Failure(kind, status, text, attempts, True)

@@ -64,8 +64,9 @@ SERVER_LOG = Path(".cache/logs/generate-server.log")
 # This many permanent failures before the first success means the setup is wrong
 # (a param the server rejects, a wrong model): stop instead of caching them all.
 BREAKER = 32
+# "abort" is retried now (client.py), but caches written before may still hold one
 TRUNCATED_FINISH = ("length", "abort")
-FALLBACK_MODEL = "default"
+ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
 
 
 # ------------------------------------------------------------------------ params
@@ -92,6 +93,8 @@ def check(cfg: P.Generate) -> None:
         "generate.backoff_max": cfg.backoff_max,
         "generate.server.unreachable_deadline": s.unreachable_deadline,
         "generate.server.watchdog_seconds": s.watchdog_seconds,
+        "generate.server.hang_timeout": s.hang_timeout,
+        "generate.min_new_tokens": cfg.min_new_tokens,
     }
     for name, value in positive.items():
         if value <= 0:
@@ -109,6 +112,19 @@ def check(cfg: P.Generate) -> None:
         raise StageError(f"generate.temperature: must be >= 0, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
         raise StageError(f"generate.top_p: must be in (0, 1], got {cfg.top_p}")
+    if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
+        raise StageError(router_timeout_advice(cfg.request_timeout, s.router_timeout))
+
+
+def router_timeout_advice(request_timeout: float, router_timeout: float) -> str:
+    return (
+        f"generate.request_timeout ({request_timeout:g} s) is longer than the router's "
+        f"--request-timeout-secs ({router_timeout:g} s, generate.server.router_timeout): the "
+        "router would cut long generations and they would start over; set "
+        f"generate.request_timeout <= {router_timeout:g} or start the router with "
+        f"--request-timeout-secs {int(request_timeout) + 60} and set "
+        "generate.server.router_timeout to match"
+    )
 
 
 def api_key(server: P.Server) -> Optional[str]:
@@ -247,9 +263,17 @@ class Server:
         self.request_model = s.model
 
     async def resolve_label(self) -> str:
-        """The model name that keys the cache (a URL server without server.model is asked)."""
-        if self.label is None:
-            self.label = self.request_model = await _served_model(self.urls, self.key, self.cfg)
+        """The model name that keys the cache. URL servers are waited for first: a router
+        answers /health with no worker behind it, so only a model list proves one is up."""
+        if self.urls:
+            served = await _ready_model(self.urls, self.key, self.cfg)
+            if self.label is None:
+                if served is None:
+                    raise StageError(
+                        f"{self.urls[0]}/v1/models lists no model: set generate.server.model "
+                        "(it is sent with every request and keys the request cache)"
+                    )
+                self.label = self.request_model = served
         return self.label
 
     def info(self) -> dict:
@@ -260,45 +284,73 @@ class Server:
         return _scrub(info, self.key)
 
 
-async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> str:
-    """The model the URL servers serve (GET /v1/models), when generate.server.model is unset."""
+async def _ready_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> Optional[str]:
+    """Wait until one URL lists the model it serves (GET /v1/models: 200) and return it;
+    None when a URL has no model list (404). A 5xx (sglang-router: 503 until a worker is
+    healthy) or no connection is waited out up to generate.server.unreachable_deadline."""
     import aiohttp
 
-    await _any_reachable(urls, cfg.server.unreachable_deadline, key)
+    deadline = cfg.server.unreachable_deadline
+    end = time.monotonic() + deadline
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    names: set[str] = set()
-    down = ""
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
-        for url in urls:
-            try:
-                async with s.get(url + "/v1/models") as r:
-                    status = r.status
-                    data = await r.json(content_type=None)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-                down = down or f"{url}: {type(e).__name__}"  # the client avoids it while it is down
-                continue
-            except ValueError:
-                data, status = None, -1
-            if status in (401, 403):
+    pause, warned = 0.5, False
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        while True:
+            names, listless, last = set(), False, ""
+            for url in urls:
+                status, data, why = await _get_models(session, url)
+                if status in (401, 403):
+                    raise StageError(
+                        f"{url}/v1/models answered HTTP {status}: check the API key "
+                        f"(generate.server.api_key_env={cfg.server.api_key_env})"
+                    )
+                if status == 200 and _model_ids(data):
+                    names.add(_model_ids(data)[0])
+                elif status == 200 or status == 404:
+                    listless = True
+                else:
+                    last = f"{url}/v1/models: {why or f'HTTP {status}'}"
+            if len(names) > 1:
+                raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
+            if names or listless:
+                if warned:
+                    log.info("server ready: model %s", next(iter(names), "(not listed)"))
+                return next(iter(names), None)
+            left = end - time.monotonic()
+            if left <= 0:
                 raise StageError(
-                    f"{url}/v1/models answered HTTP {status}: check the API key "
-                    f"(generate.server.api_key_env={cfg.server.api_key_env})"
+                    f"no model ready at {', '.join(urls)} within {deadline:g} s "
+                    f"(generate.server.unreachable_deadline): {last}"
                 )
-            try:
-                names.add(str(data["data"][0]["id"]))
-            except (KeyError, IndexError, TypeError):
-                # SGLang and vLLM answer any model name when they serve one model
-                log.warning(
-                    "%s/v1/models gave no model (HTTP %s): sending model %r; set "
-                    "generate.server.model to name it (it also keys the request cache)",
-                    url, status, FALLBACK_MODEL,
-                )  # fmt: skip
-                names.add(FALLBACK_MODEL)
-    if not names:
-        raise StageError(f"cannot read the served model: {down}; set generate.server.model")
-    if len(names) > 1:
-        raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
-    return names.pop()
+            if not warned:
+                log.warning("waiting for a ready model (%s); up to %.0f s more", last, left)
+                warned = True
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 10.0)
+
+
+async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
+    """(status, parsed body or None, what went wrong) of GET url/v1/models."""
+    import aiohttp
+
+    try:
+        async with session.get(url + "/v1/models") as r:
+            raw = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        return status, json.loads(raw), ""
+    except ValueError:
+        return status, None, f"HTTP {status} (not JSON)"
+
+
+def _model_ids(data: Any) -> list[str]:
+    try:
+        return [str(m["id"]) for m in data["data"] if m.get("id")]
+    except (KeyError, TypeError, AttributeError):
+        return []
 
 
 def _scrub(obj: Any, key: Optional[str]) -> Any:
@@ -628,6 +680,9 @@ async def _run(cfg: P.Generate, key: Optional[str]) -> dict:
     t0 = time.monotonic()
     server = Server(cfg, key)
     label = await server.resolve_label()
+    seed_used = await asyncio.to_thread(_seed_used, server, cfg)
+    if server.urls and cfg.server.router_timeout is None:
+        await asyncio.to_thread(_warn_router_timeout, server, cfg)
     sampling = sampling_of(cfg)
     sampling_fp = fingerprint(sampling.as_dict())
     namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
@@ -658,6 +713,7 @@ async def _run(cfg: P.Generate, key: Optional[str]) -> dict:
         "model": label,
         "sampling": sampling_fp,
         "sampling_params": sampling.as_dict(),
+        "seed_honoured": seed_used,
         "server": server.info(),
         "cache_dir": str(cache.dir),
     }
@@ -674,6 +730,39 @@ async def _run(cfg: P.Generate, key: Optional[str]) -> dict:
             len(transient),
         )
     return report
+
+
+def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
+    """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
+    when it does not. The seed keys the request cache either way: it is what was asked."""
+    from stages import servers
+
+    if cfg.seed is None:
+        return None
+    launch = cfg.server.launch
+    argv = None if launch is None else list(launch.args) + list(launch.command or [])
+    url = server.urls[0] if server.urls else None
+    used = servers.seed_honoured(server.engine, url, server.key, argv)
+    if used is False:
+        log.warning(
+            "generate.seed=%s is ignored: SGLang uses a request's seed only when started with "
+            "%s; replies are sampled anew on a re-send (the cache keeps them stable)",
+            cfg.seed, servers.DETERMINISTIC_FLAG,
+        )  # fmt: skip
+    return used
+
+
+def _warn_router_timeout(server: Server, cfg: P.Generate) -> None:
+    from stages import servers
+
+    if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
+        return
+    if any(servers.is_router(u, server.key) for u in server.urls):
+        log.warning(
+            "%s is an sglang-router (default --request-timeout-secs %d). %s",
+            ", ".join(server.urls), ROUTER_DEFAULT_TIMEOUT,
+            router_timeout_advice(cfg.request_timeout, ROUTER_DEFAULT_TIMEOUT),
+        )  # fmt: skip
 
 
 def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: P.Generate) -> None:
@@ -703,6 +792,7 @@ async def _send(
             server.urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
             gen = Generation(cfg, plan, cache, server, client)
             await gen.run(pending, watch=_watch_url)
@@ -718,6 +808,7 @@ async def _send(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
 
             async def watch(gen: Generation) -> None:
@@ -752,20 +843,44 @@ async def _any_reachable(urls: list[str], deadline: float, key: Optional[str]) -
 
 
 async def _watch_url(gen: Generation) -> None:
-    """A URL server cannot be restarted from here: say loudly when it stops making progress."""
-    limit = gen.cfg.server.watchdog_seconds
-    last, since = gen.done, time.monotonic()
+    """A URL server cannot be restarted from here. Requests in flight, none finished for
+    watchdog_seconds, and no URL proving it generates: the server looks hung. Still so
+    after hang_timeout more: the run stops (the cache keeps every answer so far)."""
+    from stages.servers import GenerationProbe
+
+    s = gen.cfg.server
+    model = gen.server.request_model or ""
+    probes = [GenerationProbe(u, gen.server.engine, model, gen.server.key) for u in gen.server.urls]
+    limit, tick = s.watchdog_seconds, min(s.watchdog_seconds / 4, 30.0)
+    last, since, hung_since = gen.done, time.monotonic(), None
     while True:
-        await asyncio.sleep(min(limit / 4, 30.0))
+        await asyncio.sleep(tick)
         if gen.done != last or gen.client.in_flight == 0:
-            last, since = gen.done, time.monotonic()
-        elif time.monotonic() - since >= limit:
+            last, since, hung_since = gen.done, time.monotonic(), None
+            continue
+        quiet = time.monotonic() - since
+        if quiet < limit:
+            continue
+        checks = [asyncio.to_thread(p.generating, min(limit / 2, 30.0)) for p in probes]
+        if any(await asyncio.gather(*checks)):
+            hung_since = None
+            continue
+        if hung_since is None:
+            hung_since = time.monotonic()
             log.warning(
-                "no request finished for %.0f s with %d in flight: the server at %s may be hung "
-                "(generate.server.watchdog_seconds=%g)",
-                time.monotonic() - since, gen.client.in_flight, ", ".join(gen.server.urls), limit,
+                "no request finished for %.0f s with %d in flight and the server at %s shows no "
+                "generation: it may be hung; the run stops in %g s unless it recovers "
+                "(generate.server.watchdog_seconds=%g, hang_timeout=%g)",
+                quiet, gen.client.in_flight, ", ".join(gen.server.urls), s.hang_timeout, limit,
+                s.hang_timeout,
             )  # fmt: skip
-            since = time.monotonic()
+        elif time.monotonic() - hung_since >= s.hang_timeout:
+            raise StageError(
+                f"server {', '.join(gen.server.urls)} hung: no request finished for {quiet:.0f} s "
+                f"with {gen.client.in_flight} in flight and no sign of generation "
+                f"(generate.server.watchdog_seconds={limit:g} + hang_timeout={s.hang_timeout:g}); "
+                "every answer so far is in the request cache: restart the server and re-run"
+            )
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ class Server:
     unreachable_deadline: float = 600.0
     watchdog_seconds: float = 600.0
     max_restarts: int = 3  # watchdog restarts in a row without a completion, then give up
+    # a URL server that looks hung (watchdog_seconds, no sign of generation) this much
+    # longer stops the run
+    hang_timeout: float = 900.0
+    # the sglang-router's --request-timeout-secs in front of `url`; null: no router
+    router_timeout: Optional[float] = None
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -102,6 +107,8 @@ class Generate:
     server: Server
     concurrency: int = 256
     max_tokens: int = 4096
+    # a prompt that leaves the engine fewer new tokens than this is a context_overflow
+    min_new_tokens: int = 256
     temperature: float = 0.6
     top_p: float = 0.95
     top_k: int = 20

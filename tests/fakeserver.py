@@ -30,9 +30,11 @@ Fault spec: a JSON object, every key optional.
   max_context       int     null   prompt_tokens + max_tokens above it -> SGLang's 400
                                    (its exact text); also /v1/models max_model_len
   api_key           str     null   require "Authorization: Bearer <key>" (else 401)
-  not_ready_for     number  0      chat and /v1/models answer 503 for this many seconds
-                                   after start while /health already says 200 (what
-                                   sglang-router does until a worker is healthy)
+  not_ready_for     number  0      chat answers 503 "loading" for this many seconds
+                                   after start while /health already says 200
+  no_worker_for     number  0      chat and /v1/models answer 503 for this many seconds
+                                   while /health says 200 (sglang-router before a worker
+                                   is healthy)
   require_tool_call_id bool false  400 for a role:tool message without tool_call_id
                                    (sglang-router's request schema)
   deterministic     bool    false  /get_server_info enable_deterministic_inference
@@ -104,6 +106,7 @@ KINDS = set(ERRORS) | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
     "length", "unclosed_think", "abort",
 }  # fmt: skip
+NO_WORKER = "No models available - no workers registered"  # sglang-router's words
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -116,6 +119,7 @@ DEFAULTS: dict[str, Any] = {
     "max_context": None,
     "api_key": None,
     "not_ready_for": 0,
+    "no_worker_for": 0,
     "require_tool_call_id": False,
     "deterministic": False,
     "exit_after": None,
@@ -350,6 +354,8 @@ def build_app(spec: dict, die) -> web.Application:
             await forever()
         if time.monotonic() - state.started < spec["not_ready_for"]:
             return _error(503, "ServiceUnavailableError", "The server is still loading."), "loading"
+        if time.monotonic() - state.started < spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER), "no_worker"
         if spec["require_tool_call_id"]:
             for k, m in enumerate(body["messages"]):
                 if isinstance(m, dict) and m.get("role") == "tool" and "tool_call_id" not in m:
@@ -459,8 +465,8 @@ def build_app(spec: dict, die) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         if not authorized(request):
             return _error(401, "AuthenticationError", "Invalid API key.")
-        if time.monotonic() - state.started < state.spec["not_ready_for"]:
-            return _error(503, "ServiceUnavailableError", "No models available - no workers registered")
+        if time.monotonic() - state.started < state.spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER)
         name = state.spec["model"]
         card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
         if state.spec["max_context"]:

@@ -533,10 +533,10 @@ def test_the_stage_waits_for_a_worker_and_keys_the_cache_with_the_real_model(tmp
     # sglang-router answers /health 200 with no worker and /v1/models 503 until one is up:
     # the model name that keys the cache must be the served one, never a placeholder
     rows = make_prompts(tmp_path, 20)
-    with spawn({"model": "served-name", "not_ready_for": 2.5}) as fake:
+    with spawn({"model": "served-name", "no_worker_for": 2.5}) as fake:
         write_params(tmp_path, server=url_server(fake.url))
         r = here(tmp_path)
-        assert fake.stats()["outcomes"].get("loading", 0) == 0  # nothing sent before it was up
+        assert fake.stats()["outcomes"].get("no_worker", 0) == 0  # nothing sent before it was up
     assert r["model"] == "served-name" and r["completed"] == len(rows)
     completions, _ = outputs(tmp_path)
     assert {c["model"] for c in completions} == {"served-name"}
@@ -546,7 +546,7 @@ def test_the_stage_waits_for_a_worker_and_keys_the_cache_with_the_real_model(tmp
 
 def test_no_worker_within_the_deadline_is_one_line(tmp_path):
     make_prompts(tmp_path, 5)
-    with spawn({"not_ready_for": 120}) as fake:
+    with spawn({"no_worker_for": 120}) as fake:
         write_params(tmp_path, server=url_server(fake.url, unreachable_deadline=1.5))
         proc = stage(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -15,9 +15,14 @@ writes, in prompt order:
 Every reply goes first into a crash-safe request cache (`generate.cache_dir`, default
 .cache/requests, outside the DVC outs). Kill the run at any moment and run it again:
 only the missing requests are sent. Changing a sampling param or the model starts a new
-key space; the old one stays for a rollback. Permanent failures (400, prompt too long,
-OOM after retracting) are cached too and not resent (`generate.retry_failed: true`
-resends them); transient ones (503, 429, timeouts, ...) are retried on the next run.
+key space; the old one stays for a rollback. Permanent failures (400, a prompt that
+leaves fewer than `generate.min_new_tokens` in the context, OOM after retracting) are
+cached too and not resent (`generate.retry_failed: true` resends them); transient ones
+(503, 429, timeouts, aborted replies, ...) are retried on the next run.
+
+A URL server is used once /v1/models names its model (a router answers /health with no
+worker behind it); that name keys the cache. One that stops finishing requests without
+proving it generates ends the run after `watchdog_seconds` + `server.hang_timeout`.
 
 `generate.limit: N` runs the first N prompts and prints the first request body.
 Ctrl-C stops cleanly with exit status 130, SIGTERM with 143; the cache keeps every
@@ -263,18 +268,22 @@ class Server:
         self.request_model = s.model
 
     async def resolve_label(self) -> str:
-        """The model name that keys the cache. URL servers are waited for first: a router
-        answers /health with no worker behind it, so only a model list proves one is up."""
-        if self.urls:
-            served = await _ready_model(self.urls, self.key, self.cfg)
-            if self.label is None:
-                if served is None:
-                    raise StageError(
-                        f"{self.urls[0]}/v1/models lists no model: set generate.server.model "
-                        "(it is sent with every request and keys the request cache)"
-                    )
-                self.label = self.request_model = served
+        """The model name that keys the cache (a URL server without server.model is asked,
+        once it is ready)."""
+        if self.label is None:
+            served = await self._ready()
+            if served is None:
+                raise StageError(
+                    f"{self.urls[0]}/v1/models lists no model: set generate.server.model "
+                    "(it is sent with every request and keys the request cache)"
+                )
+            self.label = self.request_model = served
         return self.label
+
+    async def _ready(self) -> Optional[str]:
+        from stages.servers import wait_ready
+
+        return await wait_ready(self.urls, self.cfg.server.unreachable_deadline, self.key)
 
     def info(self) -> dict:
         if self.launched is not None:
@@ -282,75 +291,6 @@ class Server:
         else:
             info = {"urls": self.urls, "engine": self.engine}
         return _scrub(info, self.key)
-
-
-async def _ready_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> Optional[str]:
-    """Wait until one URL lists the model it serves (GET /v1/models: 200) and return it;
-    None when a URL has no model list (404). A 5xx (sglang-router: 503 until a worker is
-    healthy) or no connection is waited out up to generate.server.unreachable_deadline."""
-    import aiohttp
-
-    deadline = cfg.server.unreachable_deadline
-    end = time.monotonic() + deadline
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    pause, warned = 0.5, False
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        while True:
-            names, listless, last = set(), False, ""
-            for url in urls:
-                status, data, why = await _get_models(session, url)
-                if status in (401, 403):
-                    raise StageError(
-                        f"{url}/v1/models answered HTTP {status}: check the API key "
-                        f"(generate.server.api_key_env={cfg.server.api_key_env})"
-                    )
-                if status == 200 and _model_ids(data):
-                    names.add(_model_ids(data)[0])
-                elif status == 200 or status == 404:
-                    listless = True
-                else:
-                    last = f"{url}/v1/models: {why or f'HTTP {status}'}"
-            if len(names) > 1:
-                raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
-            if names or listless:
-                if warned:
-                    log.info("server ready: model %s", next(iter(names), "(not listed)"))
-                return next(iter(names), None)
-            left = end - time.monotonic()
-            if left <= 0:
-                raise StageError(
-                    f"no model ready at {', '.join(urls)} within {deadline:g} s "
-                    f"(generate.server.unreachable_deadline): {last}"
-                )
-            if not warned:
-                log.warning("waiting for a ready model (%s); up to %.0f s more", last, left)
-                warned = True
-            await asyncio.sleep(min(pause, left))
-            pause = min(pause * 2, 10.0)
-
-
-async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
-    """(status, parsed body or None, what went wrong) of GET url/v1/models."""
-    import aiohttp
-
-    try:
-        async with session.get(url + "/v1/models") as r:
-            raw = await r.read()
-            status = r.status
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    try:
-        return status, json.loads(raw), ""
-    except ValueError:
-        return status, None, f"HTTP {status} (not JSON)"
-
-
-def _model_ids(data: Any) -> list[str]:
-    try:
-        return [str(m["id"]) for m in data["data"] if m.get("id")]
-    except (KeyError, TypeError, AttributeError):
-        return []
 
 
 def _scrub(obj: Any, key: Optional[str]) -> Any:
@@ -787,7 +727,7 @@ async def _send(
     retry = RetryPolicy(cfg.max_retries, cfg.max_retries_500, cfg.backoff_base, cfg.backoff_max)
     split = cfg.enable_thinking
     if cfg.server.launch is None:
-        await _any_reachable(server.urls, cfg.server.unreachable_deadline, key)
+        await server._ready()  # a router with no worker answers 503
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
@@ -823,23 +763,6 @@ async def _send(
         raise StageError(f"{e} (server log: {SERVER_LOG})") from None
     finally:
         launched.stop()
-
-
-async def _any_reachable(urls: list[str], deadline: float, key: Optional[str]) -> None:
-    """Return once one of the URLs answers (the client avoids the others while they are down)."""
-    from stages import servers
-
-    tasks = [asyncio.ensure_future(servers.wait_reachable(u, deadline, key)) for u in urls]
-    try:
-        for next_done in asyncio.as_completed(tasks):
-            try:
-                return await next_done
-            except StageError:
-                if all(t.done() for t in tasks):
-                    raise
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _watch_url(gen: Generation) -> None:

@@ -8,8 +8,8 @@ to the whole group and SIGKILL after `launch.stop_timeout`. Nothing can orphan i
 `with` blocks, atexit and a SIGTERM handler stop it, and a small guard process in the
 engine's group kills the group if the stage itself dies (even by SIGKILL).
 
-`Watchdog` restarts a launched engine that stops making progress; `wait_reachable`
-waits for URL servers (which cannot be restarted from here) up to a deadline.
+`Watchdog` restarts a launched engine that stops making progress; `wait_ready` waits
+for URL servers (which cannot be restarted from here) to serve a model, up to a deadline.
 """
 
 from __future__ import annotations
@@ -312,51 +312,72 @@ def normalize_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def wait_reachable(
-    urls: list[str] | str, deadline: float, api_key: Optional[str] = None
-) -> None:
-    """Wait until every URL answers HTTP (GET /health or /v1/models, any non-5xx status).
-
-    `deadline` is in seconds from now. Retries with a growing pause; past the deadline
-    raises StageError naming the URL and its last error.
-    """
+async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = None) -> Optional[str]:
+    """Wait until one URL lists the model it serves (GET /v1/models: 200) and return it;
+    None when a URL has no model list (404). A 5xx (sglang-router: 503 until a worker is
+    healthy) or no connection is waited out for `deadline` seconds, then StageError."""
     import aiohttp
 
-    urls = [urls] if isinstance(urls, str) else list(urls)
     end = time.monotonic() + deadline
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=10)
+    pause, warned = 0.5, False
+    timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        for url in urls:
-            base = normalize_url(url)
-            pause, last, warned = 0.5, "", False
-            while True:
-                for path in ("/health", "/v1/models"):
-                    try:
-                        async with session.get(base + path) as r:
-                            await r.read()
-                            if r.status < 500:
-                                last = ""
-                                break
-                            last = f"HTTP {r.status} from {path}"
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                        last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                        break  # the host itself is down: no need to try the other path
-                if not last:
-                    if warned:
-                        log.info("server %s is reachable again", base)
-                    break
-                left = end - time.monotonic()
-                if left <= 0:
+        while True:
+            names, listless, last = set(), False, ""
+            for url in urls:
+                status, data, why = await _get_models(session, url)
+                if status in (401, 403):
                     raise StageError(
-                        f"server {base} unreachable for {deadline:g} s "
-                        f"(generate.server.unreachable_deadline): {last}"
+                        f"{url}/v1/models answered HTTP {status}: check the API key "
+                        "(generate.server.api_key_env)"
                     )
-                if not warned:
-                    log.warning("server %s unreachable (%s); retrying for %.0f s", base, last, left)
-                    warned = True
-                await asyncio.sleep(min(pause, left))
-                pause = min(pause * 2, 10.0)
+                if status == 200 and _model_ids(data):
+                    names.add(_model_ids(data)[0])
+                elif status == 200 or status == 404:
+                    listless = True
+                else:
+                    last = f"{url}/v1/models: {why or f'HTTP {status}'}"
+            if len(names) > 1:
+                raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
+            if names or listless:
+                if warned:
+                    log.info("server ready: model %s", next(iter(names), "(not listed)"))
+                return next(iter(names), None)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StageError(
+                    f"no model ready at {', '.join(urls)} within {deadline:g} s "
+                    f"(generate.server.unreachable_deadline): {last}"
+                )
+            if not warned:
+                log.warning("waiting for a ready model (%s); up to %.0f s more", last, left)
+                warned = True
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 10.0)
+
+
+async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
+    """(status, parsed body or None, what went wrong) of GET url/v1/models."""
+    import aiohttp
+
+    try:
+        async with session.get(url + "/v1/models") as r:
+            raw = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        return status, json.loads(raw), ""
+    except ValueError:
+        return status, None, f"HTTP {status} (not JSON)"
+
+
+def _model_ids(data: Any) -> list[str]:
+    try:
+        return [str(m["id"]) for m in data["data"] if m.get("id")]
+    except (KeyError, TypeError, AttributeError):
+        return []
 
 
 # ------------------------------------------------------------------------ launched

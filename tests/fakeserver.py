@@ -37,6 +37,7 @@ Fault spec: a JSON object, every key optional.
                                    is healthy)
   require_tool_call_id bool false  400 for a role:tool message without tool_call_id
                                    (sglang-router's request schema)
+  router            bool    false  GET /workers lists this server (as sglang-router does)
   deterministic     bool    false  /get_server_info enable_deterministic_inference
                                    (SGLang honours `seed` only then)
   exit_after        int     null   the process exits (code 3) right after reply K
@@ -121,6 +122,7 @@ DEFAULTS: dict[str, Any] = {
     "not_ready_for": 0,
     "no_worker_for": 0,
     "require_tool_call_id": False,
+    "router": False,
     "deterministic": False,
     "exit_after": None,
     "stall_after": None,
@@ -452,6 +454,12 @@ def build_app(spec: dict, die) -> web.Application:
              "enable_deterministic_inference": state.spec["deterministic"]}
         )  # fmt: skip
 
+    async def workers(request: web.Request) -> web.Response:
+        if not state.spec["router"]:
+            return _error(404, "NotFoundError", "Not Found")
+        url = f"http://{request.host}"
+        return web.json_response({"workers": [{"url": url, "model_id": state.spec["model"]}]})
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -506,6 +514,7 @@ def build_app(spec: dict, die) -> web.Application:
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", workers)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/reset", admin_reset)
     app.router.add_post("/admin/stall", admin_stall)

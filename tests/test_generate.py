@@ -638,3 +638,14 @@ def test_a_request_timeout_longer_than_the_routers_is_refused_with_the_fix(tmp_p
     cfg = P.build(P.Generate, {"server": server, "request_timeout": 3600}, "generate")
     with pytest.raises(StageError, match=r"--request-timeout-secs 3660"):
         generate.run(cfg)
+
+
+def test_a_router_with_its_default_timeout_gets_a_warning_with_the_fix(tmp_path):
+    make_prompts(tmp_path, 3)
+    with spawn({"router": True}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        out = ok(stage(tmp_path))
+    assert "is an sglang-router" in out and "--request-timeout-secs 3660" in out
+    with spawn({}) as fake:  # an engine: no warning
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        assert "sglang-router" not in ok(stage(tmp_path))

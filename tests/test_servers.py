@@ -413,31 +413,34 @@ def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
 # ----------------------------------------------------------------------- URL servers
 
 
-def test_wait_reachable_waits_for_a_late_server_and_gives_up_on_a_dead_one():
+def test_wait_ready_waits_for_a_late_server_and_gives_up_on_a_dead_one():
     port = free_port()
     late = FakeServer(port=port)
 
-    async def run() -> float:
+    async def run() -> tuple[float, str]:
         loop = asyncio.get_running_loop()
         loop.call_later(0.7, late.start)
         t0 = time.monotonic()
-        await servers.wait_reachable([f"http://127.0.0.1:{port}/v1"], deadline=10)
-        return time.monotonic() - t0
+        name = await servers.wait_ready([f"http://127.0.0.1:{port}"], deadline=10)
+        return time.monotonic() - t0, name
 
     try:
-        assert 0.6 < asyncio.run(run()) < 5
+        took, name = asyncio.run(run())
+        assert 0.6 < took < 5 and name == "fake-model"
     finally:
         late.stop()
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    with pytest.raises(StageError, match=rf"server {dead} unreachable for 0.6 s .*unreachable_deadline"):  # fmt: skip
-        asyncio.run(servers.wait_reachable(dead, deadline=0.6))
+    with pytest.raises(StageError, match=rf"no model ready at {dead} within 0.6 s .*unreachable_deadline"):  # fmt: skip
+        asyncio.run(servers.wait_ready([dead], deadline=0.6))
     assert time.monotonic() - t0 < 3
 
 
-def test_wait_reachable_accepts_a_server_that_wants_a_key(fake_server):
+def test_wait_ready_stops_at_once_on_a_wrong_key(fake_server):
     server = fake_server({"api_key": "k"})
-    asyncio.run(servers.wait_reachable([server.url], deadline=2))  # 401 still means "up"
+    assert asyncio.run(servers.wait_ready([server.url], deadline=2, api_key="k")) == "fake-model"
+    with pytest.raises(StageError, match="HTTP 401: check the API key"):
+        asyncio.run(servers.wait_ready([server.url], deadline=20, api_key="wrong"))
 
 
 # ----------------------------------------------------------- the fake server itself

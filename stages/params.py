@@ -124,6 +124,10 @@ class Generate:
     cache_dir: str = ".cache/requests"
     progress_interval: float = 30.0
     retry_failed: bool = False  # resend prompts whose permanent failure is cached
+    # failures a finished run may keep: an integer is a count, a float in [0, 1] a
+    # fraction of the prompts; above either the stage exits 1 and DVC records nothing
+    max_transient_failures: Union[int, float] = 0
+    max_permanent_failures: Union[int, float] = 0.01
 
 
 # -------------------------------------------------------------------------- tokenize
@@ -159,8 +163,9 @@ class Merge:
 
 @dataclass
 class Validate:
-    max_seq_len: int = 32768
-    min_loss_tokens: int = 1
+    # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
+    max_seq_len: Optional[int] = None
+    min_loss_tokens: Optional[int] = None
     max_examples: int = 10
     vocab_size: Optional[int] = None  # default: data/merged/fingerprint.json tokenizer.vocab_size
     threads: int = 0  # shards summarised at once; 0: one per idle CPU, 1 to 4

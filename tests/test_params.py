@@ -1,5 +1,7 @@
+import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,78 @@ def test_cli_help_describes_stage(stage):
     assert proc.returncode == 0
     assert "--params FILE" in proc.stdout
     assert len(proc.stdout.splitlines()) > 4
+
+
+# Keys whose shipped value is the demo's own choice, not the code's default. Every other
+# key in params.yaml must equal its default in stages/params.py, so that a default moved
+# in the code without params.yaml is caught here (DVC sees only params.yaml).
+DEMO_CHOICES = {
+    "prepare.sources[].path", "prepare.sources[].name", "prepare.sources[].format",
+    "prepare.sources[].limit", "prepare.sources[].prompt_field",
+    "prepare.sources[].system_field",
+    "generate.server.launch.engine", "generate.server.launch.model",
+    "generate.server.launch.startup_timeout", "generate.concurrency",
+    "generate.max_tokens", "generate.temperature", "generate.seed",
+    "generate.request_timeout",
+    "tokenize.max_seq_len", "merge.base",
+}
+
+
+def _field_problems(cls, data: dict, where: str) -> list[str]:
+    """Keys of dataclass `cls` missing from `data`, or off their default; recursively."""
+    problems = []
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}"
+        if f.name not in data:
+            problems.append(f"{key}: missing")
+            continue
+        value = data[f.name]
+        nested = _dataclass_in(typing.get_type_hints(cls)[f.name])
+        if nested is not None and isinstance(value, dict):
+            problems += _field_problems(nested, value, key)
+        elif nested is not None and isinstance(value, list):
+            for item in value:
+                problems += _field_problems(nested, item, f"{key}[]")
+        if key in DEMO_CHOICES or (nested is not None and value is not None):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            problems.append(f"{key}: required, so it must be listed in DEMO_CHOICES")
+            continue
+        if value != default or isinstance(value, bool) != isinstance(default, bool):
+            problems.append(f"{key}: {value!r} in params.yaml, default {default!r}")
+    return problems
+
+
+def _dataclass_in(tp):
+    """The dataclass inside Optional[...] or list[...], if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _dataclass_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def test_params_yaml_carries_every_key_with_its_default():
+    doc = shipped()
+    problems = []
+    for section, cls in P.SECTIONS.items():
+        problems += _field_problems(cls, doc[section], section)
+    assert not problems, "params.yaml must carry every key (DVC sees only it):\n" + \
+        "\n".join(problems)
+
+
+def test_the_check_catches_a_missing_key_and_a_moved_default(monkeypatch):
+    doc = shipped()
+    del doc["tokenize"]["shard_rows"]
+    assert _field_problems(P.Tokenize, doc["tokenize"], "tokenize") == \
+        ["tokenize.shard_rows: missing"]
+    fields = {f.name: f for f in dataclasses.fields(P.Merge)}
+    monkeypatch.setattr(fields["link"], "default", False)
+    assert _field_problems(P.Merge, shipped()["merge"], "merge") == \
+        ["merge.link: True in params.yaml, default False"]

@@ -575,7 +575,7 @@ def test_permanent_failures_have_their_own_tolerance(tmp_path):
         with pytest.raises(StageError) as err:
             here(tmp_path)
         msg = str(err.value)
-        assert msg.startswith("3 of 40 requests failed permanently (context_length 3)")
+        assert msg.startswith("3 of 40 requests failed permanently (context_overflow 3)")
         assert "above the 0 that generate.max_permanent_failures=0.01 allows" in msg
         assert "failures.jsonl" in msg
         failures = outputs(tmp_path)[1]  # written, for the user to look at
@@ -813,7 +813,7 @@ def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tm
     ref.mkdir()
     shutil.copytree(tmp_path / "data", ref / "data")
     with spawn({"max_context": 96, "record_bodies": True}) as fake, spawn({}) as roomy:
-        write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16)
+        write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16, max_permanent_failures=2)
         write_params(ref, server=url_server(roomy.url), min_new_tokens=16)
         r = here(tmp_path)
         here(ref)

@@ -340,6 +340,7 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
+        self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "ChatClient":
@@ -448,6 +449,7 @@ class ChatClient:
                     room = self._room(message, clamped) if kind == "context_overflow" else None
                     if room is not None:
                         body, clamped = with_max_tokens(body, room), True
+                        self.clamped += 1
                         continue  # not a retry: the engine said what fits
                     if cls == "permanent":
                         text = self._say(message, MAX_MESSAGE)

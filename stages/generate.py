@@ -744,6 +744,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "from_cache": gen.cached if gen else plan.n,
         "sent": gen.sent if gen else 0,
         "retries": gen.client.retries if gen else 0,
+        "clamped": gen.client.clamped if gen else 0,
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,

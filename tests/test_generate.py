@@ -828,6 +828,7 @@ def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tm
     ]  # fmt: skip
     assert "maximum context length of 96 tokens" in failures[0]["message"]
     assert r["failed_by_kind"] == {"context_overflow": 2} and len(completions) == 28
+    assert r["clamped"] == 1
     # a clamp is per request: every prompt keeps the key it has without one
     assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
 

@@ -50,8 +50,11 @@ CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
     (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 1, 2),
     # SGLang: the prompt alone fills the context
     (re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+)"), 2, 1),
-    # vLLM: "maximum context length is C tokens ... your request has P input tokens"
+    # vLLM: "maximum context length is C tokens ... your request has P input tokens" (or
+    # "your prompt contains P input tokens")
     (re.compile(r"maximum context length is (\d+) tokens.*?(\d+) input tokens", re.S), 1, 2),
+    # vLLM: "... you requested T tokens (P in the messages, O in the completion)"
+    (re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages", re.S), 1, 2),
 )
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500

@@ -170,6 +170,13 @@ def test_context_numbers_are_read_from_each_engines_error():
     vllm = ("'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum "
             "context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).")  # fmt: skip
     assert context_numbers(vllm) == (4096, 2778)
+    for text in (
+        "This model's maximum context length is 4096 tokens. However, you requested 8000 output "
+        "tokens and your prompt contains 2778 input tokens, for a total of 10778 tokens.",
+        "This model's maximum context length is 4096 tokens. However, you requested 10778 tokens "
+        "(2778 in the messages, 8000 in the completion). Please reduce the length.",
+    ):
+        assert context_numbers(text) == (4096, 2778), text
     assert context_numbers("This model's maximum context length is 4096 tokens.") is None
 
 

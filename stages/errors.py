@@ -16,6 +16,8 @@ def json_object(text: bytes | str, where: str) -> dict:
         doc = json.loads(text)
     except ValueError as e:
         raise StageError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise StageError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise StageError(f"{where}: expected a JSON object, got {json_type(doc)}")
     return doc

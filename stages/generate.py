@@ -51,6 +51,7 @@ from typing import Any, Optional
 import numpy as np
 
 from stages import cli, outputs, replies, secrets
+from stages import messages as contract
 from stages import params as P
 from stages.client import (
     CHAT_PATH,
@@ -102,34 +103,7 @@ def check(cfg: P.Generate) -> None:
                 "generate.server.api_key_env is set too; a request carries one "
                 "Authorization header: use one of them"
             )
-    positive = {
-        "generate.concurrency": cfg.concurrency,
-        "generate.max_tokens": cfg.max_tokens,
-        "generate.request_timeout": cfg.request_timeout,
-        "generate.progress_interval": cfg.progress_interval,
-        "generate.backoff_base": cfg.backoff_base,
-        "generate.backoff_max": cfg.backoff_max,
-        "generate.server.unreachable_deadline": s.unreachable_deadline,
-        "generate.server.watchdog_seconds": s.watchdog_seconds,
-        "generate.server.hang_timeout": s.hang_timeout,
-        "generate.min_new_tokens": cfg.min_new_tokens,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise StageError(f"{name}: must be > 0, got {value}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise StageError(f"generate.limit: must be >= 1 or null, got {cfg.limit}")
-    retries = {
-        "generate.max_retries": cfg.max_retries,
-        "generate.max_retries_500": cfg.max_retries_500,
-    }
-    for name, value in retries.items():
-        if value < 0:
-            raise StageError(f"{name}: must be >= 0, got {value}")
-    if not 0 <= cfg.temperature:
-        raise StageError(f"generate.temperature: must be >= 0, got {cfg.temperature}")
-    if not 0 < cfg.top_p <= 1:
-        raise StageError(f"generate.top_p: must be in (0, 1], got {cfg.top_p}")
+    P.check_ranges(cfg, "generate")
     if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
         raise StageError(router_timeout_advice(cfg.request_timeout, s.router_timeout))
     for name in ("max_transient_failures", "max_permanent_failures"):
@@ -290,13 +264,10 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
-    messages = prompt.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and "role" in m for m in messages
-    ):
-        raise StageError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-    if "tools" in prompt and not isinstance(prompt["tools"], list):
-        raise StageError(f"{where}: 'tools' must be a list")
+    bad = contract.problem(prompt.get("messages"), prompt.get("tools")) or \
+        contract.unicode_problem(line, prompt)
+    if bad:
+        raise StageError(f"{where}: {bad}")
     return prompt
 
 

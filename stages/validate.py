@@ -96,8 +96,7 @@ class Findings:
 
 def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
-    P.at_least("validate", cfg, {"max_seq_len": 1, "min_loss_tokens": 0, "max_examples": 0,
-                                 "vocab_size": 1, "threads": 0})
+    P.check_ranges(cfg, "validate")
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)

@@ -437,9 +437,9 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"concurrency": 0}, "generate.concurrency"),
         ({"request_timeout": -1}, "generate.request_timeout"),
     ]:
-        cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra}, "generate")
-        with pytest.raises(StageError, match=message):
-            generate.run(cfg)
+        with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
+            generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
+                                 "generate"))
     cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
         generate.run(cfg)
@@ -447,6 +447,17 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
         generate.run(cfg)
+    user = [{"role": "user", "content": "q"}]
+    for row, message in [
+        ({"messages": user, "tools": [1, "f"]}, "'tools' must be a list of objects"),
+        ({"messages": [{"role": ["user"], "content": "q"}]}, r"messages\[0\] must be an object"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         r"messages\[0\].content\[0\]"),
+        ({"messages": [{"role": "user", "content": "q \udfff"}]}, "text that is not valid Unicode"),
+    ]:
+        (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
+        with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):
+            generate.run(cfg)
 
 
 @pytest.mark.slow

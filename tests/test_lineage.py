@@ -323,9 +323,10 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
 SHAPED_BY = {
     "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
-    "stages/errors.py": {"generate", "tokenize", "merge"},
+    "stages/errors.py": {"prepare", "generate", "tokenize", "merge"},
+    "stages/messages.py": {"prepare", "generate", "tokenize"},
     "stages/secrets.py": {"generate", "merge"},
-    "stages/schema.py": {"tokenize", "merge", "validate"},
+    "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
     "stages/cli.py": set(),
 }

@@ -17,8 +17,9 @@ byte-identical output and changing one source's limit changes only that source's
 Output, one JSON object per line, sources in params order, rows in source order:
   {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
    "tools": [...]}            (tools only when the source has them)
-`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools:
-the same prompt keeps its id in every run, whatever the row order.
+`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools as
+the source gave them: the same prompt keeps its id in every run, whatever the row order.
+Tool turns are then settled for engines and routers (sources.settle_tool_turns).
 """
 
 from __future__ import annotations

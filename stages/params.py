@@ -161,6 +161,11 @@ class Server:
     watchdog_seconds: float = ranged(600.0, gt=0, le=MAX_SECONDS)
     # watchdog restarts in a row without a completion, then give up
     max_restarts: int = ranged(3, ge=0, le=1000)
+    # a URL server that looks hung (watchdog_seconds, no sign of generation) this much
+    # longer stops the run
+    hang_timeout: float = ranged(900.0, gt=0, le=MAX_SECONDS)
+    # the sglang-router's --request-timeout-secs in front of `url`; null: no router
+    router_timeout: Optional[float] = ranged(None, gt=0, le=MAX_SECONDS)
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -170,6 +175,8 @@ class Generate:
     server: Server
     concurrency: int = ranged(256, ge=1, le=65536)
     max_tokens: int = ranged(4096, ge=1, le=INT32)
+    # a prompt that leaves the engine fewer new tokens than this is a context_overflow
+    min_new_tokens: int = ranged(256, ge=1, le=INT32)
     temperature: float = ranged(0.6, ge=0, le=100.0)
     top_p: float = ranged(0.95, gt=0, le=1.0)
     top_k: int = ranged(20, ge=-1, le=INT32)  # -1: no top-k (SGLang, vLLM)

@@ -344,20 +344,33 @@ SHAPED_BY = {
     "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
+    "stages/decontam.py": {"prepare"},
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", list(SHAPED_BY))
 def test_an_edited_shared_module_outdates_the_stages_it_shapes(runs, module):
-    path = runs.repo / module
-    original = path.read_bytes()
-    try:
-        path.write_bytes(original + b"\n# edited\n")
-        status = json.loads(run(["dvc", "status", "--json"], runs.repo))
-    finally:
-        path.write_bytes(original)
+    status = status_after_appending(runs.repo, module, b"\n# edited\n")
     changed = {stage for stage, entries in status.items()
                if any(module in (e.get("changed deps") or {}) for e in entries
                       if isinstance(e, dict))}
     assert changed == SHAPED_BY[module], status
+
+
+@pytest.mark.slow
+def test_an_edited_eval_set_outdates_prepare_only(runs):
+    status = status_after_appending(runs.repo, "data/evals/eval_sample.jsonl",
+                                    b'{"question": "What is the tallest mountain in Africa?"}\n')
+    assert status
+
+
+def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
+    """`dvc status --json` of `repo` with `data` appended to its file `name` (restored after)."""
+    path = repo / name
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + data)
+        return json.loads(run(["dvc", "status", "--json"], repo))
+    finally:
+        path.write_bytes(original) == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}

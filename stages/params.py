@@ -231,6 +231,22 @@ class Merge:
 
 
 @dataclass
+class TrainCheck:
+    enabled: bool = True
+    model: str = path_field("demo:tiny-qwen3")  # or a local causal LM folder
+    # the first batches of data/merged, each one training step
+    batches: int = ranged(2, ge=1, le=1_000_000)
+    tokens_per_batch: int = ranged(16384, ge=1, le=INT32)  # also the token budget's
+    # batches per optimizer step (gradient accumulation x data-parallel ranks)
+    batches_per_step: int = ranged(1, ge=1, le=INT32)
+    packed: bool = True  # the layout of the training step (both are compared either way)
+    # the memory dry run on one row this long; null: max_seq_len, 0: off
+    longest_batch_tokens: Optional[int] = ranged(None, ge=0, le=INT32)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
 class Validate:
     # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
     max_seq_len: Optional[int] = ranged(None, ge=1, le=INT32)
@@ -240,6 +256,7 @@ class Validate:
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)
     # shards summarised at once; 0: one per idle CPU, 1 to 4
     threads: int = ranged(0, ge=0, le=MAX_PROCS)
+    train_check: TrainCheck = field(default_factory=TrainCheck)
 
 
 SECTIONS: dict[str, type] = {

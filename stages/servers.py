@@ -38,7 +38,6 @@ from stages.errors import StageError
 
 log = logging.getLogger(__name__)
 
-DEMO_MODELS = ("demo:tiny-qwen3",)
 PACKAGES = {"sglang": "sglang", "vllm": "vllm", "transformers": "transformers"}
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
 
@@ -76,16 +75,9 @@ except ProcessLookupError:
 
 def resolve_model(model: str) -> str:
     """A model spec as the engine takes it: "demo:tiny-qwen3" becomes the built model's path."""
-    if model == "demo:tiny-qwen3":
-        from stages import tinymodel
+    from stages import tinymodel
 
-        return str(tinymodel.ensure_model())
-    if model.startswith("demo:"):
-        raise StageError(
-            f"generate.server.launch.model: unknown demo model {model!r} "
-            f"(known: {', '.join(DEMO_MODELS)})"
-        )
-    return model
+    return tinymodel.resolve(model, "generate.server.launch.model")
 
 
 def _venv_tool(name: str) -> Optional[str]:

@@ -161,6 +161,11 @@ class Server:
     watchdog_seconds: float = ranged(600.0, gt=0, le=MAX_SECONDS)
     # watchdog restarts in a row without a completion, then give up
     max_restarts: int = ranged(3, ge=0, le=1000)
+    # a URL server that looks hung (watchdog_seconds, no sign of generation) this much
+    # longer stops the run
+    hang_timeout: float = ranged(900.0, gt=0, le=MAX_SECONDS)
+    # the sglang-router's --request-timeout-secs in front of `url`; null: no router
+    router_timeout: Optional[float] = ranged(None, gt=0, le=MAX_SECONDS)
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -170,6 +175,8 @@ class Generate:
     server: Server
     concurrency: int = ranged(256, ge=1, le=65536)
     max_tokens: int = ranged(4096, ge=1, le=INT32)
+    # a prompt that leaves the engine fewer new tokens than this is a context_overflow
+    min_new_tokens: int = ranged(256, ge=1, le=INT32)
     temperature: float = ranged(0.6, ge=0, le=100.0)
     top_p: float = ranged(0.95, gt=0, le=1.0)
     top_k: int = ranged(20, ge=-1, le=INT32)  # -1: no top-k (SGLang, vLLM)
@@ -224,6 +231,22 @@ class Merge:
 
 
 @dataclass
+class TrainCheck:
+    enabled: bool = True
+    model: str = path_field("demo:tiny-qwen3")  # or a local causal LM folder
+    # the first batches of data/merged, each one training step
+    batches: int = ranged(2, ge=1, le=1_000_000)
+    tokens_per_batch: int = ranged(16384, ge=1, le=INT32)  # also the token budget's
+    # batches per optimizer step (gradient accumulation x data-parallel ranks)
+    batches_per_step: int = ranged(1, ge=1, le=INT32)
+    packed: bool = True  # the layout of the training step (both are compared either way)
+    # the memory dry run on one row this long; null: max_seq_len, 0: off
+    longest_batch_tokens: Optional[int] = ranged(None, ge=0, le=INT32)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
 class Validate:
     # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
     max_seq_len: Optional[int] = ranged(None, ge=1, le=INT32)
@@ -233,6 +256,7 @@ class Validate:
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)
     # shards summarised at once; 0: one per idle CPU, 1 to 4
     threads: int = ranged(0, ge=0, le=MAX_PROCS)
+    train_check: TrainCheck = field(default_factory=TrainCheck)
 
 
 SECTIONS: dict[str, type] = {

@@ -144,6 +144,19 @@ def test_merge_without_reports_still_writes_a_card(repo):
     assert card.data.to_dict()["size_categories"] == ["n<1K"]
 
 
+def test_the_card_links_what_validate_writes(repo):
+    import re
+
+    from stages import charts, outputs
+
+    save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1))
+    merge.run(P.Merge(base=None))
+    text = (repo / "data/merged/README.md").read_text()
+    targets = {(repo / "data/merged" / t).resolve() for t in re.findall(r"\]\(([^)]+)\)", text)}
+    assert targets == {(repo / outputs.REPORTS / "validate.json").resolve()} | {
+        (repo / charts.picture(name)).resolve() for name in charts.PICTURES}
+
+
 def test_a_damaged_base_history_is_refused_in_one_line(repo):
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": "v1"}))
     new_version(repo, "n", 2)
@@ -328,6 +341,8 @@ SHAPED_BY = {
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
+    "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
+    "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
     "stages/decontam.py": {"prepare"},
 }

@@ -147,6 +147,8 @@ DEMO_CHOICES = {
     "generate.max_tokens", "generate.temperature", "generate.seed",
     "generate.request_timeout",
     "tokenize.max_seq_len", "merge.base",
+    # the demo model's logits cost ~4 MB of CPU memory a token: demo-sized steps
+    "validate.train_check.tokens_per_batch", "validate.train_check.longest_batch_tokens",
 }
 
 

@@ -139,7 +139,7 @@ def run(cfg: P.Validate) -> dict:
         scan.check_unique_ids(shards)
         _check_loads(findings, loads.result(), scan.rows)
     expected = _check_row_count(findings, scan.rows)
-    budget, train_check = _training(cfg, findings, scan.budget)
+    budget, train_check = _training(cfg, findings)
 
     _write_plots(scan.stats, scan.width)
     sources = {
@@ -225,15 +225,13 @@ def _idle_cpus() -> int:
 # ---------------------------------------------------------------- dataset checks
 
 
-def _training(cfg: P.Validate, findings: Findings,
-              rows: loader.TokenBudget) -> tuple[Optional[dict], dict]:
-    """The token budget (stages/loader.py, fed by the scan) and the training check
-    (stages/traincheck.py), on data that passed every other check: a trainer would stop
-    at a broken row first."""
+def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict]:
+    """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
+    on data that passed every other check: a trainer would stop at a broken row first."""
     tc = cfg.train_check
     if findings.failed():
         return None, {"skipped": "other checks failed"}
-    budget = rows.result()
+    budget = loader.budget(DATA, tc.tokens_per_batch, tc.batches_per_step)
     if not tc.enabled:
         return budget, {"skipped": "validate.train_check.enabled is false"}
     missing = traincheck.missing_torch()
@@ -335,9 +333,6 @@ class Scanner:
         self.ids = ids  # 64-bit id hashes and row numbers, dataset-wide
         self.shard_rows: list[int] = []
         self.stats: dict[str, np.ndarray] = {}  # per source: see source_stats()
-        # the token budget rides on this pass: no second read of the shards
-        self.budget = loader.TokenBudget(cfg.train_check.tokens_per_batch,
-                                         cfg.train_check.batches_per_step)
 
     def add(self, path: Path, future: Future) -> None:
         """Take one shard's summaries (in dataset order) and check them chunk by chunk."""
@@ -350,11 +345,6 @@ class Scanner:
         if diffs:
             self.findings.add("features", len(diffs), [f"{path.name}: {d}" for d in diffs])
         for summary in summaries:
-            # the stored counters, as a trainer reads them (proven equal to the lists;
-            # the budget is dropped if any check fails)
-            self.budget.add(pc.fill_null(summary.column("num_tokens"), 0).to_numpy(),
-                            pc.fill_null(summary.column("num_loss_tokens"), 0).to_numpy(),
-                            summary.column("source"))
             first = pc.add(summary.column("row"), self.rows)
             self.pending.append(summary.set_column(0, "row", first))
             self.pending_rows += summary.num_rows

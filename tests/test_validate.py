@@ -536,13 +536,3 @@ def test_out_of_range_train_check_params_are_named(repo, key, value):
     write(repo, shards())
     with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
         validate.run(train_cfg(**{key: value}))
-
-
-def test_the_budget_from_the_scan_equals_the_loaders_own_pass(repo):
-    from stages import loader
-
-    write(repo, shards(3, 8))
-    check = {"enabled": False, "tokens_per_batch": 40, "batches_per_step": 3}
-    report = validate.run(cfg(train_check=P.TrainCheck(**check)))
-    assert report["passed"]
-    assert report["budget"] == loader.budget(repo / "data/merged", 40, 3)

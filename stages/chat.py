@@ -39,6 +39,7 @@ per assistant turn, each rendered with its history as the model saw it at infere
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -120,6 +121,27 @@ def _strings(obj: Any, out: list[str]) -> None:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _strings(v, out)
+
+
+def _calls_with_parsed_arguments(calls: Any) -> Any:
+    """Tool calls whose JSON-text arguments are parsed into an object, as vLLM and SGLang
+    hand them to the template (an OpenAI reply carries arguments as JSON text; templates
+    iterate over them as a mapping). Arguments that are not a JSON object stay text."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**fn, "arguments": parsed}}
+        out.append(call)
+    return out
 
 
 class ChatEncoder:
@@ -273,6 +295,9 @@ class ChatEncoder:
         """
         # as apply_chat_template does: keys whose value is None are dropped
         conv = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        for i, m in enumerate(conv):
+            if m.get("tool_calls"):
+                conv[i] = {**m, "tool_calls": _calls_with_parsed_arguments(m["tool_calls"])}
         try:
             if self._compiled is not None and not with_spans:
                 # what render_jinja_template adds around the same call, minus its copies
@@ -533,41 +558,32 @@ class ChatEncoder:
 
     # ---------------------------------------------------------- train/serve
 
-    def check_prompt(self, messages: list[dict], tools: list | None, plan: Plan,
-                     row_ids: np.ndarray, prompt_len: int) -> str | None:
-        """Compare a row's prompt with what the server tokenized; None if they agree.
+    def prompt_ids(self, messages: list[dict], tools: list | None = None, *,
+                   engine_style: bool = False) -> np.ndarray:
+        """Ids of `messages` rendered with the generation prompt, encoded as this encoder
+        encodes a row's prompt; with `engine_style`, encoded whole with control tokens
+        parsed, as an engine that does not sanitize message text encodes it."""
+        if engine_style:
+            text = self.render(messages, tools, add_generation_prompt=True)
+            enc = off_main_thread(self.tok.backend_tokenizer.encode, text,
+                                  add_special_tokens=False)
+            return np.array(enc.ids, dtype=np.int32)
+        look = self.has_lookalikes(messages, tools)
+        msgs = self.sanitize(messages) if look else messages
+        tls = self.sanitize(tools) if (look and tools) else tools
+        text = self.render(msgs, tls, add_generation_prompt=True)
+        return self.encode_plans([self._cut(text, len(text), [], look)]).ids
 
-        The server renders the history with the generation prompt and encodes it whole
-        (`apply_chat_template(..., tokenize=True)`). Rows that spell control tokens in
-        their text are compared at the text level only: a server without control-token
-        sanitizing encoded those spellings as control tokens, this stage as text.
-        """
-        history = messages[: plan.n_messages - 1]
-        src = self.sanitize(history) if plan.lookalikes else history
-        tls = self.sanitize(tools) if (plan.lookalikes and tools) else tools
-        prompt = self.render(src, tls, add_generation_prompt=True)
-        if plan.full[: plan.cut] != prompt:
-            return prefix_mismatch(self.name, prompt, plan.full)
-        if plan.lookalikes:
-            return None
-        served = self.tok.apply_chat_template(
-            [{k: v for k, v in m.items() if v is not None} for m in history],
-            tools=tools or None, chat_template=self.template,
-            add_generation_prompt=True, tokenize=True,
-            return_dict=False, enable_thinking=self.enable_thinking,
-        )
-        served = list(served)
-        ours = row_ids[:prompt_len].tolist()
-        if ours == served:
-            return None
-        i = next((k for k, (a, b) in enumerate(zip(ours, served)) if a != b),
-                 min(len(ours), len(served)))
-        return (
-            f"prompt tokens differ from the server's at token {i} "
-            f"(row: {self.tok.decode(ours[max(0, i - 8):i + 8])!r}, "
-            f"server: {self.tok.decode(served[max(0, i - 8):i + 8])!r}; "
-            f"{len(ours)} vs {len(served)} prompt tokens)"
-        )
+
+def token_ids_digest(ids: Any) -> str:
+    """The digest a completion row keeps of the engine's prompt ids (and tokenize compares
+    its own prompt ids with): sha256 of the ids as little-endian uint32, 16 hex digits.
+    Raises ValueError (or TypeError) for anything but a flat list of token ids."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0
+                                   or a.max() >= 1 << 32)):
+        raise ValueError("not a list of token ids")
+    return hashlib.sha256(a.astype("<u4").tobytes()).hexdigest()[:16]
 
 
 def prefix_mismatch(name: str, prompt: str, full: str) -> str:

@@ -51,6 +51,7 @@ from stages.client import (
     RetryPolicy,
     Sampling,
     build_body,
+    engine_tokens,
     parse_reply,
 )
 from stages.errors import StageError, json_object
@@ -594,6 +595,9 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         model=model,
         sampling=sampling_fp,
     )
+    served = engine_tokens(reply)
+    if served is not None:
+        row["engine_tokens"] = served
     return row
 
 

@@ -134,7 +134,7 @@ class Tokenize:
     min_loss_tokens: int = 1
     num_proc: int = 1
     shard_rows: int = 20000
-    check_sample: int = 64
+    max_render_mismatch: int = 0  # rows whose prompt may differ from the served one
     shard_max_mb: int = 512  # a shard also closes at this many MiB of Arrow data
     enable_thinking: bool = True
 

@@ -5,7 +5,10 @@ How a conversation becomes `input_ids` and `loss_mask`:
 1. Every string in the messages and the tools list (keys and values) is sanitized: each
    spelling of a control token (an added token of the tokenizer: `<|im_start|>`,
    `<|im_end|>`, `<think>`, `<tool_call>`, ...) becomes a private-use sentinel, so neither
-   the template's logic nor the tokenizer can take message text for structure.
+   the template's logic nor the tokenizer can take message text for structure. One
+   exception, which the Qwen3.5/3.6 format defines: a user message that is wholly a
+   `<tool_response>...</tool_response>` block keeps that wrapper (it is a tool result,
+   not a query, and the engine read those control tokens); its inside is sanitized.
 2. The sanitized conversation is rendered once with the chat template.
 3. The rendering is cut at every control token the template wrote, at the end of the
    generation prompt and at the edges of supervised spans. Sentinels inside the text
@@ -52,6 +55,7 @@ from stages.errors import StageError
 
 POLICIES = ("last", "all", "expand")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 # A sanitized spelling is ESC followed by one index character; a raw ESC in the text is
 # escaped the same way, so every string survives the round trip.
 ESC = "\U0010fffd"
@@ -123,10 +127,19 @@ def _strings(obj: Any, out: list[str]) -> None:
             _strings(v, out)
 
 
+def with_parsed_arguments(messages: list[dict]) -> list[dict]:
+    """The conversation with JSON-text tool-call arguments parsed into objects, as vLLM
+    and SGLang hand them to the template (an OpenAI reply carries arguments as JSON text;
+    templates iterate over them as a mapping). Done before sanitizing: a JSON escape like
+    \\u003c must not spell a control token only once the template sees the value.
+    Arguments that are not a JSON object stay text."""
+    if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
+        return messages
+    return [{**m, "tool_calls": _calls_with_parsed_arguments(m["tool_calls"])}
+            if isinstance(m, dict) and m.get("tool_calls") else m for m in messages]
+
+
 def _calls_with_parsed_arguments(calls: Any) -> Any:
-    """Tool calls whose JSON-text arguments are parsed into an object, as vLLM and SGLang
-    hand them to the template (an OpenAI reply carries arguments as JSON text; templates
-    iterate over them as a mapping). Arguments that are not a JSON object stay text."""
     if not isinstance(calls, list):
         return calls
     out = []
@@ -250,6 +263,28 @@ class ChatEncoder:
             return [self.sanitize(v) for v in obj]
         return obj
 
+    def sanitize_messages(self, messages: list[dict]) -> list[dict]:
+        """`sanitize` for a conversation, but a user message that is wholly one
+        `<tool_response>...</tool_response>` block keeps that wrapper: the format gives it
+        meaning (a tool result, not a query: it decides which turns keep their thinking),
+        and the engine read it as those control tokens. Only the text inside is sanitized.
+        """
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str) and m.get("role") == "user":
+                body = content.strip()
+                if (body.startswith(TOOL_RESPONSE[0]) and body.endswith(TOOL_RESPONSE[1])
+                        and len(body) >= len(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[1])):
+                    a = content.index(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[0])
+                    b = content.rindex(TOOL_RESPONSE[1])
+                    rest = self.sanitize({k: v for k, v in m.items() if k != "content"})
+                    rest["content"] = content[:a] + self.sanitize(content[a:b]) + content[b:]
+                    out.append(rest)
+                    continue
+            out.append(self.sanitize(m))
+        return out
+
     def json_may_spell(self, raw: bytes) -> bool:
         """False when a raw JSON text certainly has no control-token spelling in it
         (a quick scan of the bytes spares walking every string of the parsed row)."""
@@ -295,9 +330,6 @@ class ChatEncoder:
         """
         # as apply_chat_template does: keys whose value is None are dropped
         conv = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        for i, m in enumerate(conv):
-            if m.get("tool_calls"):
-                conv[i] = {**m, "tool_calls": _calls_with_parsed_arguments(m["tool_calls"])}
         try:
             if self._compiled is not None and not with_spans:
                 # what render_jinja_template adds around the same call, minus its copies
@@ -344,11 +376,14 @@ class ChatEncoder:
         return head, suffix[len(head):]
 
     def _self_test(self) -> None:
-        """Piece-wise encoding must give a whole-text encode's ids on a plain chat."""
+        """Encoding a rendering cut at its control tokens must give a whole-text encode's
+        ids on a plain chat. (A row is also cut at the end of its generation prompt, so
+        that the prompt has the ids the server encoded and the answer those of its own
+        text: `<think>\n` + `\n</think>` there, where a whole encode merges `\n\n`.)"""
         probe = [{"role": "system", "content": "Be brief."},
                  {"role": "user", "content": "Hello world, what is 2 + 2?"},
                  {"role": "assistant", "content": "It is 4."}]
-        ours = self.encode(probe)[0][0].tolist()
+        ours = self.encode_plans([self._cut(self.render(probe), 0, [], False)]).ids.tolist()
         whole = list(self.tok.apply_chat_template(
             probe, chat_template=self.template, tokenize=True, return_dict=False,
             enable_thinking=self.enable_thinking))
@@ -377,8 +412,9 @@ class ChatEncoder:
             raise StageError(f"multi_turn policy {policy!r}: expected one of {POLICIES}")
         if not messages or messages[-1].get("role") != "assistant":
             raise StageError("the conversation does not end with an assistant message")
+        messages = with_parsed_arguments(messages)
         look = self.has_lookalikes(messages, tools) if lookalikes is None else lookalikes
-        msgs = self.sanitize(messages) if look else messages
+        msgs = self.sanitize_messages(messages) if look else messages
         tls = self.sanitize(tools) if (look and tools) else tools
         turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
         if policy != "expand":
@@ -563,13 +599,14 @@ class ChatEncoder:
         """Ids of `messages` rendered with the generation prompt, encoded as this encoder
         encodes a row's prompt; with `engine_style`, encoded whole with control tokens
         parsed, as an engine that does not sanitize message text encodes it."""
+        messages = with_parsed_arguments(messages)
         if engine_style:
             text = self.render(messages, tools, add_generation_prompt=True)
             enc = off_main_thread(self.tok.backend_tokenizer.encode, text,
                                   add_special_tokens=False)
             return np.array(enc.ids, dtype=np.int32)
         look = self.has_lookalikes(messages, tools)
-        msgs = self.sanitize(messages) if look else messages
+        msgs = self.sanitize_messages(messages) if look else messages
         tls = self.sanitize(tools) if (look and tools) else tools
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids

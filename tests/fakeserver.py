@@ -309,11 +309,14 @@ def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
     messages = []
     for m in body.get("messages") or []:
         m = {k: v for k, v in m.items() if v is not None}
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                if isinstance(c["function"].get("arguments"), str) else c
-                for c in m["tool_calls"]]
+        calls = []
+        for c in m.get("tool_calls") or []:
+            args = c["function"].get("arguments")
+            if isinstance(args, str):
+                c = {**c, "function": {**c["function"], "arguments": json.loads(args)}}
+            calls.append(c)
+        if calls:
+            m["tool_calls"] = calls
         messages.append(m)
     prompt = tok.apply_chat_template(
         messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,

@@ -146,3 +146,37 @@ def test_rows_without_engine_counts_are_counted_unchecked(tmp_path):
 def test_completion_slack():
     assert servecheck.slack(10) == servecheck.COMPLETION_SLACK_TOKENS
     assert servecheck.slack(1000) == 20
+
+
+def test_engine_tokens_are_small_and_do_not_change_what_a_rerun_sends(tmp_path, bundled):
+    src = generate(tmp_path, bundled)
+    for line in src.read_text().splitlines():
+        row = json.loads(line)
+        kept = json.dumps({"engine_tokens": row["engine_tokens"]}, ensure_ascii=False)
+        assert len(kept) <= 100  # under 1% of a row holding a 2K-token answer
+    # the request cache key is the same: a rerun, even against another engine, sends nothing
+    with FakeServer({"tokenizer": bundled}).start() as fake:
+        write_params(tmp_path, server=url_server(fake.url, engine="sglang"))
+        here(tmp_path)
+        assert fake.stats()["received"] == 0
+
+
+def test_template_rewriting_history_for_the_prompt_is_caught(tmp_path, bundled):
+    """Same template on both sides, but it renders the history differently when asked for
+    a generation prompt: what the model saw is not what a training render shows."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(Path(bundled) / name)
+    template = (Path(bundled) / "chat_template.jinja").read_text()
+    rewriting = template.replace(
+        "{{- '<|im_start|>system\\n' ~ first_system ~ '<|im_end|>\\n' -}}",
+        "{{- '<|im_start|>system\\n' ~ first_system ~ (' [gen]' if add_generation_prompt"
+        " else '') ~ '<|im_end|>\\n' -}}", 1)
+    assert rewriting != template
+    (folder / "chat_template.jinja").write_text(rewriting)
+    src = generate(tmp_path, str(folder), engine="sglang")
+    with pytest.raises(TK.RenderMismatch, match="different chat template") as e:
+        TK.tokenize_file(src, tmp_path / "out", tokenizer=str(folder))
+    # only the rows with a system message and no tools are rendered differently
+    assert 0 < e.value.report["serve_check"]["mismatches"] < 24

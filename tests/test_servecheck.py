@@ -180,3 +180,57 @@ def test_template_rewriting_history_for_the_prompt_is_caught(tmp_path, bundled):
         TK.tokenize_file(src, tmp_path / "out", tokenizer=str(folder))
     # only the rows with a system message and no tools are rendered differently
     assert 0 < e.value.report["serve_check"]["mismatches"] < 24
+
+
+# ------------------------------------------------------------- real vLLM (engine tier)
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_MODEL = "demo:tiny-qwen3-vllm"
+
+
+def _vllm_tier() -> str:
+    """The engine venv and the vLLM-shaped demo model (the engine tier), or a skip."""
+    import dataclasses
+
+    from stages import params as P
+    from stages import servers
+
+    has_python = "python" in {f.name for f in dataclasses.fields(P.Launch)}
+    if not (VLLM_PYTHON.exists() and has_python and VLLM_MODEL in servers.DEMO_MODELS):
+        pytest.skip("engine tier absent: .venv-vllm and the demo:tiny-qwen3-vllm model")
+    return str(VLLM_PYTHON)
+
+
+@pytest.mark.slow
+def test_real_vllm_zero_mismatches_and_wrong_template_or_thinking_caught(tmp_path):
+    """vLLM serves the demo model with the Qwen3.6 format and returns its token ids:
+    every row's prompt equals ours; the original Qwen3 format, or enable_thinking
+    flipped in tokenize, is caught with a one-line error naming it."""
+    python = _vllm_tier()
+    (tmp_path / ".cache").mkdir()
+    for entry in (ROOT / ".cache").iterdir():
+        if not entry.name.startswith("."):
+            (tmp_path / ".cache" / entry.name).symlink_to(entry)
+    path = tmp_path / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True)
+    # no `tools`: vLLM refuses them without a tool parser; tool calls stay in histories
+    rows = [{k: v for k, v in r.items() if k != "tools"} for r in prompts()[:8]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    server = {"launch": {"engine": "vllm", "model": VLLM_MODEL, "python": python,
+                         "args": ["--reasoning-parser", "qwen3"], "startup_timeout": 900}}
+    write_params(tmp_path, server=server, max_tokens=12, concurrency=4, seed=0,
+                 request_timeout=300)
+    here(tmp_path)
+    src = tmp_path / "data/completions/completions.jsonl"
+    done = [json.loads(line) for line in src.read_text().splitlines()]
+    assert len(done) == 8 and all("engine_tokens" in r for r in done)
+    # a random model seldom stops: keep its truncated answers to have rows to check
+    report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
+    check = report["serve_check"]
+    assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
+    with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
+                         chat_template="bundled:qwen3")
+    with pytest.raises(TK.StageError, match="enable_thinking"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True, enable_thinking=False)

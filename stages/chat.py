@@ -22,9 +22,10 @@ How a conversation becomes `input_ids` and `loss_mask`:
 
 Supervised spans are the tokens the assistant generated:
 - ChatML templates (`<|im_start|>role\\n...<|im_end|>`): from the end of the generation
-  prompt (the header `<|im_start|>assistant\\n` plus anything the template prefills, like
-  the closed empty thinking block of enable_thinking=false) through the `<|im_end|>` that
-  closes the turn; never the newline after it. A truncated completion (kept with
+  prompt (the header `<|im_start|>assistant\\n` plus anything the template prefills: the
+  Qwen3.6 format's `<think>\\n`, or its closed empty thinking block with
+  enable_thinking=false) through the `<|im_end|>` that closes the turn; never the newline
+  after it. A truncated completion (kept with
   `keep_truncated`) has no `<|im_end|>` in its span: the model never wrote it. With the
   `all` policy, earlier assistant turns start after their header (and after the prefill
   when the turn begins with it).
@@ -35,8 +36,9 @@ Supervised spans are the tokens the assistant generated:
   SentencePiece tokenizers that prefix every piece with a space).
 
 Multi-turn policies: `last` supervises the final assistant turn; `all` every assistant
-turn as the full rendering shows it (Qwen3 templates drop the thinking of turns before
-the last user message, so earlier turns are trained without it); `expand` makes one row
+turn as the full rendering shows it (the Qwen3 and Qwen3.6 formats drop the thinking of
+turns before the last user query, so those turns are trained on their answer and tool
+calls alone; turns after it, a tool-calling chain, keep theirs); `expand` makes one row
 per assistant turn, each rendered with its history as the model saw it at inference.
 """
 

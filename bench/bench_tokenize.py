@@ -149,7 +149,7 @@ def conversation(rng: random.Random, text: Text, i: int, scale: float = 1.0) -> 
 def served(row: dict, tok) -> None:
     """What vLLM would have kept for the row (generate's `engine_tokens`), so that the
     stage's serve-render check runs on every row: the prompt as the engine encodes it."""
-    from stages.chat import token_ids_digest
+    from stages.messages import token_ids_digest
 
     prompt = tok.apply_chat_template(row["messages"][:-1], tools=row.get("tools"),
                                      tokenize=False, add_generation_prompt=True)

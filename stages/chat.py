@@ -44,7 +44,6 @@ per assistant turn, each rendered with its history as the model saw it at infere
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -612,17 +611,6 @@ class ChatEncoder:
         tls = self.sanitize(tools) if (look and tools) else tools
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
-
-
-def token_ids_digest(ids: Any) -> str:
-    """The digest a completion row keeps of the engine's prompt ids (and tokenize compares
-    its own prompt ids with): sha256 of the ids as little-endian uint32, 16 hex digits.
-    Raises ValueError (or TypeError) for anything but a flat list of token ids."""
-    a = np.asarray(ids)
-    if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0
-                                   or a.max() >= 1 << 32)):
-        raise ValueError("not a list of token ids")
-    return hashlib.sha256(a.astype("<u4").tobytes()).hexdigest()[:16]
 
 
 def prefix_mismatch(name: str, prompt: str, full: str) -> str:

@@ -8,15 +8,17 @@ Errors are sorted by what a retry can change:
   permanent  400/413/422 (`bad_request`), a prompt over the context (`context_length`),
              500 "Out of memory even after retracting" (`oom`): sent once, never again.
   transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
-             dropped connections (`connection`), unparsable bodies (`malformed`), a 400
-             "duplicate rid" when a retry races the server's abort (`duplicate_rid`):
-             retried with exponential backoff + jitter up to `max_retries`;
-             other 5xx (`server_error`) up to `max_retries_500`.
+             dropped connections (`connection`), 200 bodies that are not UTF-8 JSON
+             (`malformed`, e.g. cut short), a 400 "duplicate rid" when a retry races the
+             server's abort (`duplicate_rid`): retried with exponential backoff + jitter
+             up to `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
+             well-formed reply (`bad_reply`, stages/replies.py) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).
   down       the server refuses connections: requests wait (not counted as retries)
              until `unreachable_deadline` passes with no answer from any URL.
-The API key only ever lives in a request header; every message that leaves this
-module passes through `redact`.
+The API key only ever lives in a request header, URL credentials only in the URL the
+request goes to; every message that leaves this module, and every reply body that holds
+a secret, passes through `redact` (stages/secrets.py) before it is cut to length.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from typing import Any, Optional
 
 import aiohttp
 
-from stages.chat import token_ids_digest
+from stages import replies
 from stages.errors import StageError
+from stages.messages import token_ids_digest
+from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
 CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "exceeds the")
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
+MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,7 @@ def classify(status: int, message: str) -> tuple[str, str]:
 
 
 def _error_message(raw: bytes) -> str:
+    """The server's message in an error body, whole: the caller redacts, then cuts."""
     try:
         data = json.loads(raw)
         if isinstance(data, dict):
@@ -263,9 +269,21 @@ def _error_message(raw: bytes) -> str:
                     val = val.get("message")
                 if val:
                     return str(val)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
-    return raw[:MAX_MESSAGE].decode("utf-8", "replace")
+    return raw[:MAX_BODY_READ].decode("utf-8", "replace")
+
+
+def read_body(raw: bytes) -> tuple[Any, Optional[tuple[str, str]]]:
+    """(parsed reply, None) for a well-formed 200 body, else (None, (kind, why))."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, ("malformed", "the body is not UTF-8")
+    except (ValueError, RecursionError) as e:
+        return None, ("malformed", f"the body is not JSON ({e})")
+    why = replies.problem(data)
+    return (None, ("bad_reply", why)) if why else (data, None)
 
 
 class ChatClient:
@@ -284,9 +302,11 @@ class ChatClient:
         gate: Any = None,
         connect_timeout: float = 30.0,
     ):
-        self.urls = [u.rstrip("/") for u in urls]
-        self._endpoints = [u + CHAT_PATH for u in self.urls]
+        # shown in messages without credentials; aiohttp sends a URL's own as Basic auth
+        self.urls = [strip_url_credentials(u.rstrip("/")) for u in urls]
+        self._endpoints = [u.rstrip("/") + CHAT_PATH for u in urls]
         self._key = api_key or None
+        self.redact = Redactor([self._key], urls=urls)
         self._headers = {"Content-Type": "application/json"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
@@ -307,9 +327,6 @@ class ChatClient:
         self.last_contact = time.monotonic()
         self.retries = 0
         self.session: Optional[aiohttp.ClientSession] = None
-
-    def redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
 
     async def __aenter__(self) -> "ChatClient":
         connector = aiohttp.TCPConnector(
@@ -385,13 +402,13 @@ class ChatClient:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
                 if status == 200:
-                    try:
-                        parsed = parse_reply(json.loads(raw), self.split)
-                        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
-                    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                        why = f"unparsable 200 reply ({type(e).__name__}: {e}): {raw[:120]!r}"
-                        err = _Attempt("malformed", status, why)
-                        cls = "transient"
+                    data, bad = read_body(raw)
+                    if bad is None:
+                        return self._reply(data, raw, attempts, latency)
+                    kind, why = bad
+                    text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
+                    err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
+                    cls = "transient" if kind == "malformed" else "t500"
                 else:
                     message = _error_message(raw)
                     kind, cls = classify(status, message)
@@ -399,11 +416,11 @@ class ChatClient:
                     if cls == "fatal":
                         raise Rejected(
                             f"{self.urls[i]}{CHAT_PATH} answered HTTP {status}: "
-                            f"{self.redact(message)[:200]} (check generate.server.url/model"
+                            f"{self._say(message, 200)} (check generate.server.url/model"
                             f" and the key in generate.server.api_key_env)"
                         )
                     if cls == "permanent":
-                        text = self.redact(message)[:MAX_MESSAGE]
+                        text = self._say(message, MAX_MESSAGE)
                         raise Failure(kind, status, text, attempts, True)
             elif err.kind == "down":
                 attempts -= 1  # never reached the server: not an attempt
@@ -430,13 +447,25 @@ class ChatClient:
                 retries += 1
                 over = retries > self.retry.max_retries
             if over:
-                text = self.redact(err.message)[:MAX_MESSAGE]
+                text = self._say(err.message, MAX_MESSAGE)
                 raise Failure(err.kind, err.status, text, attempts, False)
             self.retries += 1
             delay = self.retry.delay(retries + retries_500, self._rng)
             if err.retry_after:
                 delay = max(delay, min(err.retry_after, self.retry.backoff_max))
             await asyncio.sleep(delay)
+
+    def _say(self, text: str, limit: int) -> str:
+        """A server's words as written: secrets masked, then cut, then UTF-8 safe (a JSON
+        error body can hold a lone surrogate, which no file can take)."""
+        return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
+
+    def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
+        if self.redact and self.redact.found(raw.decode("utf-8")):
+            data = self.redact.scrub(data)
+            raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
 
 
 def _retry_after(value: Optional[str]) -> float:

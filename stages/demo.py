@@ -136,6 +136,10 @@ def summary(ran: list[str] | None) -> str:
     )
     lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
     lines.append(f"merged dataset: {MERGED.resolve()}")
+    card = MERGED / "README.md"
+    if card.exists():
+        lines.append(f"its lineage card (version {mer.get('version', '?')}): {card} "
+                     "(facts for machines: data/merged/lineage.json)")
     lines.append(
         "load it:  python -c \"import datasets; print(datasets.load_from_disk('data/merged'))\""
     )

@@ -40,7 +40,7 @@ import xxhash
 
 from stages import cli, outputs, sources
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_type
 
 log = logging.getLogger("prepare")
 
@@ -83,10 +83,7 @@ def run(cfg: P.Prepare) -> dict:
 def _check(cfg: P.Prepare) -> None:
     if not cfg.sources:
         raise StageError("prepare.sources: at least one source is needed")
-    if cfg.num_proc < 0:
-        raise StageError(f"prepare.num_proc: must be >= 0 (0: one per CPU), got {cfg.num_proc}")
-    if cfg.max_prompt_chars < 1:
-        raise StageError(f"prepare.max_prompt_chars: must be positive, got {cfg.max_prompt_chars}")
+    P.check_ranges(cfg, "prepare")
     names = set()
     for i, src in enumerate(cfg.sources):
         where = f"prepare.sources[{i}]"
@@ -95,8 +92,6 @@ def _check(cfg: P.Prepare) -> None:
         if src.name in names:
             raise StageError(f"{where}.name: {src.name!r} is used by an earlier source")
         names.add(src.name)
-        if src.limit is not None and src.limit < 0:
-            raise StageError(f"{where}.limit: must be >= 0 or null, got {src.limit}")
         if src.format == "columns":
             if not src.prompt_field:
                 raise StageError(f"{where}.prompt_field: required with format columns")
@@ -140,7 +135,7 @@ class _RowMaker:
         self.layout = sources.Layout(spec.src, spec.multi_turn)
         self.id_prefix = spec.src.name.encode() + b"\0"
         self.line_prefix = b'","source":' + orjson.dumps(spec.src.name) + b","
-        self.seed = spec.seed & 0xFFFFFFFFFFFFFFFF  # xxh3 takes an unsigned 64-bit seed
+        self.seed = spec.seed  # in xxh3's range: params.Prepare.seed
 
     def make_all(self, items: list) -> list:
         make = self.make
@@ -155,7 +150,7 @@ class _RowMaker:
         if type(item) is not dict:
             if item is None or type(item) is sources.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {sources.json_type(item)}")
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
         if type(res) is str:
             return res
@@ -253,7 +248,7 @@ def _one_source(
                  src.limit is not None)
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
-    reader = sources.Reader(src, layout.columns(), probe.check_schema)
+    reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
     dropped = dict.fromkeys(sources.REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"

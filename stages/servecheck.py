@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages.chat import ChatEncoder, Plan, token_ids_digest
+from stages.chat import ChatEncoder, Plan
+from stages.messages import token_ids_digest
 
 COMPLETION_SLACK_TOKENS = 4
 COMPLETION_SLACK_FRACTION = 0.02

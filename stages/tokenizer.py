@@ -70,7 +70,12 @@ def load_tokenizer(
         tok = _load_hf(spec, trust_remote_code)
     tok.name_or_path = spec
     if chat_template is not None:
-        tok.chat_template = template_path(chat_template).read_text(encoding="utf-8")
+        path = template_path(chat_template)
+        try:
+            tok.chat_template = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise StageError(
+                f"chat_template {chat_template!r}: not UTF-8 text (byte {e.start})") from None
     if not tok.chat_template:
         raise StageError(
             f"tokenizer {spec!r} has no chat template; name a template file in "

@@ -14,8 +14,10 @@ offending ids per check, rows/tokens per source) and the plots under reports/plo
 (token-length and supervised-fraction histograms, one CSV per source). Any failed check
 exits with status 1 after writing them, so `dvc repro` stops here.
 
-The vocabulary size is `validate.vocab_size`, else tokenizer.vocab_size in
-data/merged/fingerprint.json.
+The vocabulary size, the length limit and the supervision floor are `validate.vocab_size`,
+`max_seq_len` and `min_loss_tokens`; each one left null is what tokenize recorded with the
+data (tokenizer.vocab_size, policy.max_seq_len, policy.min_loss_tokens in
+data/merged/fingerprint.json). The report says which was used (`limits_from`).
 
 Memory does not grow with the dataset: shards are read through memory maps whose pages
 are dropped behind the reader, summaries (one shard's at a time) are checked in chunks of
@@ -26,6 +28,7 @@ files past a bound (stages/idhashes.py).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -93,23 +96,13 @@ class Findings:
 
 def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
-    P.at_least("validate", cfg, {"max_seq_len": 1, "min_loss_tokens": 0, "max_examples": 0,
-                                 "vocab_size": 1, "threads": 0})
+    P.check_ranges(cfg, "validate")
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     fingerprint = _fingerprint(findings) or {}
-    tokenizer = fingerprint.get("tokenizer") if isinstance(fingerprint, dict) else None
-    recorded = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
-    vocab = cfg.vocab_size or recorded
-    if cfg.vocab_size and recorded and cfg.vocab_size != recorded:
-        log.warning("validate.vocab_size %d overrides %d from %s", cfg.vocab_size, recorded,
-                    DATA / FINGERPRINT_FILE)
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-        raise StageError(
-            f"validate: vocabulary size unknown: {DATA / FINGERPRINT_FILE} has no "
-            "tokenizer.vocab_size; set validate.vocab_size"
-        )
+    cfg, used = _limits(cfg, fingerprint)
+    vocab = cfg.vocab_size
     try:
         shards = list_shards(DATA)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
@@ -154,6 +147,7 @@ def run(cfg: P.Validate) -> dict:
         "vocab_size": vocab,
         "max_seq_len": cfg.max_seq_len,
         "min_loss_tokens": cfg.min_loss_tokens,
+        "limits_from": used,
         "failed_checks": len(failed),
         "checks": findings.checks,
         "sources": sources,
@@ -173,6 +167,36 @@ def run(cfg: P.Validate) -> dict:
     log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
              scan.rows, len(shards))
     return report
+
+
+# validate param -> where tokenize recorded it in fingerprint.json
+RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
+            "max_seq_len": ("policy", "max_seq_len"),
+            "min_loss_tokens": ("policy", "min_loss_tokens")}
+
+
+def _limits(cfg: P.Validate, fingerprint: dict) -> tuple[P.Validate, dict]:
+    """`cfg` with each null limit taken from the data's fingerprint, and where each came
+    from ("params" or the fingerprint's path and key)."""
+    path = DATA / FINGERPRINT_FILE
+    values, used = {}, {}
+    for name, (section, key) in RECORDED.items():
+        part = fingerprint.get(section)
+        recorded = part.get(key) if isinstance(part, dict) else None
+        if not isinstance(recorded, int) or isinstance(recorded, bool):
+            recorded = None
+        value = getattr(cfg, name)
+        if value is not None:
+            if recorded is not None and value != recorded:
+                log.warning("validate.%s %d overrides %d from %s", name, value, recorded, path)
+            values[name], used[name] = value, "params"
+        elif recorded is None:
+            raise StageError(f"validate.{name}: null, and {path} has no {section}.{key}; "
+                             f"set validate.{name}")
+        else:
+            values[name], used[name] = recorded, f"{path}: {section}.{key}"
+    log.info("limits: %s", ", ".join(f"{k} {values[k]} ({used[k]})" for k in values))
+    return dataclasses.replace(cfg, **values), used
 
 
 def _idle_cpus() -> int:

@@ -56,6 +56,16 @@ exit (the process exits at once), stall (stall from now on), length (finish_reas
 "length", content cut short), unclosed_think (reasoning only, content null,
 "length"), abort (finish_reason "abort").
 
+Hostile replies (a 200 that must never be cached): content_dict, content_number,
+reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
+(completion_tokens "many"), surrogate (content holds an escaped lone surrogate
+\\ud800), utf16 (a valid reply encoded as UTF-16), echo (a text/plain body: "message",
+status "status", default 200), say (a valid reply whose content is "message").
+
+A rule's "message" may quote the secret the request carried (the Bearer key, or the
+password of Basic auth): {key} whole, {key_json} JSON-escaped, {key_url} URL-encoded,
+each optionally sliced like {key[:9]} or {key_url[3:]}.
+
 A request without `rid` is tracked under "sha:" + a hash of its messages.
 """
 
@@ -98,10 +108,15 @@ ERRORS: dict[str, tuple[int, str, str]] = {
     "bad_request": (400, "BadRequestError", "Invalid request."),
     "context_length": (400, "BadRequestError", ""),  # message built per request
 }
-KINDS = set(ERRORS) | {
+HOSTILE = {
+    "content_dict", "content_number", "reasoning_number", "tool_calls_string", "bad_usage",
+    "surrogate", "utf16", "echo", "say",
+}  # fmt: skip
+KINDS = set(ERRORS) | HOSTILE | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
     "length", "unclosed_think", "abort",
 }  # fmt: skip
+SECRET_REF = re.compile(r"\{key(_json|_url)?(?:\[(-?\d*):(-?\d*)\])?\}")
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": "fake-model",
@@ -197,6 +212,66 @@ class _State:
 def _error(status: int, kind: str, message: str) -> web.Response:
     body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
     return web.json_response(body, status=status)
+
+
+def request_secret(request: web.Request) -> str:
+    """The secret a request carried: a Bearer key or a Basic-auth password ("" if none)."""
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer ") :]
+    if auth.startswith("Basic "):
+        import base64
+
+        return base64.b64decode(auth[len("Basic ") :]).decode("utf-8").partition(":")[2]
+    return ""
+
+
+def render(message: str, secret: str) -> str:
+    """A rule's message with {key...} references to the request's secret filled in."""
+    from urllib.parse import quote
+
+    def one(m: re.Match) -> str:
+        form = {None: secret, "_json": json.dumps(secret)[1:-1], "_url": quote(secret, safe="")}
+        text = form[m.group(1)]
+        if m.group(2) is not None or m.group(3) is not None:
+            lo = int(m.group(2)) if m.group(2) else None
+            hi = int(m.group(3)) if m.group(3) else None
+            text = text[lo:hi]
+        return text
+
+    return SECRET_REF.sub(one, message)
+
+
+def secret_pieces(secret: str, n: int = 8) -> set[str]:
+    """Every n-character piece of every form `render` can echo the secret in (for greps)."""
+    forms = {render(f"{{{ref}}}", secret) for ref in ("key", "key_json", "key_url")}
+    return {f[i : i + n] for f in forms for i in range(len(f) - n + 1)}
+
+
+def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
+    """A 200 that is not a well-formed chat completion (or one echoing `message`)."""
+    if fault == "echo":
+        return web.Response(text=message, content_type="text/plain")
+    reply = reply_for(body, spec)
+    msg = reply["choices"][0]["message"]
+    if fault == "content_dict":
+        msg["content"] = {"text": msg["content"]}
+    elif fault == "content_number":
+        msg["content"] = 42
+    elif fault == "reasoning_number":
+        msg["reasoning_content"] = 7
+    elif fault == "tool_calls_string":
+        msg["tool_calls"] = "lookup(city='Paris')"
+    elif fault == "bad_usage":
+        reply["usage"]["completion_tokens"] = "many"
+    elif fault == "surrogate":
+        msg["content"] = "broken \ud800 text"
+    elif fault == "say":
+        msg["content"] = message
+    text = json.dumps(reply)  # ASCII: a lone surrogate travels as the escape \ud800
+    if fault == "utf16":
+        return web.Response(body=text.encode("utf-16"), content_type="application/json")
+    return web.Response(text=text, content_type="application/json")
 
 
 def _pick_rule(spec: dict, rid: str, attempt: int) -> dict | None:
@@ -397,7 +472,13 @@ def build_app(spec: dict, die) -> web.Application:
             status, kind, message = ERRORS[fault]
             if fault == "context_length":
                 message = _too_long(body, spec.get("max_context") or 32768)
-            return _error(rule.get("status", status), kind, rule.get("message", message)), fault
+            message = render(rule.get("message", message), request_secret(request))
+            return _error(rule.get("status", status), kind, message), fault
+        if fault in HOSTILE:
+            message = render(rule.get("message", ""), request_secret(request))
+            response = hostile(body, spec, fault, message)
+            response.set_status(rule.get("status", 200))
+            return response, fault
         if fault == "hang":
             if "seconds" not in rule:
                 await forever()

@@ -19,7 +19,7 @@ from stages.client import (
     engine_tokens,
     split_think,
 )
-from tests.fakeserver import FakeServer, free_port
+from tests.fakeserver import FakeServer, free_port, secret_pieces
 
 SAMPLING = Sampling(
     max_tokens=64, temperature=0.6, top_p=0.95, top_k=20, seed=7,
@@ -163,12 +163,13 @@ def test_permanent_failures_are_sent_once(fake):
 
 def test_transient_errors_are_retried_then_succeed(fake):
     kinds = ["queue_full", "rate_limit", "timeout", "malformed", "no_choices", "drop", "error"]
-    rules = [{"fault": k, "match": f"p{i}$", "first": 1 if k == "error" else 2} for i, k in enumerate(kinds)]
+    once = ("error", "no_choices")  # 500s and bad replies: max_retries_500 (1 here)
+    rules = [{"fault": k, "match": f"p{i}$", "first": 1 if k in once else 2} for i, k in enumerate(kinds)]
     s = fake({"rules": rules})
     out = run(send(client(s.url), *(body(i) for i in range(len(kinds)))))
     for i, reply in enumerate(out):
         assert not isinstance(reply, BaseException), (kinds[i], reply)
-        expected = 2 if kinds[i] == "error" else 3
+        expected = 2 if kinds[i] in once else 3
         assert reply.attempts == expected == s.attempts(f"p{i}"), kinds[i]
 
 
@@ -264,6 +265,76 @@ def test_least_in_flight_spreads_requests_over_urls(fake):
     n_slow, n_quick = slow.stats()["completed"], quick.stats()["completed"]
     assert n_slow + n_quick == 60
     assert n_slow >= 1 and n_quick > 3 * n_slow
+
+
+# ------------------------------------------------------------- hostile servers
+
+BAD_BODIES = {
+    "content_dict": "bad_reply", "content_number": "bad_reply", "reasoning_number": "bad_reply",
+    "tool_calls_string": "bad_reply", "bad_usage": "bad_reply", "surrogate": "bad_reply",
+    "no_choices": "bad_reply", "utf16": "malformed", "malformed": "malformed", "echo": "malformed",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_BODIES))
+def test_a_bad_reply_is_a_counted_failure_retried_a_bounded_number_of_times(fake, fault):
+    s = fake({"rules": [{"fault": fault, "match": "p1$", "message": "not json"}]})
+    (f,) = run(send(client(s.url), body(1)))
+    assert isinstance(f, Failure) and not f.permanent, f
+    assert (f.kind, f.status) == (BAD_BODIES[fault], 200)
+    retries = FAST.max_retries if f.kind == "malformed" else FAST.max_retries_500
+    assert f.attempts == s.attempts("p1") == retries + 1
+    # retryable: a server that recovers answers on the next attempt
+    s2 = fake({"rules": [{"fault": fault, "match": "p1$", "first": 1, "message": "x"}]})
+    (reply,) = run(send(client(s2.url), body(1)))
+    assert reply.attempts == 2 and isinstance(reply.content, str)
+
+
+# what a real key looks like, and one whose JSON and URL forms differ from it
+KEYS = ["sk-live-5f0c1e9a77b24d3c8e61aa02b9d4f3e7", 'sk/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7']
+KEY = KEYS[0]
+
+
+def echoes() -> list[str]:
+    """A key in every form and position a server can echo it, cut or whole."""
+    refs = ["{key}", "{key_json}", "{key_url}", "{key[:20]}", "{key[9:]}", "{key[5:-5]}"]
+    out = []
+    for ref in refs:
+        for pad in (0, 1, 470, 487, 495, 499, 5000):  # the message is cut at 500 characters
+            out.append("x" * pad + "invalid key " + ref + " end")
+    return out
+
+
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("status, fault", [(400, "bad_request"), (503, "queue_full"), (400, "echo"), (503, "echo"), (200, "echo")])
+def test_a_key_echoed_in_an_error_body_is_masked_in_every_form_and_position(fake, status, fault, key):
+    messages = echoes()
+    rules = [{"fault": fault, "status": status, "match": f"p{i}$", "message": m} for i, m in enumerate(messages)]
+    s = fake({"api_key": key, "rules": rules})
+    out = run(send(client(s.url, api_key=key), *(body(i) for i in range(len(messages)))))
+    pieces = secret_pieces(key)
+    for m, f in zip(messages, out):
+        assert isinstance(f, Failure), f
+        assert not any(p in f.message for p in pieces), f.message
+        assert "***" in f.message or len(m) > 490  # masked, unless the cut fell before it
+
+
+def test_a_key_echoed_inside_a_valid_reply_is_masked_before_it_is_cached(fake):
+    rules = [{"fault": "say", "match": "p1$", "message": "your key is {key} ({key_url[:12]})"}]
+    s = fake({"api_key": KEY, "rules": rules})
+    (reply,) = run(send(client(s.url, api_key=KEY), body(1)))
+    assert reply.content == "your key is *** (***)"
+    assert not any(p.encode() in reply.raw for p in secret_pieces(KEY))
+
+
+def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
+    s = fake({"rules": [{"fault": "bad_request", "match": "p2$", "message": "who is {key}?"}]})
+    url = s.url.replace("http://", "http://alice:pa55-w0rd-secret@")
+    c = client(url)
+    assert c.urls == [s.url]
+    ok, bad = run(send(c, body(1), body(2)))
+    assert isinstance(ok.content, str)
+    assert bad.message == "who is ***?"
 
 
 def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():

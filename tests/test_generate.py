@@ -23,7 +23,7 @@ from stages import generate
 from stages import params as P
 from stages.errors import StageError
 from tests.fakeserver import command as fake_command
-from tests.fakeserver import free_port, spawn
+from tests.fakeserver import free_port, secret_pieces, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
@@ -176,7 +176,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
         ]
     }
     with spawn(spec) as fake:
-        write_params(tmp_path, server=url_server(fake.url))
+        write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=5)
         r = here(tmp_path)
         completions, failures = outputs(tmp_path)
         permanent = ["p00010", "p00011", "p00012", "p00020", "p00021"]
@@ -228,7 +228,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
 
         # retry_failed resends exactly the cached permanent failures
         fake.reset({})
-        write_params(tmp_path, server=url_server(fake.url), retry_failed=True)
+        write_params(tmp_path, server=url_server(fake.url), retry_failed=True, max_permanent_failures=5)
         assert here(tmp_path)["sent"] == 5
         completions, failures = outputs(tmp_path)
         assert len(completions) == 150 and failures == []
@@ -330,7 +330,7 @@ def test_vllm_reasoning_field_is_read(tmp_path):
 def test_the_api_key_is_never_written_anywhere(tmp_path):
     make_prompts(tmp_path, 30)
     with spawn({"api_key": KEY, "rules": [{"fault": "bad_request", "match": "p00003$", "message": "bad"}]}) as fake:  # fmt: skip
-        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), limit=30)
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), limit=30, max_permanent_failures=1)
         proc = stage(tmp_path, FAKE_KEY=KEY)
         text = ok(proc)
         assert "first request" in text and "$FAKE_KEY" in text
@@ -435,9 +435,9 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"concurrency": 0}, "generate.concurrency"),
         ({"request_timeout": -1}, "generate.request_timeout"),
     ]:
-        cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra}, "generate")
-        with pytest.raises(StageError, match=message):
-            generate.run(cfg)
+        with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
+            generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
+                                 "generate"))
     cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
         generate.run(cfg)
@@ -445,6 +445,17 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
         generate.run(cfg)
+    user = [{"role": "user", "content": "q"}]
+    for row, message in [
+        ({"messages": user, "tools": [1, "f"]}, "'tools' must be a list of objects"),
+        ({"messages": [{"role": ["user"], "content": "q"}]}, r"messages\[0\] must be an object"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         r"messages\[0\].content\[0\]"),
+        ({"messages": [{"role": "user", "content": "q \udfff"}]}, "text that is not valid Unicode"),
+    ]:
+        (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
+        with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):
+            generate.run(cfg)
 
 
 @pytest.mark.slow
@@ -511,7 +522,7 @@ def test_the_same_request_twice_is_sent_once_and_answers_both(tmp_path):
 def test_transient_failures_are_reported_and_retried_by_the_next_run(tmp_path):
     make_prompts(tmp_path, 20)
     with spawn({"rules": [{"fault": "queue_full", "match": "p0000[0-1]$"}]}) as fake:
-        write_params(tmp_path, server=url_server(fake.url), max_retries=2)
+        write_params(tmp_path, server=url_server(fake.url), max_retries=2, max_transient_failures=0.1)
         r = here(tmp_path)
         assert r["failed"] == r["failed_transient"] == 2 and r["completed"] == 18
         _, failures = outputs(tmp_path)
@@ -522,3 +533,249 @@ def test_transient_failures_are_reported_and_retried_by_the_next_run(tmp_path):
         fake.reset({})
         r = here(tmp_path)
     assert r["sent"] == 2 and r["completed"] == 20 and outputs(tmp_path)[1] == []
+
+
+# ------------------------------------------------- unfinished runs, bad replies, secrets
+
+
+def cache_records(wd: Path) -> list[dict]:
+    recs = []
+    for seg in sorted((wd / ".cache/requests").glob("*/seg-*.log")):
+        for line in seg.read_bytes().splitlines():
+            recs.append(json.loads(line[65:]))
+    return recs
+
+
+def test_total_transient_failure_exits_1_and_the_next_run_sends_only_what_failed(tmp_path):
+    rows = make_prompts(tmp_path, 40)
+    failing = {"rules": [{"fault": kind, "match": f"p0000[{digits}]$"}
+                         for kind, digits in (("queue_full", "0-4"), ("rate_limit", "5-6"),
+                                              ("error", "7"), ("malformed", "8-9"))]}  # fmt: skip
+    with spawn(failing) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries=1, max_retries_500=0)
+        proc = stage(tmp_path)
+        assert proc.returncode == 1
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith("error: 10 of 40 requests still failing after retries")
+        assert "(malformed 2, overloaded 7, server_error 1; e.g. HTTP 503 " in line
+        assert "generate.max_transient_failures=0" in line and "dvc repro" in line
+        assert "Traceback" not in proc.stderr
+        # the outputs are there to inspect, the 30 answers are cached, nothing failed is
+        assert report(tmp_path)["failed_transient"] == 10
+        assert len(cache_entries(tmp_path)) == 30 and all(r["ok"] for r in cache_records(tmp_path))
+        # a tolerance lets the same run finish
+        write_params(tmp_path, server=url_server(fake.url), max_retries=0, max_retries_500=0,
+                     max_transient_failures=0.25)  # fmt: skip
+        assert here(tmp_path)["failed_transient"] == 10
+        fake.reset({})
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        assert fake.stats()["received"] == 10
+    assert r["sent"] == 10 and r["completed"] == 40 and r["failed"] == 0
+    assert [c["id"] for c in outputs(tmp_path)[0]] == [row["id"] for row in rows]
+
+
+def test_permanent_failures_have_their_own_tolerance(tmp_path):
+    make_prompts(tmp_path, 40)
+    rules = [{"fault": "context_length", "match": "p0000[0-1]$"},
+             {"fault": "context_length", "match": "p00002$", "message": "too long \ud800"}]  # fmt: skip
+    with spawn({"rules": rules}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))  # default: 1% of 40 = 0 allowed
+        with pytest.raises(StageError) as err:
+            here(tmp_path)
+        msg = str(err.value)
+        assert msg.startswith("3 of 40 requests failed permanently (context_length 3)")
+        assert "above the 0 that generate.max_permanent_failures=0.01 allows" in msg
+        assert "failures.jsonl" in msg
+        failures = outputs(tmp_path)[1]  # written, for the user to look at
+        assert len(failures) == 3 and failures[2]["message"] == "too long ?"
+        for limit in (3, 0.075):
+            write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=limit)
+            assert here(tmp_path)["sent"] == 0  # cached: data, never resent on its own
+        write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=2)
+        with pytest.raises(StageError, match="above the 2 that generate.max_permanent_failures=2"):
+            here(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [{"max_transient_failures": 1.5}, {"max_permanent_failures": -1},
+                                 {"max_transient_failures": True}])  # fmt: skip
+def test_tolerance_params_are_checked(tmp_path, monkeypatch, bad):
+    monkeypatch.chdir(tmp_path)
+    name = next(iter(bad))
+    with pytest.raises(StageError, match=f"generate.{name}"):
+        generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"))
+
+
+HOSTILE = ["content_dict", "content_number", "reasoning_number", "tool_calls_string",
+           "bad_usage", "surrogate", "utf16", "no_choices", "malformed", "echo"]  # fmt: skip
+
+
+def test_every_bad_reply_is_a_counted_failure_never_cached(tmp_path):
+    rows = make_prompts(tmp_path, 30)
+    rules = [{"fault": f, "match": f"p{i:05d}$", "message": "<html>oops"} for i, f in enumerate(HOSTILE)]
+    with spawn({"rules": rules}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries=1, max_retries_500=1,
+                     max_transient_failures=len(HOSTILE))  # fmt: skip
+        r = here(tmp_path)
+        assert r["completed"] == 20 and r["failed_transient"] == len(HOSTILE)
+        assert r["failed_by_kind"] == {"bad_reply": 7, "malformed": 3}
+        _, failures = outputs(tmp_path)
+        assert [f["id"] for f in failures] == [f"p{i:05d}" for i in range(len(HOSTILE))]
+        assert all(f["status"] == 200 and f["attempts"] == 2 for f in failures)
+        assert "message.content is a number" in failures[1]["message"]
+        assert "lone surrogate" in failures[5]["message"] and "not UTF-8" in failures[6]["message"]
+        assert len(cache_entries(tmp_path)) == 20 and all(r["ok"] for r in cache_records(tmp_path))
+        fake.reset({})
+        r = here(tmp_path)
+        assert fake.stats()["received"] == len(HOSTILE)
+    assert r["completed"] == 30 and [c["id"] for c in outputs(tmp_path)[0]] == [x["id"] for x in rows]
+
+
+def test_a_server_that_always_answers_garbage_stops_the_run_in_one_line(tmp_path):
+    make_prompts(tmp_path, 80)
+    with spawn({"rules": [{"fault": "reasoning_number", "match": "[13579]$"}]}) as fake:
+        with spawn({"rules": [{"fault": "tool_calls_string"}]}) as garbage:
+            write_params(tmp_path, server=url_server(garbage.url), max_retries_500=1)
+            proc = stage(tmp_path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert "32 requests in a row got no well-formed reply" in line and "tool_calls" in line
+        assert cache_entries(tmp_path) == []
+        # garbage now and then is not a broken server: the run goes on
+        write_params(tmp_path, server=url_server(fake.url), max_retries_500=0,
+                     max_transient_failures=0.5, concurrency=4)  # fmt: skip
+        r = here(tmp_path)
+        assert r["completed"] == 40 and r["failed_by_kind"] == {"bad_reply": 40}
+
+
+def damage(seg: Path) -> None:
+    """Replace the first 9 records of a cache segment with 8 kinds of damage and a torn
+    last line (what a killed run leaves)."""
+    lines = seg.read_bytes().splitlines(keepends=True)
+    key = lambda ln: ln[:65]  # noqa: E731
+    bad = [
+        key(lines[0]) + '{"ok":true,"reply":{"choices":[]}}'.encode("utf-16") + b"\n",
+        key(lines[1]) + b'{"ok":true,"reply":5}\n',
+        key(lines[2]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":{"a":1}}}]}}\n',
+        key(lines[3]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":"\\ud800"}}]}}\n',
+        key(lines[4]) + b'{"ok":false,"kind":3}\n',
+        key(lines[5]) + b"[1, 2, 3]}\n",
+        key(lines[6]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":"cut',
+        bytes(random.Random(7).randrange(256) for _ in range(300)).replace(b"\n", b"") + b"\n",
+        b"\xff\xfe" + b"7" * 64 + b" {}\n",
+    ]
+    seg.write_bytes(b"".join(bad[:6]) + bad[7] + bad[8] + b"".join(lines[9:]) + bad[6])
+
+
+def test_the_cache_reader_survives_any_bytes_and_resends_the_damaged_records(tmp_path):
+    rows = make_prompts(tmp_path, 30)
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url), concurrency=1)
+        here(tmp_path)
+        before = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+        (seg,) = (tmp_path / ".cache/requests").glob("*/seg-*.log")
+        damage(seg)
+        fake.reset({})
+        proc = stage(tmp_path)
+        out = ok(proc)
+        assert "Traceback" not in out
+        assert fake.stats()["received"] == 9  # lines 0-8 were replaced; each request resent once
+    assert "dropped 8 damaged record(s)" in out  # + a torn last line, which a kill leaves
+    assert report(tmp_path)["cache_damaged"] == 8
+    assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == before
+    assert len(outputs(tmp_path)[0]) == len(rows)
+
+
+SECRET_KEY = 'sk-live/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7'  # JSON and URL forms differ
+PASSWORD = "hunter2-correct-horse-battery"
+
+
+def echo_rules(n_good_between: int = 1) -> list[dict]:
+    """Rules for every other prompt: the secret in each form and position a server can put
+    it, in every kind of reply (JSON and text errors, permanent and transient, a non-JSON
+    200, a valid answer)."""
+    refs = ["{key}", "{key_json}", "{key_url}", "{key[:20]}", "{key[9:]}", "{key[5:-5]}"]
+    kinds = [("bad_request", 400), ("queue_full", 503), ("echo", 400), ("echo", 503),
+             ("echo", 200), ("say", 200)]  # fmt: skip
+    rules = []
+    for ref in refs:
+        for pad in (0, 487, 499, 5000):  # messages are cut at 500 characters
+            for fault, status in kinds:
+                message = "x" * pad + "bad key " + ref + " !"
+                i = 2 * len(rules)
+                rules.append({"fault": fault, "status": status, "match": f"p{i:05d}$", "message": message})  # fmt: skip
+    return rules
+
+
+def test_a_secret_echoed_everywhere_is_written_nowhere(tmp_path):
+    rules = echo_rules()
+    make_prompts(tmp_path, 2 * len(rules))
+    lenient = dict(max_retries=0, max_retries_500=0, max_transient_failures=1.0,
+                   max_permanent_failures=1.0)  # fmt: skip
+    seen = []
+    # the key, also served as the model name (server.model unset: asked from the server)
+    with spawn() as fake:  # the rules are too long for a command line: sent after start
+        fake.reset({"api_key": SECRET_KEY, "model": f"org/{SECRET_KEY}", "rules": rules})
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        seen.append(ok(proc))
+        r = report(tmp_path)
+        assert r["failed"] == 5 * len(rules) // 6 and r["model"] == "org/***"
+        fake.reset({"api_key": SECRET_KEY, "rules": [{"fault": "echo", "status": 403, "message": "{key} is not allowed"}]})  # fmt: skip
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY", model="m"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "HTTP 403: *** is not allowed" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    # URL credentials: the password is the secret the server echoes
+    with spawn() as fake:
+        fake.reset({"rules": rules})
+        url = fake.url.replace("http://", f"http://alice:{PASSWORD}@")
+        write_params(tmp_path, server=url_server(url, model="m2"), limit=7, **lenient)
+        proc = stage(tmp_path)
+        seen.append(ok(proc))
+        assert report(tmp_path)["server"]["urls"] == [fake.url]
+        write_params(tmp_path, server=url_server(url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "use one of them" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    pieces = secret_pieces(SECRET_KEY) | secret_pieces(PASSWORD)
+    # everything but the params file, where the user wrote the URL with its password
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "params.yaml"]
+    assert any(p.name == "failures.jsonl" for p in written) and any(".log" in p.name for p in written)
+    for path in written:
+        data = path.read_bytes()
+        assert not [x for x in pieces if x.encode() in data], path
+    for text in seen:
+        assert "Traceback" not in text and not [x for x in pieces if x in text]
+
+
+def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
+    """The real dvc CLI: a run left with transient failures fails the stage, dvc.lock keeps
+    no generate entry, and a plain `dvc repro` (no -f) later sends only what failed."""
+    import re
+
+    from tests.repo import demo_clone, run
+
+    repo = demo_clone(tmp_path)
+    with spawn({"rules": [{"fault": "queue_full", "prob": 0.5}]}) as fake:
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params["generate"].update(
+            server={"url": fake.url, "unreachable_deadline": 10}, max_retries=0,
+            concurrency=4, backoff_base=0.02, backoff_max=0.1,
+        )  # fmt: skip
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = run(["dvc", "repro", "generate"], repo, check=False, timeout=300)
+        failed = re.search(r"error: (\d+) of (\d+) requests still failing after retries", out)
+        assert failed, out[-3000:]
+        n_failed, n = int(failed.group(1)), int(failed.group(2))
+        assert 0 < n_failed < n and "Traceback" not in out
+        lock = yaml.safe_load((repo / "dvc.lock").read_text()) if (repo / "dvc.lock").exists() else {}
+        assert "prepare" in lock["stages"] and "generate" not in lock["stages"]
+        fake.reset({})
+        out = run(["dvc", "repro", "generate"], repo, timeout=300)
+        assert "Running stage 'generate'" in out
+        assert fake.stats()["received"] == n_failed  # answered requests came from the cache
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert "generate" in lock["stages"]
+    assert len(outputs(repo)[0]) == n
+    assert "up to date" in run(["dvc", "status", "generate"], repo)

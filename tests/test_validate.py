@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
 FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": VOCAB,
                     "special_tokens": {}},
-      "chat_template_sha256": "c" * 64, "policy": {}, "versions": {}}
+      "chat_template_sha256": "c" * 64, "policy": {"max_seq_len": 64, "min_loss_tokens": 1},
+      "versions": {}}
 
 
 def row(rid: str, source: str = "alpha", prompt: int = 3, answer: int = 4) -> dict:
@@ -301,7 +302,8 @@ def test_null_input_ids_row(repo):
 
 def test_missing_fingerprint_fails_unless_vocab_given(repo):
     write(repo, shards(), fingerprint=None)
-    with pytest.raises(StageError, match="vocabulary size unknown"):
+    with pytest.raises(StageError, match=r"validate\.vocab_size: null, and "
+                       r"data/merged/fingerprint\.json has no tokenizer\.vocab_size"):
         validate.run(cfg())
     assert failures(vocab_size=VOCAB) == {"fingerprint": ["data/merged/fingerprint.json is missing"]}
 
@@ -310,6 +312,27 @@ def test_vocab_size_param_overrides_the_fingerprint(repo):
     write(repo, shards())
     found = failures(vocab_size=10)
     assert "token_id_range" in found and len(found["token_id_range"]) == 10  # max_examples
+
+
+def test_limits_come_from_the_data_unless_params_set_them(repo):
+    parts = shards()  # rows of 5 to 10 tokens, 3 or 4 supervised
+    write(repo, parts, fingerprint={**FP, "policy": {"max_seq_len": 8, "min_loss_tokens": 4}})
+    found = failures(max_seq_len=None, min_loss_tokens=None)
+    rows = [r for p in parts for r in p]
+    assert found["max_seq_len"] == [r["id"] for r in rows if r["num_tokens"] > 8]
+    assert found["min_loss_tokens"] == [r["id"] for r in rows if r["num_loss_tokens"] < 4]
+    report = json.loads(Path("reports/validate.json").read_text())
+    assert (report["max_seq_len"], report["min_loss_tokens"]) == (8, 4)
+    assert report["limits_from"] == {
+        "vocab_size": "data/merged/fingerprint.json: tokenizer.vocab_size",
+        "max_seq_len": "data/merged/fingerprint.json: policy.max_seq_len",
+        "min_loss_tokens": "data/merged/fingerprint.json: policy.min_loss_tokens"}
+
+    report = validate.run(cfg(max_seq_len=64, min_loss_tokens=1))
+    assert report["passed"] and (report["max_seq_len"], report["min_loss_tokens"]) == (64, 1)
+    assert report["limits_from"] == {
+        "vocab_size": "data/merged/fingerprint.json: tokenizer.vocab_size",
+        "max_seq_len": "params", "min_loss_tokens": "params"}
 
 
 def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):

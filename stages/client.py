@@ -41,6 +41,7 @@ import aiohttp
 
 from stages import replies
 from stages.errors import StageError
+from stages.messages import token_ids_digest
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
@@ -161,6 +162,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["rid"] = prompt["id"]
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
+        # the engine's own token ids come back: tokenize checks its render against them
+        body["return_token_ids"] = True
     body["stream"] = False
     return body
 
@@ -233,6 +236,22 @@ def parse_reply(data: Any, split: bool) -> tuple:
         int(usage.get("prompt_tokens") or 0),
         int(usage.get("completion_tokens") or 0),
     )
+
+
+def engine_tokens(data: Any) -> Optional[dict]:
+    """What a completion row keeps of the engine's token ids (vLLM's `return_token_ids`):
+    the prompt ids' digest and count and the completion's count; None when the reply has
+    no well-formed ids. Enough to check a training render against, a few dozen bytes."""
+    prompt_ids = data.get("prompt_token_ids")
+    try:
+        completion_ids = data["choices"][0].get("token_ids")
+        return {
+            "prompt_sha256": token_ids_digest(prompt_ids),
+            "prompt": len(prompt_ids),
+            "completion": len(completion_ids) if isinstance(completion_ids, list) else None,
+        }
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError):
+        return None
 
 
 def classify(status: int, message: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from stages.client import (
     build_body,
     classify,
     context_numbers,
+    engine_tokens,
     split_think,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
@@ -388,3 +389,17 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     ok, bad = run(send(c, body(1), body(2)))
     assert isinstance(ok.content, str)
     assert bad.message == "who is ***?"
+
+
+def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
+    assert build_body(prompt(1), "m", SAMPLING, "vllm")["return_token_ids"] is True
+    assert all("return_token_ids" not in build_body(prompt(1), "m", SAMPLING, e)
+               for e in ("sglang", "transformers"))
+    reply = {"prompt_token_ids": [1, 2, 248045], "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert kept["prompt"] == 3 and kept["completion"] == 2 and len(kept["prompt_sha256"]) == 16
+    assert engine_tokens({**reply, "prompt_token_ids": [1, 2, 248044]}) != kept
+    for bad in ("abc", [[1, 2]], [1, -2], [1, "2"], [2 ** 40], None, {"a": 1}):
+        assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
+    assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
+    assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None

@@ -17,6 +17,7 @@ from stages.client import (
     build_body,
     classify,
     context_numbers,
+    compact_token_ids,
     engine_tokens,
     split_think,
 )
@@ -403,3 +404,15 @@ def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
         assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
     assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
     assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None
+
+
+def test_the_cache_keeps_what_a_row_needs_of_the_engine_ids_not_the_lists():
+    reply = {"prompt_token_ids": list(range(3000)), "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert compact_token_ids(reply) is True
+    assert reply == {"choices": [{}], "engine_tokens": kept}
+    assert engine_tokens(reply) == kept  # read back from a cached reply
+    assert compact_token_ids(reply) is False and compact_token_ids({"choices": []}) is False
+    # a damaged cached copy is not trusted
+    for bad in ({"prompt": 1}, {**kept, "prompt": "3"}, {**kept, "completion": 1.5}, [1]):
+        assert engine_tokens({"engine_tokens": bad}) is None, bad

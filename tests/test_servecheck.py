@@ -154,6 +154,9 @@ def test_engine_tokens_are_small_and_do_not_change_what_a_rerun_sends(tmp_path, 
         row = json.loads(line)
         kept = json.dumps({"engine_tokens": row["engine_tokens"]}, ensure_ascii=False)
         assert len(kept) <= 100  # under 1% of a row holding a 2K-token answer
+    # nor does the request cache hold the id lists (they would double its size)
+    cached = b"".join(p.read_bytes() for p in (tmp_path / ".cache").rglob("*") if p.is_file())
+    assert b"engine_tokens" in cached and b"token_ids" not in cached
     # the request cache key is the same: a rerun, even against another engine, sends nothing
     with FakeServer({"tokenizer": bundled}).start() as fake:
         write_params(tmp_path, server=url_server(fake.url, engine="sglang"))

@@ -41,6 +41,7 @@ import aiohttp
 
 from stages import replies
 from stages.errors import StageError
+from stages.messages import token_ids_digest
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
@@ -161,6 +162,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["rid"] = prompt["id"]
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
+        # the engine's own token ids come back: tokenize checks its render against them
+        body["return_token_ids"] = True
     body["stream"] = False
     return body
 
@@ -233,6 +236,53 @@ def parse_reply(data: Any, split: bool) -> tuple:
         int(usage.get("prompt_tokens") or 0),
         int(usage.get("completion_tokens") or 0),
     )
+
+
+def engine_tokens(data: Any) -> Optional[dict]:
+    """What a completion row keeps of the engine's token ids (vLLM's `return_token_ids`):
+    the prompt ids' digest and count and the completion's count; None when the reply has
+    no well-formed ids. Enough to check a training render against, a few dozen bytes.
+    A cached reply already holds it (`compact_token_ids`)."""
+    if "engine_tokens" in data:
+        kept = data["engine_tokens"]
+        return kept if _well_formed_tokens(kept) else None
+    prompt_ids = data.get("prompt_token_ids")
+    try:
+        completion_ids = data["choices"][0].get("token_ids")
+        return {
+            "prompt_sha256": token_ids_digest(prompt_ids),
+            "prompt": len(prompt_ids),
+            "completion": len(completion_ids) if isinstance(completion_ids, list) else None,
+        }
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def _well_formed_tokens(kept: Any) -> bool:
+    """A cached `engine_tokens` is read back from disk: check its shape like any reply."""
+    return (
+        isinstance(kept, dict) and set(kept) == {"prompt_sha256", "prompt", "completion"}
+        and isinstance(kept["prompt_sha256"], str) and type(kept["prompt"]) is int
+        and (kept["completion"] is None or type(kept["completion"]) is int)
+    )
+
+
+def compact_token_ids(data: dict) -> bool:
+    """Swap the engine's id lists (`prompt_token_ids`, `choices[].token_ids`) for
+    `engine_tokens`, in place; True when the reply changed. The lists are as long as the
+    prompt and the answer: cached whole they would double the request cache."""
+    choices = data.get("choices")
+    listed = [c for c in choices if isinstance(c, dict) and "token_ids" in c] if isinstance(
+        choices, list) else []
+    if "prompt_token_ids" not in data and not listed:
+        return False
+    kept = engine_tokens(data)
+    data.pop("prompt_token_ids", None)
+    for choice in listed:
+        del choice["token_ids"]
+    if kept is not None:
+        data["engine_tokens"] = kept
+    return True
 
 
 def classify(status: int, message: str) -> tuple[str, str]:
@@ -496,9 +546,13 @@ class ChatClient:
         return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
-        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked,
+        one with the engine's token id lists with only what a row keeps of them."""
+        changed = compact_token_ids(data)
         if self.redact and self.redact.found(raw.decode("utf-8")):
             data = self.redact.scrub(data)
+            changed = True
+        if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
 

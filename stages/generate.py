@@ -6,7 +6,8 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling fingerprint
+                                      truncated, usage, model, sampling fingerprint,
+                                      and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
   reports/generate.json               requests, failures by kind, tokens, req/s,
@@ -61,6 +62,7 @@ from stages.client import (
     RetryPolicy,
     Sampling,
     build_body,
+    engine_tokens,
     parse_reply,
 )
 from stages.errors import StageError, json_object
@@ -648,6 +650,9 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         model=model,
         sampling=sampling_fp,
     )
+    served = engine_tokens(reply)
+    if served is not None:
+        row["engine_tokens"] = served
     return row
 
 

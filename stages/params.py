@@ -213,7 +213,8 @@ class Tokenize:
     min_loss_tokens: int = ranged(1, ge=0, le=INT32)
     num_proc: int = ranged(1, ge=1, le=MAX_PROCS)
     shard_rows: int = ranged(20000, ge=1, le=INT32)
-    check_sample: int = ranged(64, ge=0, le=INT64)
+    # rows whose prompt may differ from what the engine served before the stage fails
+    max_render_mismatch: int = ranged(0, ge=0, le=INT64)
     # a shard also closes at this many MiB of Arrow data
     shard_max_mb: int = ranged(512, ge=1, le=1 << 20)
     enable_thinking: bool = True

@@ -48,6 +48,11 @@ Fault spec: a JSON object, every key optional.
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
   record_bodies     bool    false  keep each request id's last body in /stats
+  tokenizer         str     null   a tokenizer folder: the server then renders each
+                                   request with its chat template (and the request's
+                                   chat_template_kwargs) and counts real tokens, like an
+                                   engine; `"return_token_ids": true` gets vLLM's
+                                   `prompt_token_ids` and `choices[0].token_ids`
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -79,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -145,6 +151,7 @@ DEFAULTS: dict[str, Any] = {
     "once_file": None,
     "record": True,
     "record_bodies": False,
+    "tokenizer": None,
     "rules": [],
 }
 
@@ -356,7 +363,12 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning"] = reasoning_text
     prompt_tokens = _count(messages)
     completion_tokens = len(reasoning) + len(content)
-    return {
+    ids = None
+    if spec["tokenizer"]:
+        ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
+                          finish == "stop")
+        prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
+    reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
         "object": "chat.completion",
         "created": int(time.time()),
@@ -370,6 +382,44 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if ids is not None and body.get("return_token_ids"):
+        reply["prompt_token_ids"], reply["choices"][0]["token_ids"] = ids
+    return reply
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
+                content: str | None, stopped: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) as an engine serving `folder` would have them: the
+    chat template renders the request (JSON-text tool arguments parsed into objects,
+    as vLLM and SGLang do), the text is encoded whole with control tokens parsed, and
+    the completion is what the model wrote after the generation prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _TOKENIZERS.get(folder)
+    if tok is None:
+        tok = _TOKENIZERS[folder] = PreTrainedTokenizerFast.from_pretrained(folder)
+    messages = []
+    for m in body.get("messages") or []:
+        m = {k: v for k, v in m.items() if v is not None}
+        calls = []
+        for c in m.get("tool_calls") or []:
+            args = c["function"].get("arguments")
+            if isinstance(args, str):
+                c = {**c, "function": {**c["function"], "arguments": json.loads(args)}}
+            calls.append(c)
+        if calls:
+            m["tool_calls"] = calls
+        messages.append(m)
+    prompt = tok.apply_chat_template(
+        messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
+        **(body.get("chat_template_kwargs") or {}))
+    written = (reasoning or "") + "\n</think>\n\n" if thinking else ""
+    written += (content or "") + ("<|im_end|>" if stopped else "")
+    encode = functools.partial(tok, add_special_tokens=False)
+    return encode(prompt)["input_ids"], encode(written)["input_ids"]
 
 
 def build_app(spec: dict, die) -> web.Application:

@@ -17,6 +17,8 @@ from stages.client import (
     build_body,
     classify,
     context_numbers,
+    compact_token_ids,
+    engine_tokens,
     split_think,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
@@ -388,3 +390,29 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     ok, bad = run(send(c, body(1), body(2)))
     assert isinstance(ok.content, str)
     assert bad.message == "who is ***?"
+
+
+def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
+    assert build_body(prompt(1), "m", SAMPLING, "vllm")["return_token_ids"] is True
+    assert all("return_token_ids" not in build_body(prompt(1), "m", SAMPLING, e)
+               for e in ("sglang", "transformers"))
+    reply = {"prompt_token_ids": [1, 2, 248045], "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert kept["prompt"] == 3 and kept["completion"] == 2 and len(kept["prompt_sha256"]) == 16
+    assert engine_tokens({**reply, "prompt_token_ids": [1, 2, 248044]}) != kept
+    for bad in ("abc", [[1, 2]], [1, -2], [1, "2"], [2 ** 40], None, {"a": 1}):
+        assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
+    assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
+    assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None
+
+
+def test_the_cache_keeps_what_a_row_needs_of_the_engine_ids_not_the_lists():
+    reply = {"prompt_token_ids": list(range(3000)), "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert compact_token_ids(reply) is True
+    assert reply == {"choices": [{}], "engine_tokens": kept}
+    assert engine_tokens(reply) == kept  # read back from a cached reply
+    assert compact_token_ids(reply) is False and compact_token_ids({"choices": []}) is False
+    # a damaged cached copy is not trusted
+    for bad in ({"prompt": 1}, {**kept, "prompt": "3"}, {**kept, "completion": 1.5}, [1]):
+        assert engine_tokens({"engine_tokens": bad}) is None, bad

@@ -253,7 +253,10 @@ def runs(tmp_path_factory) -> Runs:
     """The demo against the fake server (with an API key), then a default-only knob, then
     the same answers through a URL carrying a password."""
     repo = demo_clone(tmp_path_factory.mktemp("lineage"))
-    short = {"reasoning_tokens": 6, "reply_tokens": 6}  # well under generate.max_tokens
+    # well under generate.max_tokens; token counts as the bundled tokenizer and template
+    # give them, as a real engine reports them (tokenize checks every prompt against them)
+    short = {"reasoning_tokens": 6, "reply_tokens": 6,
+             "tokenizer": str(repo / ".cache/tokenizers/qwen3.6")}
     os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.repo.run passes the environment on
     try:
         with spawn({**short, "api_key": KEY}) as keyed, spawn(short) as open_server:

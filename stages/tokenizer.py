@@ -11,8 +11,8 @@ copy is still current; a changed template alone only rewrites the template file.
 
 All 33 special tokens are `special=True`, so encoding with special tokens split (what
 stages/chat.py does to message text) turns every one of them back into ordinary text:
-message text can never inject a turn marker. The flip side: `decode(..., skip_special_tokens=True)` drops
-`<think>`/`<tool_call>` too.
+message text can never inject a turn marker. The flip side:
+`decode(..., skip_special_tokens=True)` drops `<think>`/`<tool_call>` too.
 """
 
 from __future__ import annotations

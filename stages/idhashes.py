@@ -4,9 +4,10 @@ validate reduces every id to a 64-bit hash and its dataset-wide row number (16 b
 row). Up to `spill_rows` of those pairs stay in memory; past that they are written to a
 temporary file, ordered by the hash's top 8 bits (its bucket), with each bucket's offset
 kept. At the end, runs of consecutive buckets holding about `group_rows` pairs in all are
-read back from every file and checked, one group at a time: equal ids have equal hashes,
-hence the same bucket, so no repeat spans two groups. Rows whose hash repeats are only suspects: the caller confirms them on
-the id strings, since two different ids may share a hash.
+read back from every file and checked, one group at a time, by a numpy sort: equal ids
+have equal hashes, hence the same bucket, so no repeat spans two groups. Rows whose hash
+repeats are only suspects: the caller confirms them on the id strings, since two
+different ids may share a hash.
 """
 
 from __future__ import annotations

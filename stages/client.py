@@ -41,6 +41,10 @@ CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too lon
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
 MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
+# a reply body longer than this (decompressed) is refused while it arrives: a million
+# tokens of text is under 16 MiB; this bounds memory per request against a server that
+# sends without end or a gzip bomb
+MAX_REPLY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -363,7 +367,7 @@ class ChatClient:
             err: Optional[_Attempt] = None
             try:
                 async with self.session.post(self._endpoints[i], data=body) as resp:
-                    raw = await resp.read()
+                    raw = await _read_capped(resp)
                     status = resp.status
                     retry_after = resp.headers.get("Retry-After")
             except aiohttp.ConnectionTimeoutError:
@@ -382,7 +386,11 @@ class ChatClient:
             if err is None:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
-                if status == 200:
+                if raw is None:
+                    err = _Attempt("bad_reply", status, f"HTTP {status} with a body over "
+                                   f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)")
+                    cls = "t500"
+                elif status == 200:
                     data, bad = read_body(raw)
                     if bad is None:
                         return self._reply(data, raw, attempts, latency)
@@ -447,6 +455,19 @@ class ChatClient:
             data = self.redact.scrub(data)
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:
+    """The whole body, or None once it passes MAX_REPLY_BYTES (the rest is never read)."""
+    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _retry_after(value: Optional[str]) -> float:

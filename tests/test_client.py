@@ -334,3 +334,18 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     ok, bad = run(send(c, body(1), body(2)))
     assert isinstance(ok.content, str)
     assert bad.message == "who is ***?"
+
+
+@pytest.mark.parametrize("rule", [{"fault": "huge", "bytes": 3 << 20}, {"fault": "endless"},
+                                  {"fault": "gzip_bomb", "bytes": 64 << 20}])  # fmt: skip
+def test_a_body_past_the_size_cap_is_refused_while_it_arrives(fake, monkeypatch, rule):
+    import stages.client
+
+    monkeypatch.setattr(stages.client, "MAX_REPLY_BYTES", 1 << 20)
+    s = fake({"rules": [{**rule, "match": "p1$"}]})
+    started = time.monotonic()
+    ok, f = run(send(client(s.url, request_timeout=30.0), body(0), body(1)))
+    assert isinstance(ok.content, str)
+    assert isinstance(f, Failure) and (f.kind, f.status, f.permanent) == ("bad_reply", 200, False)
+    assert "body over 1048576 bytes" in f.message and f.attempts == FAST.max_retries_500 + 1
+    assert time.monotonic() - started < 20  # stopped at the cap, not at request_timeout

@@ -227,7 +227,7 @@ def load(section: str, path: str | Path = "params.yaml"):
     """Read one section of a params file into its dataclass, or raise ParamError."""
     path = Path(path)
     try:
-        doc = yaml.load(_read(path), Loader=_Loader)
+        doc = yaml.load(_read(path), Loader=BoundedLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -235,7 +235,7 @@ def load(section: str, path: str | Path = "params.yaml"):
         raise ParamError(f"{where}: not valid YAML: {what.splitlines()[0][:200]}") from None
     except yaml.YAMLError as e:
         raise ParamError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
-    except _TooDeep as e:
+    except TooDeep as e:
         raise ParamError(f"{path}:{e.line}: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise ParamError(f"{path}: cannot read a value: {str(e).splitlines()[0][:200]}") from None
@@ -267,12 +267,12 @@ def _read(path: Path) -> str:
         raise ParamError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-class _TooDeep(Exception):
+class TooDeep(Exception):
     def __init__(self, line: int):
         self.line = line
 
 
-class _Loader(yaml.SafeLoader):
+class BoundedLoader(yaml.SafeLoader):
     """SafeLoader that stops at MAX_DEPTH levels of nesting (PyYAML recurses per level).
     Aliases stay shared references, so an alias bomb costs little until something walks
     it; nothing here does (see _show)."""
@@ -283,7 +283,7 @@ class _Loader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise _TooDeep(self.peek_event().start_mark.line + 1)
+                raise TooDeep(self.peek_event().start_mark.line + 1)
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1

@@ -331,6 +331,8 @@ def _expand_user(value: str, key: str) -> str:
     """`~/x` and `~user/x` as the shell expands them; an unknown user is an error."""
     if len(value) > 4096:  # PATH_MAX; also keeps every message naming the path short
         raise ParamError(f"{key}: longer than 4096 characters ({_show(value)})")
+    if not value.strip():  # would name the working folder: the whole project
+        raise ParamError(f"{key}: an empty path names no file (null, where allowed, means none)")
     if not value.startswith("~"):
         return value
     expanded = os.path.expanduser(value)

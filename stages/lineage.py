@@ -318,16 +318,21 @@ class _HeaderLoader(params.BoundedLoader):
 
 def _front_matter(text: str, path: Path) -> dict:
     """The YAML header of a card; {} (and a warning) when it cannot be read as data."""
+    text = text.removeprefix("\ufeff").replace("\r\n", "\n")  # saved on Windows
     if not text.startswith("---\n"):
         return {}
     end = text.find("\n---", 4)
     try:
         doc = yaml.load(text[4:end], Loader=_HeaderLoader) if end > 0 else None
-    except (yaml.YAMLError, params.TooDeep, ValueError) as e:
-        log.warning("%s: the YAML header is not readable (%s): its history is not carried "
-                    "forward", path, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
-        return {}
-    return doc if isinstance(doc, dict) else {}
+    except params.TooDeep:
+        why = f"nested deeper than {params.MAX_DEPTH} levels"
+    except (yaml.YAMLError, ValueError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    else:
+        return doc if isinstance(doc, dict) else {}
+    log.warning("%s: the YAML header is not readable (%s): its history is not carried "
+                "forward", path, why)
+    return {}
 
 
 def _state_fingerprint(folder: Optional[Path]) -> Optional[str]:

@@ -395,3 +395,16 @@ def test_history_cells_stay_in_their_table_column(repo):
     assert "| 1 | x\\|y | – | 30 | – | – | a \\| b --- c |" in text
     card = DatasetCard.load(repo / "data/merged/README.md")
     assert card.data.to_dict()["distill_data"]["history"][0]["model"] == "a | b\n---\nc"
+
+
+def test_a_card_saved_with_crlf_and_a_bom_still_carries_its_history(repo):
+    new_version(repo, "x", 3)
+    merge.run(P.Merge(base="data/base"))
+    base = keep(repo, "v1")
+    (repo / base / "lineage.json").unlink()
+    card = repo / base / "README.md"
+    card.write_bytes(b"\xef\xbb\xbf" + card.read_bytes().replace(b"\n", b"\r\n"))
+    new_version(repo, "y", 2)
+    merge.run(P.Merge(base=base))
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]

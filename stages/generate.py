@@ -300,6 +300,15 @@ class Server:
         return self.redact.scrub(info)
 
 
+def model_name(value: Any) -> str:
+    """A served model id fit to send and to write in every row, else TypeError: a
+    non-empty string of at most P.MAX_PATH characters that UTF-8 can write."""
+    if not (isinstance(value, str) and 0 < len(value) <= P.MAX_PATH
+            and replies.writable(value)):
+        raise TypeError("not a model name")
+    return value
+
+
 async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> str:
     """The model the URL servers serve (GET /v1/models), when generate.server.model is unset."""
     import aiohttp
@@ -317,7 +326,7 @@ async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) ->
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
                 down = down or f"{url}: {type(e).__name__}"  # the client avoids it while it is down
                 continue
-            except ValueError:
+            except (ValueError, RecursionError):
                 data, status = None, -1
             if status in (401, 403):
                 raise StageError(
@@ -325,11 +334,11 @@ async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) ->
                     f"(generate.server.api_key_env={cfg.server.api_key_env})"
                 )
             try:
-                names.add(str(data["data"][0]["id"]))
+                names.add(model_name(data["data"][0]["id"]))
             except (KeyError, IndexError, TypeError):
                 # SGLang and vLLM answer any model name when they serve one model
                 log.warning(
-                    "%s/v1/models gave no model (HTTP %s): sending model %r; set "
+                    "%s/v1/models gave no usable model name (HTTP %s): sending model %r; set "
                     "generate.server.model to name it (it also keys the request cache)",
                     url, status, FALLBACK_MODEL,
                 )  # fmt: skip

@@ -33,6 +33,7 @@ class ParamError(StageError):
 INT32 = 2**31 - 1  # lengths and counts stored as Arrow int32
 INT64 = 2**63 - 1
 MAX_PROCS = 256  # worker processes
+MAX_PATH = 4096  # characters in a path or a model name (Linux PATH_MAX)
 MAX_SECONDS = 30 * 86400.0  # any timeout or interval; longer overflows some event loops
 
 
@@ -329,8 +330,8 @@ def build(cls, data: Any, where: str):
 
 def _expand_user(value: str, key: str) -> str:
     """`~/x` and `~user/x` as the shell expands them; an unknown user is an error."""
-    if len(value) > 4096:  # PATH_MAX; also keeps every message naming the path short
-        raise ParamError(f"{key}: longer than 4096 characters ({_show(value)})")
+    if len(value) > MAX_PATH:  # also keeps every message naming the path short
+        raise ParamError(f"{key}: longer than {MAX_PATH} characters ({_show(value)})")
     if not value.strip():  # would name the working folder: the whole project
         raise ParamError(f"{key}: an empty path names no file (null, where allowed, means none)")
     if not value.startswith("~"):

@@ -779,3 +779,15 @@ def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
     assert "generate" in lock["stages"]
     assert len(outputs(repo)[0]) == n
     assert "up to date" in run(["dvc", "status", "generate"], repo)
+
+
+@pytest.mark.parametrize("served", [5, {"a": 1}, "", "m\ud800", "m" * 5000, None])
+def test_a_served_model_id_that_is_no_name_is_not_sent_nor_written(tmp_path, served):
+    make_prompts(tmp_path, 3)
+    with spawn() as fake:
+        fake.reset({"models": {"object": "list", "data": [{"id": served}]}})
+        write_params(tmp_path, server=url_server(fake.url))
+        proc = stage(tmp_path)
+    out = ok(proc)
+    assert "gave no usable model name" in out and "Traceback" not in out
+    assert {c["model"] for c in outputs(tmp_path)[0]} == {generate.FALLBACK_MODEL}

@@ -224,7 +224,8 @@ def parse_reply(data: Any, split: bool) -> tuple:
 def classify(status: int, message: str) -> tuple[str, str]:
     """(kind, class) of an HTTP error; class is permanent/transient/t500/fatal."""
     low = message.lower()
-    if status in (401, 403, 404):
+    if status in (401, 403, 404) or 300 <= status < 400:
+        # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
@@ -366,10 +367,15 @@ class ChatClient:
             t0 = time.perf_counter()
             err: Optional[_Attempt] = None
             try:
-                async with self.session.post(self._endpoints[i], data=body) as resp:
+                async with self.session.post(
+                    self._endpoints[i], data=body, allow_redirects=False
+                ) as resp:
                     raw = await _read_capped(resp)
                     status = resp.status
                     retry_after = resp.headers.get("Retry-After")
+                    if 300 <= status < 400:
+                        where = resp.headers.get("Location", "nowhere")
+                        raw = f"a redirect to {where[:300]}; use the address it names".encode()
             except aiohttp.ConnectionTimeoutError:
                 err = _Attempt("down", None, f"{self.urls[i]}: connect timed out")
             except (asyncio.TimeoutError, TimeoutError):

@@ -419,6 +419,11 @@ def test_a_setup_the_server_rejects_stops_before_caching_failures(tmp_path):
         ({}, "exactly one of generate.server.url"),
         ({"url": "localhost:3000"}, "generate.server.url"),
         ({"url": []}, "generate.server.url"),
+        ({"url": "http://u:pw-secret-123@127.0.0.1:99999999"},
+         r"'http://127.0.0.1:99999999' is not a valid URL \(Port out of range"),
+        ({"url": ["http://127.0.0.1:8000", "http://:pw-secret-123@:8000/v1"]},
+         r"'http://:8000/v1' is not a valid URL \(no host"),
+        ({"url": "http://[::1:8000"}, "is not a valid URL"),
     ],
 )
 def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, message):

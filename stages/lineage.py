@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
-from stages import params, secrets
+from stages import charts, outputs, params, secrets
 from stages.errors import StageError, json_object, json_type
 from stages.schema import STATE_FILE
 
@@ -373,7 +373,7 @@ def card(lin: dict) -> str:
     parts = [
         "---\n" + yaml.safe_dump(header, sort_keys=False, allow_unicode=True) + "---\n",
         _intro(lin), _contents(lin), _sources_table(lin["sources"]), _model(lin),
-        _tokenizer(lin["tokenizer"]), _provenance(lin), _history(lin["history"]),
+        _tokenizer(lin["tokenizer"]), _training(), _provenance(lin), _history(lin["history"]),
         _older_versions(),
     ]
     return "\n".join(parts)
@@ -488,6 +488,27 @@ def _tokenizer(tok: dict) -> str:
              "- libraries: " + ", ".join(f"{k} {v}" for k, v in (tok["versions"] or {}).items())
              + "\n"]
     return "\n".join(lines)
+
+
+FROM_CARD = Path("../..")  # the card is data/merged/README.md; links lead to the repo root
+
+
+def _training() -> str:
+    """Where validate's verdict on this version is: it runs after merge and never writes
+    into data/merged, so the card links its reports (same git commit as this version)."""
+    report = FROM_CARD / outputs.REPORTS / "validate.json"
+    pictures = [f"![{title}]({FROM_CARD / charts.picture(name)})"
+                for name, (title, _) in charts.PICTURES.items()]
+    return (
+        "## Ready to train\n\n"
+        f"The validate stage checks this version after merge writes it. [{report.name}]"
+        f"({report}) holds every check, a real training step on it (loss, tokens/s, peak "
+        "memory, the longest batch) and the token budget of an epoch (batches, optimizer "
+        "steps, padding padded vs packed, supervised tokens per step by source).\n\n"
+        + "\n\n".join(pictures) + "\n\n"
+        "Training batches (padded or packed, labels masked): "
+        "`from stages.loader import batches`.\n"
+    )
 
 
 def _provenance(lin: dict) -> str:

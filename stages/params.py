@@ -76,23 +76,47 @@ def _number(bound) -> str:
 
 
 @dataclass
-class Source:
+class Dataset:
+    """What a prompt source and an evaluation set share: where the rows are, their layout."""
+
     name: str
     path: str = path_field()
     format: Literal["sharegpt", "messages", "columns"]
     prompt_field: Optional[str] = None
-    system_field: Optional[str] = None
     subset: Optional[str] = None
     split: Optional[str] = None
-    limit: Optional[int] = ranged(None, ge=0, le=INT64)
     # where the conversation lives for sharegpt/messages layouts, and its key names
     messages_field: Optional[str] = None
-    tools_field: Optional[str] = None
     role_key: Optional[str] = None
     content_key: Optional[str] = None
     # extra role names as "NAME:ROLE" (ROLE: system/user/assistant/tool), e.g. "prompter:user"
     role_map: list[str] = field(default_factory=list)
     revision: Optional[str] = None  # Hugging Face datasets: a commit or tag to pin the data
+
+
+@dataclass
+class Source(Dataset):
+    system_field: Optional[str] = None
+    limit: Optional[int] = ranged(None, ge=0, le=INT64)
+    tools_field: Optional[str] = None
+
+
+@dataclass
+class EvalSet(Dataset):
+    """An evaluation set kept out of the mix (prepare.decontaminate): its user turns count."""
+
+    def as_source(self) -> Source:
+        return Source(**dataclasses.asdict(self))
+
+
+@dataclass
+class Decontaminate:
+    evals: list[EvalSet] = field(default_factory=list)
+    ngram: int = ranged(13, ge=1, le=INT32)  # words per n-gram
+    # null: one shared n-gram drops a prompt; a number in (0, 1]: the fraction of the
+    # prompt's n-grams it must share with one evaluation item
+    min_overlap: Optional[float] = ranged(None, gt=0.0, le=1.0)
+    short_exact: bool = True  # items of fewer than `ngram` words match whole messages
 
 
 @dataclass
@@ -108,6 +132,7 @@ class Prepare:
     num_proc: int = ranged(0, ge=0, le=MAX_PROCS)
     # a longer line or JSON array element stops the stage: bounds memory on a bad file
     max_record_bytes: int = ranged(64 << 20, ge=1, le=1 << 40)
+    decontaminate: Decontaminate = field(default_factory=Decontaminate)
 
 
 # -------------------------------------------------------------------------- generate
@@ -137,6 +162,11 @@ class Server:
     watchdog_seconds: float = ranged(600.0, gt=0, le=MAX_SECONDS)
     # watchdog restarts in a row without a completion, then give up
     max_restarts: int = ranged(3, ge=0, le=1000)
+    # a URL server that looks hung (watchdog_seconds, no sign of generation) this much
+    # longer stops the run
+    hang_timeout: float = ranged(900.0, gt=0, le=MAX_SECONDS)
+    # the sglang-router's --request-timeout-secs in front of `url`; null: no router
+    router_timeout: Optional[float] = ranged(None, gt=0, le=MAX_SECONDS)
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -146,6 +176,8 @@ class Generate:
     server: Server
     concurrency: int = ranged(256, ge=1, le=65536)
     max_tokens: int = ranged(4096, ge=1, le=INT32)
+    # a prompt that leaves the engine fewer new tokens than this is a context_overflow
+    min_new_tokens: int = ranged(256, ge=1, le=INT32)
     temperature: float = ranged(0.6, ge=0, le=100.0)
     top_p: float = ranged(0.95, gt=0, le=1.0)
     top_k: int = ranged(20, ge=-1, le=INT32)  # -1: no top-k (SGLang, vLLM)
@@ -200,6 +232,22 @@ class Merge:
 
 
 @dataclass
+class TrainCheck:
+    enabled: bool = True
+    model: str = path_field("demo:tiny-qwen3")  # or a local causal LM folder
+    # the first batches of data/merged, each one training step
+    batches: int = ranged(2, ge=1, le=1_000_000)
+    tokens_per_batch: int = ranged(16384, ge=1, le=INT32)  # also the token budget's
+    # batches per optimizer step (gradient accumulation x data-parallel ranks)
+    batches_per_step: int = ranged(1, ge=1, le=INT32)
+    packed: bool = True  # the layout of the training step (both are compared either way)
+    # the memory dry run on one row this long; null: max_seq_len, 0: off
+    longest_batch_tokens: Optional[int] = ranged(None, ge=0, le=INT32)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
 class Validate:
     # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
     max_seq_len: Optional[int] = ranged(None, ge=1, le=INT32)
@@ -209,6 +257,7 @@ class Validate:
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)
     # shards summarised at once; 0: one per idle CPU, 1 to 4
     threads: int = ranged(0, ge=0, le=MAX_PROCS)
+    train_check: TrainCheck = field(default_factory=TrainCheck)
 
 
 SECTIONS: dict[str, type] = {

@@ -145,6 +145,19 @@ def test_merge_without_reports_still_writes_a_card(repo):
     assert card.data.to_dict()["size_categories"] == ["n<1K"]
 
 
+def test_the_card_links_what_validate_writes(repo):
+    import re
+
+    from stages import charts, outputs
+
+    save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1))
+    merge.run(P.Merge(base=None))
+    text = (repo / "data/merged/README.md").read_text()
+    targets = {(repo / "data/merged" / t).resolve() for t in re.findall(r"\]\(([^)]+)\)", text)}
+    assert targets == {(repo / outputs.REPORTS / "validate.json").resolve()} | {
+        (repo / charts.picture(name)).resolve() for name in charts.PICTURES}
+
+
 def test_a_damaged_base_history_is_refused_in_one_line(repo):
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": "v1"}))
     new_version(repo, "n", 2)
@@ -329,24 +342,39 @@ SHAPED_BY = {
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
+    "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
+    "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
+    "stages/decontam.py": {"prepare"},
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", list(SHAPED_BY))
 def test_an_edited_shared_module_outdates_the_stages_it_shapes(runs, module):
-    path = runs.repo / module
-    original = path.read_bytes()
-    try:
-        path.write_bytes(original + b"\n# edited\n")
-        status = json.loads(run(["dvc", "status", "--json"], runs.repo))
-    finally:
-        path.write_bytes(original)
+    status = status_after_appending(runs.repo, module, b"\n# edited\n")
     changed = {stage for stage, entries in status.items()
                if any(module in (e.get("changed deps") or {}) for e in entries
                       if isinstance(e, dict))}
     assert changed == SHAPED_BY[module], status
+
+
+@pytest.mark.slow
+def test_an_edited_eval_set_outdates_prepare_only(runs):
+    status = status_after_appending(runs.repo, "data/evals/eval_sample.jsonl",
+                                    b'{"question": "What is the tallest mountain in Africa?"}\n')
+    assert status
+
+
+def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
+    """`dvc status --json` of `repo` with `data` appended to its file `name` (restored after)."""
+    path = repo / name
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + data)
+        return json.loads(run(["dvc", "status", "--json"], repo))
+    finally:
+        path.write_bytes(original) == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}
 
 
 @pytest.mark.parametrize("entry, message", [

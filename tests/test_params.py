@@ -140,11 +140,15 @@ DEMO_CHOICES = {
     "prepare.sources[].path", "prepare.sources[].name", "prepare.sources[].format",
     "prepare.sources[].limit", "prepare.sources[].prompt_field",
     "prepare.sources[].system_field",
+    "prepare.decontaminate.evals[].name", "prepare.decontaminate.evals[].path",
+    "prepare.decontaminate.evals[].format", "prepare.decontaminate.evals[].prompt_field",
     "generate.server.launch.engine", "generate.server.launch.model",
     "generate.server.launch.startup_timeout", "generate.concurrency",
     "generate.max_tokens", "generate.temperature", "generate.seed",
     "generate.request_timeout",
     "tokenize.max_seq_len", "merge.base",
+    # the demo model's logits cost ~4 MB of CPU memory a token: demo-sized steps
+    "validate.train_check.tokens_per_batch", "validate.train_check.longest_batch_tokens",
 }
 
 

@@ -60,6 +60,10 @@ CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
 MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
+# a reply body longer than this (decompressed) is refused while it arrives: a million
+# tokens of text is under 16 MiB; this bounds memory per request against a server that
+# sends without end or a gzip bomb
+MAX_REPLY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,8 @@ def compact_token_ids(data: dict) -> bool:
 def classify(status: int, message: str) -> tuple[str, str]:
     """(kind, class) of an HTTP error; class is permanent/transient/t500/fatal."""
     low = message.lower()
-    if status in (401, 403, 404):
+    if status in (401, 403, 404) or 300 <= status < 400:
+        # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
@@ -458,10 +463,15 @@ class ChatClient:
             t0 = time.perf_counter()
             err: Optional[_Attempt] = None
             try:
-                async with self.session.post(self._endpoints[i], data=body) as resp:
-                    raw = await resp.read()
+                async with self.session.post(
+                    self._endpoints[i], data=body, allow_redirects=False
+                ) as resp:
+                    raw = await _read_capped(resp)
                     status = resp.status
                     retry_after = resp.headers.get("Retry-After")
+                    if 300 <= status < 400:
+                        where = resp.headers.get("Location", "nowhere")
+                        raw = f"a redirect to {where[:300]}; use the address it names".encode()
             except aiohttp.ConnectionTimeoutError:
                 err = _Attempt("down", None, f"{self.urls[i]}: connect timed out")
             except (asyncio.TimeoutError, TimeoutError):
@@ -478,7 +488,11 @@ class ChatClient:
             if err is None:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
-                if status == 200:
+                if raw is None:
+                    err = _Attempt("bad_reply", status, f"HTTP {status} with a body over "
+                                   f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)")
+                    cls = "t500"
+                elif status == 200:
                     data, bad = read_body(raw)
                     if bad is None and data["choices"][0].get("finish_reason") == "abort":
                         # an admin abort, pause or weight update cut it: not the model's end
@@ -555,6 +569,19 @@ class ChatClient:
         if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:
+    """The whole body, or None once it passes MAX_REPLY_BYTES (the rest is never read)."""
+    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _retry_after(value: Optional[str]) -> float:

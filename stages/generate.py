@@ -48,6 +48,7 @@ import time
 from array import array
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -96,9 +97,15 @@ def check(cfg: P.Generate) -> None:
     if isinstance(s.url, list) and not s.url:
         raise StageError("generate.server.url: empty list (give at least one URL)")
     for u in server_urls(s):
+        shown = strip_url_credentials(u)
         if not u.startswith(("http://", "https://")):
-            shown = strip_url_credentials(u)
             raise StageError(f"generate.server.url: {shown!r} is not an http(s):// URL")
+        try:  # a bad port or no host would only show as an unreachable server, much later
+            parts = urlsplit(u)
+            if parts.port == 0 or not parts.hostname:
+                raise ValueError("no host or port 0")
+        except ValueError as e:
+            raise StageError(f"generate.server.url: {shown!r} is not a valid URL ({e})") from None
         if s.api_key_env and any(url_credentials(u)):
             raise StageError(
                 "generate.server.url: has credentials (user:password@) and "

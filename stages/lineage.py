@@ -16,7 +16,6 @@ secret is written: URL credentials and the values of secret flags are removed fi
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import subprocess
@@ -188,7 +187,9 @@ def git_commit() -> tuple[Optional[str], Optional[bool]]:
 
 def dvc_hashes() -> dict:
     """{out: {md5, from}} for each upstream out: dvc.lock's entry when it describes the
-    folder on disk (same file count and size), else computed the way DVC does."""
+    folder on disk (same file count and size). Under `dvc repro` every upstream stage is
+    locked before merge runs; a merge run by hand records the hash as unknown rather than
+    re-reading every new byte (on a 463 MB new set that cost 0.8 s of a 1.4 s merge)."""
     locked = _lock_outs()
     hashes = {}
     for stage, out in UPSTREAM.items():
@@ -202,7 +203,7 @@ def dvc_hashes() -> dict:
                 and entry.get("size") == sum(p.stat().st_size for p in files)):
             hashes[out] = {"stage": stage, "md5": entry.get("md5"), "from": str(LOCK)}
         else:
-            hashes[out] = {"stage": stage, "md5": dir_md5(folder), "from": "computed"}
+            hashes[out] = {"stage": stage, "md5": None, "from": f"not in {LOCK} (run outside dvc repro)"}
     return hashes
 
 
@@ -217,19 +218,6 @@ def _lock_outs() -> dict:
             if isinstance(out, dict) and "path" in out:
                 found[out["path"]] = out
     return found
-
-
-def dir_md5(folder: Path) -> str:
-    """DVC 3's hash of a directory: md5 of its sorted [{md5, relpath}] listing, + '.dir'."""
-    listing = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h = hashlib.md5()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        listing.append({"md5": h.hexdigest(), "relpath": path.relative_to(folder).as_posix()})
-    listing.sort(key=lambda e: e["relpath"])
-    return hashlib.md5(json.dumps(listing, sort_keys=True).encode()).hexdigest() + ".dir"
 
 
 # ---------------------------------------------------------------------- history

@@ -177,20 +177,6 @@ def test_history_is_read_from_the_card_when_lineage_json_is_gone(repo):
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]
 
 
-def test_dvc_hash_computed_the_way_dvc_does(tmp_path):
-    repo = tmp_path / "r"
-    (repo / "data/out/sub").mkdir(parents=True)
-    (repo / "data/out/a.jsonl").write_text("one\ntwo\n")
-    (repo / "data/out/sub/b.bin").write_bytes(bytes(range(256)) * 9)
-    (repo / "data/out/empty").write_text("")
-    run(["git", "init", "-q"], repo)
-    run(["dvc", "init", "-q"], repo)
-    ours = lineage.dir_md5(repo / "data/out")
-    run(["dvc", "add", "-q", "data/out"], repo)
-    theirs = (repo / "data/out.dvc").read_text()
-    assert f"md5: {ours}" in theirs
-
-
 def test_validate_checks_the_whole_set_against_the_widened_limits(repo):
     """A base tokenized with longer rows allowed: the merged fingerprint allows them."""
     long_rows = rows(ids("b", 4), "base")

@@ -30,6 +30,7 @@ a secret, passes through `redact` (stages/secrets.py) before it is cut to length
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -39,6 +40,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from stages import params as P
 from stages import replies
 from stages.errors import StageError
 from stages.messages import token_ids_digest
@@ -68,7 +70,9 @@ MAX_REPLY_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Sampling:
-    """The params that decide a reply; their fingerprint names the cache key space."""
+    """The params that decide a reply; their hash names the request-cache key space.
+
+    Each field is the `generate` param of the same name (stages/params.py)."""
 
     max_tokens: int
     temperature: float
@@ -78,24 +82,27 @@ class Sampling:
     enable_thinking: bool
     separate_reasoning: bool
 
+    @classmethod
+    def of(cls, cfg: P.Generate) -> "Sampling":
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
     def as_dict(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "enable_thinking": self.enable_thinking,
-            "separate_reasoning": self.separate_reasoning,
-        }
+        return dataclasses.asdict(self)  # field order: part of the cache key space's hash
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_retries: int = 8
-    max_retries_500: int = 2
-    backoff_base: float = 1.0
-    backoff_max: float = 60.0
+    """How often and how long to retry; each field is the `generate` param of the same
+    name, where its default and range live (stages/params.py)."""
+
+    max_retries: int
+    max_retries_500: int
+    backoff_base: float
+    backoff_max: float
+
+    @classmethod
+    def of(cls, cfg: P.Generate) -> "RetryPolicy":
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
     def delay(self, retry_no: int, rng: random.Random) -> float:
         """Sleep before retry number `retry_no` (1-based): half fixed, half jitter."""

@@ -153,18 +153,6 @@ def api_key(server: P.Server) -> Optional[str]:
     return key
 
 
-def sampling_of(cfg: P.Generate) -> Sampling:
-    return Sampling(
-        max_tokens=cfg.max_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        seed=cfg.seed,
-        enable_thinking=cfg.enable_thinking,
-        separate_reasoning=cfg.separate_reasoning,
-    )
-
-
 # ------------------------------------------------------------------------- plan
 
 
@@ -399,7 +387,7 @@ class Generation:
         self, cfg: P.Generate, plan: Plan, cache: RequestCache, server: Server, client: ChatClient
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
-        self.sampling = sampling_of(cfg)
+        self.sampling = Sampling.of(cfg)
         self.encoder = BodyEncoder(server.request_model, self.sampling, server.engine)
         self.done = int(np.count_nonzero(plan.seg >= 0))
         self.cached = self.done
@@ -635,6 +623,9 @@ def write_outputs(
 
 
 def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, split: bool) -> dict:
+    # parsed again here, not taken from the client's Reply: rows are written from the
+    # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
+    # one from a fresh run come out the same; the client's parse feeds only live counts
     content, reasoning, tool_calls, finish, n_prompt, n_completion = parse_reply(reply, split)
     answer: dict[str, Any] = {
         "role": "assistant", "content": content, "reasoning_content": reasoning,
@@ -702,7 +693,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     seed_used = await asyncio.to_thread(_seed_used, server, cfg)
     if server.urls and cfg.server.router_timeout is None:
         await asyncio.to_thread(_warn_router_timeout, server, cfg)
-    sampling = sampling_of(cfg)
+    sampling = Sampling.of(cfg)
     sampling_fp = fingerprint(sampling.as_dict())
     namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
     plan = Plan(PROMPTS, cfg.limit, namespace)
@@ -853,7 +844,7 @@ async def _send(
 ) -> Generation:
     from stages import servers
 
-    retry = RetryPolicy(cfg.max_retries, cfg.max_retries_500, cfg.backoff_base, cfg.backoff_max)
+    retry = RetryPolicy.of(cfg)
     split = cfg.enable_thinking
     if cfg.server.launch is None:
         await server.ready()  # a router with no worker answers 503

@@ -17,8 +17,11 @@ byte-identical output and changing one source's limit changes only that source's
 Output, one JSON object per line, sources in params order, rows in source order:
   {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
    "tools": [...]}            (tools only when the source has them)
-`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools as
-the source gave them: the same prompt keeps its id in every run, whatever the row order.
+`id` is XXH3-128 of the source name and the compact JSON of the messages (+ tools) as
+converted from the source row, before tool turns are settled. Converted turns always have
+the same key order, so keys are sorted only in rows with tools or tool calls (whose
+structures come as the source wrote them): the same prompt keeps its id in every run,
+whatever the row order.
 Tool turns are then settled for engines and routers (sources.settle_tool_turns).
 """
 
@@ -243,7 +246,7 @@ class _Workers:
             self.pool.join()
 
 
-def _chunks(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
+def _prepared_groups(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
@@ -284,7 +287,7 @@ def _one_source(
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
     reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
-    dropped = dict.fromkeys(sources.REASONS, 0)
+    dropped = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
     limit = src.limit
@@ -296,7 +299,7 @@ def _one_source(
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
-    for current, unit, positions, results, unknown in _chunks(reader, probe, spec, workers):
+    for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
         if unknown:
             unknown_roles.update(unknown)
         for pos, res in zip(positions, results):
@@ -558,7 +561,7 @@ class _Probe:
 
 
 def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> dict:
-    by_reason = dict.fromkeys(sources.REASONS, 0)
+    by_reason = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
     for stats in per_source.values():
         for reason, n in stats["dropped_by_reason"].items():
             by_reason[reason] += n

@@ -46,8 +46,8 @@ ROLE_ALIASES: dict[str, str] = {
     "function_response": "tool", "tool_response": "tool",
 }
 
-# Every reason a row can be dropped for, in report order.
-REASONS = (
+# Every reason a source row can be dropped for by prepare, in report order.
+SOURCE_DROP_REASONS = (
     "malformed_json",     # a line that is not JSON (on_bad_row: skip)
     "not_an_object",      # valid JSON that is not an object (on_bad_row: skip)
     "missing_field",      # the configured field, or a turn's role/content key, is absent

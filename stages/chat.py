@@ -66,7 +66,7 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")  # as transformers a
 
 
 @dataclass
-class Plan:
+class RenderedRow:
     """One output row before encoding: its rendering cut into parts.
 
     `parts[k]` is a control-token id, or None for the next string of `texts`; `sup[k]`
@@ -403,7 +403,7 @@ class ChatEncoder:
 
     def plan(self, messages: list[dict], tools: list | None = None, *,
              policy: str = "last", truncated: bool = False,
-             lookalikes: bool | None = None) -> list[Plan]:
+             lookalikes: bool | None = None) -> list[RenderedRow]:
         """The rows of one conversation that ends with an assistant message.
 
         `lookalikes=False` promises that no string spells a control token (see
@@ -425,7 +425,7 @@ class ChatEncoder:
             for k, i in enumerate(turns, 1)
         ]
 
-    def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> Plan:
+    def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> RenderedRow:
         if self.generation_tags:
             full, marked = self.render(msgs, tools, with_spans=True)
             prompt = self.render(msgs[:-1], tools, add_generation_prompt=True)
@@ -500,7 +500,7 @@ class ChatEncoder:
             spans = earlier + spans
         return cut, spans
 
-    def _cut(self, full: str, cut: int, spans, look: bool) -> Plan:
+    def _cut(self, full: str, cut: int, spans, look: bool) -> RenderedRow:
         texts: list[str] = []
         parts: list[int | None] = []
         sup: list[bool] = []
@@ -547,12 +547,12 @@ class ChatEncoder:
             pos = b
         advance(len(full))
         text(pos, len(full))
-        return Plan(0, 0, full, cut, texts, parts, sup,
+        return RenderedRow(0, 0, full, cut, texts, parts, sup,
                     prompt_parts if prompt_parts >= 0 else len(parts), look)
 
     # -------------------------------------------------------------- encoding
 
-    def encode_plans(self, plans: Sequence[Plan]) -> Batch:
+    def encode_plans(self, plans: Sequence[RenderedRow]) -> Batch:
         """Encode the text pieces of all plans in one call and assemble ids and masks."""
         encs = self.encode_text([t for p in plans for t in p.texts])
         flat: list[int] = []
@@ -589,7 +589,7 @@ class ChatEncoder:
 
     def encode(self, messages: list[dict], tools: list | None = None, *,
                policy: str = "last", truncated: bool = False):
-        """Plan and encode one conversation: [(ids, mask, prompt_len)] per row."""
+        """Render and encode one conversation: [(ids, mask, prompt_len)] per row."""
         batch = self.encode_plans(self.plan(messages, tools, policy=policy, truncated=truncated))
         return [(*batch.row(i), batch.prompt_lens[i]) for i in range(len(batch.prompt_lens))]
 

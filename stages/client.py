@@ -229,13 +229,13 @@ def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return None, content
 
 
-def parse_reply(data: Any, split: bool) -> tuple:
+def parse_reply(data: Any, enable_thinking: bool) -> tuple:
     """(content, reasoning, tool_calls, finish_reason, prompt_tokens, completion_tokens)."""
     choice = data["choices"][0]
     msg = choice["message"]
     content = msg.get("content") or None
     reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
-    if reasoning is None and split:
+    if reasoning is None and enable_thinking:
         reasoning, content = split_think(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
@@ -375,7 +375,7 @@ class ChatClient:
         request_timeout: float,
         retry: RetryPolicy,
         unreachable_deadline: float,
-        split_reasoning: bool = False,
+        enable_thinking: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
         min_new_tokens: int = 1,
@@ -395,7 +395,7 @@ class ChatClient:
         self.request_timeout = request_timeout
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
-        self.split = split_reasoning
+        self.enable_thinking = enable_thinking
         self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
@@ -575,7 +575,8 @@ class ChatClient:
             changed = True
         if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+        parsed = parse_reply(data, self.enable_thinking)
+        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:

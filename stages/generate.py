@@ -67,7 +67,7 @@ from stages.client import (
     parse_reply,
 )
 from stages.errors import StageError, json_object
-from stages.requestcache import KeyIndex, RequestCache, fingerprint, request_key
+from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
 from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
 log = logging.getLogger("stages.generate")
@@ -156,7 +156,7 @@ def api_key(server: P.Server) -> Optional[str]:
 # ------------------------------------------------------------------------- plan
 
 
-class Plan:
+class PromptLocations:
     """Where each prompt is in the prompts file and in the cache: arrays, not objects."""
 
     def __init__(self, path: Path, limit: Optional[int], namespace: str):
@@ -271,8 +271,9 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 # ------------------------------------------------------------------------ server
 
 
-class Server:
-    """What the stage needs from a server: URLs, the model name, restart hooks."""
+class ServerHandle:
+    """The server this run talks to (launched or at URLs): its URLs, the model name, restart
+    hooks. Its params are `P.Server`; a launched engine process is `servers.LaunchedServer`."""
 
     def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
@@ -384,7 +385,8 @@ class Generation:
     """One run of the send loop over the pending prompts."""
 
     def __init__(
-        self, cfg: P.Generate, plan: Plan, cache: RequestCache, server: Server, client: ChatClient
+        self, cfg: P.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
+        client: ChatClient,
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
         self.sampling = Sampling.of(cfg)
@@ -563,12 +565,12 @@ class Generation:
 
 
 def write_outputs(
-    plan: Plan,
+    plan: PromptLocations,
     cache: RequestCache,
     transient: dict[int, dict],
     model: str,
-    sampling_fp: str,
-    split: bool,
+    sampling_hash: str,
+    enable_thinking: bool,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only."""
     counts = {
@@ -600,7 +602,7 @@ def write_outputs(
             mine = by_source.setdefault(str(prompt.get("source")), {
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
-                row = completion_row(prompt, rec["reply"], model, sampling_fp, split)
+                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking)
                 counts["completed"] += 1
                 counts["truncated"] += row["truncated"]
                 mine["completed"] += 1
@@ -622,11 +624,14 @@ def write_outputs(
     return counts
 
 
-def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, split: bool) -> dict:
+def completion_row(
+    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool
+) -> dict:
     # parsed again here, not taken from the client's Reply: rows are written from the
     # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
     # one from a fresh run come out the same; the client's parse feeds only live counts
-    content, reasoning, tool_calls, finish, n_prompt, n_completion = parse_reply(reply, split)
+    parsed = parse_reply(reply, enable_thinking)
+    content, reasoning, tool_calls, finish, n_prompt, n_completion = parsed
     answer: dict[str, Any] = {
         "role": "assistant", "content": content, "reasoning_content": reasoning,
     }  # fmt: skip
@@ -646,7 +651,7 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         truncated=truncated,
         usage={"prompt_tokens": n_prompt, "completion_tokens": n_completion},
         model=model,
-        sampling=sampling_fp,
+        sampling=sampling_hash,
     )
     served = engine_tokens(reply)
     if served is not None:
@@ -688,16 +693,16 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     except (RuntimeError, ValueError):  # not the main thread
         pass
     t0 = time.monotonic()
-    server = Server(cfg, key, redact)
+    server = ServerHandle(cfg, key, redact)
     label = await server.resolve_label()
     seed_used = await asyncio.to_thread(_seed_used, server, cfg)
     if server.urls and cfg.server.router_timeout is None:
         await asyncio.to_thread(_warn_router_timeout, server, cfg)
     sampling = Sampling.of(cfg)
-    sampling_fp = fingerprint(sampling.as_dict())
-    namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
-    plan = Plan(PROMPTS, cfg.limit, namespace)
-    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_fp}
+    sampling_hash = short_hash(sampling.as_dict())
+    namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
+    plan = PromptLocations(PROMPTS, cfg.limit, namespace)
+    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_hash}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -711,7 +716,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         if pending:
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
-        counts = write_outputs(plan, cache, transient, label, sampling_fp, cfg.enable_thinking)
+        counts = write_outputs(plan, cache, transient, label, sampling_hash, cfg.enable_thinking)
     report = {
         "requests": plan.n,
         **counts,
@@ -722,7 +727,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,
-        "sampling": sampling_fp,
+        "sampling": sampling_hash,
         "sampling_params": sampling.as_dict(),
         "seed_honoured": seed_used,
         "server": server.info(),
@@ -748,7 +753,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     return report
 
 
-def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
+def _seed_used(server: ServerHandle, cfg: P.Generate) -> Optional[bool]:
     """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
     when it does not. The seed keys the request cache either way: it is what was asked."""
     from stages import servers
@@ -768,7 +773,7 @@ def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
     return used
 
 
-def _warn_router_timeout(server: Server, cfg: P.Generate) -> None:
+def _warn_router_timeout(server: ServerHandle, cfg: P.Generate) -> None:
     from stages import servers
 
     if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
@@ -824,7 +829,9 @@ def _kinds(by_kind: dict[str, int]) -> str:
     return ", ".join(f"{kind} {count}" for kind, count in by_kind.items())
 
 
-def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: P.Generate) -> None:
+def _print_first_request(
+    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: P.Generate
+) -> None:
     """The dry run's view: exactly the body sent (or that would be), the key redacted."""
     body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
     launched = getattr(server.launched, "url", "") or "<launched>"
@@ -836,21 +843,20 @@ def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: 
 
 async def _send(
     cfg: P.Generate,
-    plan: Plan,
+    plan: PromptLocations,
     cache: RequestCache,
-    server: Server,
+    server: ServerHandle,
     key: Optional[str],
     pending: array,
 ) -> Generation:
     from stages import servers
 
     retry = RetryPolicy.of(cfg)
-    split = cfg.enable_thinking
     if cfg.server.launch is None:
         await server.ready()  # a router with no worker answers 503
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
-            request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
+            request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
             unreachable_deadline=cfg.server.unreachable_deadline,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
@@ -866,7 +872,7 @@ async def _send(
         watchdog = servers.Watchdog(launched, cfg.server.watchdog_seconds, cfg.server.max_restarts)
         async with ChatClient(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
-            request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
+            request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip

@@ -246,7 +246,9 @@ class _Workers:
             self.pool.join()
 
 
-def _prepared_groups(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
+def _prepared_groups(
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers
+) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker

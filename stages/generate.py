@@ -381,6 +381,60 @@ def _hms(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
 
 
+class BadBodyBreaker:
+    """Stops the run once BREAKER requests in a row got no well-formed reply after their
+    retries: the server is not answering chat completions."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.in_a_row = 0  # requests given up on bad bodies since the last success
+
+    def success(self) -> None:
+        self.in_a_row = 0
+
+    def failure(self, f: Failure) -> None:
+        if f.kind not in BAD_BODIES:
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= BREAKER:
+            raise StageError(
+                f"{BREAKER} requests in a row got no well-formed reply after retries, "
+                f"e.g. {f.message[:200]!r}: the server at "
+                f"{', '.join(self.urls)} is not answering chat completions; "
+                "fix it and run again (answered requests are kept)"
+            ) from None
+
+
+LATENCY_KEYS = ("mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
+                "p99_e2e_latency_ms")
+
+
+class Latencies:
+    """Each completed request's end-to-end seconds, summarised as sglang.bench_serving
+    names them (milliseconds)."""
+
+    def __init__(self):
+        self.seconds = array("d")
+
+    def add(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+
+    def total(self) -> float:
+        return float(np.sum(np.asarray(self.seconds, dtype=np.float64))) if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        if not self.seconds:
+            return dict.fromkeys(LATENCY_KEYS, 0.0)
+        lat = np.asarray(self.seconds, dtype=np.float64)
+        ms = (lambda x: round(float(x) * 1000, 1))
+        return {
+            "mean_e2e_latency_ms": ms(lat.mean()),
+            "median_e2e_latency_ms": ms(np.percentile(lat, 50)),
+            "p90_e2e_latency_ms": ms(np.percentile(lat, 90)),
+            "p99_e2e_latency_ms": ms(np.percentile(lat, 99)),
+        }
+
+
 class Generation:
     """One run of the send loop over the pending prompts."""
 
@@ -396,14 +450,14 @@ class Generation:
         self.transient: dict[int, dict] = {}
         self.held: list[tuple[int, dict]] = []
         self.any_success = False
-        self.bad_in_a_row = 0  # requests given up on bad bodies since the last success
+        self.breaker = BadBodyBreaker(client.urls)
         self.sent = 0
         self.finished = 0  # requests of this run that completed or gave up
         self.completed = 0
         self.failed = int(np.count_nonzero((plan.seg >= 0) & ~plan.ok))
         self.out_tokens = 0
         self.in_tokens = 0
-        self.latencies = array("d")
+        self.latencies = Latencies()
         self.first_send: Optional[float] = None
         self.last_done: Optional[float] = None
 
@@ -439,15 +493,7 @@ class Generation:
             }  # fmt: skip
             n = len(self.plan.index.twins(i))
             self.failed += n
-            if f.kind in BAD_BODIES:
-                self.bad_in_a_row += 1
-                if self.bad_in_a_row >= BREAKER:
-                    raise StageError(
-                        f"{BREAKER} requests in a row got no well-formed reply after retries, "
-                        f"e.g. {f.message[:200]!r}: the server at "
-                        f"{', '.join(self.client.urls)} is not answering chat completions; "
-                        "fix it and run again (answered requests are kept)"
-                    ) from None
+            self.breaker.failure(f)
             if not f.permanent:
                 self.transient[i] = record
                 self.done += n
@@ -465,10 +511,10 @@ class Generation:
             return
         self.finished += 1
         self.completed += 1
-        self.bad_in_a_row = 0
+        self.breaker.success()
         self.out_tokens += reply.completion_tokens
         self.in_tokens += reply.prompt_tokens
-        self.latencies.append(reply.latency)
+        self.latencies.add(reply.latency)
         self.last_done = time.monotonic()
         # The server's reply is cached as it came (no re-encoding): the completion row
         # is derived from it when the outputs are written.
@@ -496,12 +542,7 @@ class Generation:
                 await self._one(fd, i)
 
         async def ticker() -> None:
-            tick = 0.5 if progress.bar is not None else min(1.0, self.cfg.progress_interval)
-            while True:
-                await asyncio.sleep(tick)
-                if self.cache.sync_due():
-                    await asyncio.to_thread(self.cache.sync)
-                progress.tick(self.done, self.failed, self.out_tokens, self.client.in_flight)
+            await self._tick(progress)
 
         self.first_send = time.monotonic()
         quiet_logs = contextlib.nullcontext()
@@ -523,6 +564,16 @@ class Generation:
             in_flight = self.client.in_flight
             progress.tick(self.done, self.failed, self.out_tokens, in_flight, final=True)
 
+    async def _tick(self, progress: Progress) -> None:
+        """In the background: fsync the cache when due (about once a second, so a crash
+        loses at most that much of the replies) and update the progress line."""
+        tick = 0.5 if progress.bar is not None else min(1.0, self.cfg.progress_interval)
+        while True:
+            await asyncio.sleep(tick)
+            if self.cache.sync_due():
+                await asyncio.to_thread(self.cache.sync)
+            progress.tick(self.done, self.failed, self.out_tokens, self.client.in_flight)
+
     async def _workers(self, pending: array, worker, ticker, watch) -> None:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(ticker())]
@@ -536,28 +587,20 @@ class Generation:
     @staticmethod
     def metrics_empty() -> dict:
         zero = ("duration_s", "request_throughput", "input_throughput", "output_throughput",
-                "mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
-                "p99_e2e_latency_ms", "concurrency")  # fmt: skip
+                *LATENCY_KEYS, "concurrency")  # fmt: skip
         return dict.fromkeys(zero, 0.0)
 
     def metrics(self) -> dict:
         dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        lat = np.asarray(self.latencies, dtype=np.float64) if len(self.latencies) else np.zeros(1)
-
-        def pct(q: float) -> float:
-            return round(float(np.percentile(lat, q)) * 1000, 1) if self.completed else 0.0
-
         rate = (lambda x: round(x / dur, 3) if dur > 0 else 0.0)
+        busy = self.latencies.total()
         return {
             "duration_s": round(dur, 3),
             "request_throughput": rate(self.completed),
             "input_throughput": rate(self.in_tokens),
             "output_throughput": rate(self.out_tokens),
-            "mean_e2e_latency_ms": round(float(lat.mean()) * 1000, 1) if self.completed else 0.0,
-            "median_e2e_latency_ms": pct(50),
-            "p90_e2e_latency_ms": pct(90),
-            "p99_e2e_latency_ms": pct(99),
-            "concurrency": round(float(lat.sum()) / dur, 2) if dur > 0 and self.completed else 0.0,
+            **self.latencies.summary(),
+            "concurrency": round(busy / dur, 2) if dur > 0 and self.completed else 0.0,
         }
 
 

@@ -164,9 +164,10 @@ class _Words:
         raw = joined.encode("utf-8").translate(_BYTES)
         nonzero = np.frombuffer(raw, np.uint8) != 0
         at = np.flatnonzero(nonzero[1:] > nonzero[:-1])  # word j starts at byte at[j] + 1
-        # the 8 bytes at each byte offset from 1 on: unaligned, read in place by take
+        # the 8 bytes at each byte offset from 1 on: unaligned, read in place by indexing
+        # (take would first copy the whole view to aligned memory)
         reads = np.ndarray((len(raw) - 8,), "<u8", raw, 1, (1,))
-        h = reads.take(at)
+        h = reads[at]
         longer = np.flatnonzero(_cut(h))
         breaks = np.flatnonzero(h == 1)
         if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
@@ -174,7 +175,7 @@ class _Words:
             return
         k, scale = 8, _CHUNK
         while len(longer):  # the next 8 bytes of words longer than k - 1 bytes
-            part = reads.take(at[longer] + k)
+            part = reads[at[longer] + k]
             goes_on = _cut(part)
             part *= scale  # a polynomial of the chunks, mixed below with the rest
             h[longer] += part

@@ -5,13 +5,19 @@ fixed pool of workers (in generate.py) that each take the next prompt as soon as
 their last one finishes: no batch barrier, so one slow reply never holds the others.
 
 Errors are sorted by what a retry can change:
-  permanent  400/413/422 (`bad_request`), a prompt over the context (`context_length`),
-             500 "Out of memory even after retracting" (`oom`): sent once, never again.
+  permanent  400/413/422 (`bad_request`), 500 "Out of memory even after retracting"
+             (`oom`): sent once, never again.
+  too long   the engine's 400 for prompt + max_tokens over the context names both
+             numbers: the request is sent again once with max_tokens clamped to what
+             the context leaves; a prompt that leaves fewer than `min_new_tokens` (or
+             an unreadable context error) is a permanent `context_overflow`.
   transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
              dropped connections (`connection`), 200 bodies that are not UTF-8 JSON
              (`malformed`, e.g. cut short), a 400 "duplicate rid" when a retry races the
-             server's abort (`duplicate_rid`): retried with exponential backoff + jitter
-             up to `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
+             server's abort (`duplicate_rid`), a 200 whose finish_reason is "abort"
+             (`aborted`: an admin abort, a pause or a weight update cut it, the model
+             did not stop): retried with exponential backoff + jitter up to
+             `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
              well-formed reply (`bad_reply`, stages/replies.py) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).
   down       the server refuses connections: requests wait (not counted as retries)
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -34,13 +41,29 @@ import aiohttp
 
 from stages import replies
 from stages.errors import StageError
+from stages.messages import token_ids_digest
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
 CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "exceeds the")
+# (context, prompt tokens) in the engines' context errors, in the order they appear
+CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
+    (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 1, 2),
+    # SGLang: the prompt alone fills the context
+    (re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+)"), 2, 1),
+    # vLLM: "maximum context length is C tokens ... your request has P input tokens" (or
+    # "your prompt contains P input tokens")
+    (re.compile(r"maximum context length is (\d+) tokens.*?(\d+) input tokens", re.S), 1, 2),
+    # vLLM: "... you requested T tokens (P in the messages, O in the completion)"
+    (re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages", re.S), 1, 2),
+)
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
 MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
+# a reply body longer than this (decompressed) is refused while it arrives: a million
+# tokens of text is under 16 MiB; this bounds memory per request against a server that
+# sends without end or a gzip bomb
+MAX_REPLY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -143,6 +166,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["rid"] = prompt["id"]
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
+        # the engine's own token ids come back: tokenize checks its render against them
+        body["return_token_ids"] = True
     body["stream"] = False
     return body
 
@@ -217,16 +242,64 @@ def parse_reply(data: Any, split: bool) -> tuple:
     )
 
 
+def engine_tokens(data: Any) -> Optional[dict]:
+    """What a completion row keeps of the engine's token ids (vLLM's `return_token_ids`):
+    the prompt ids' digest and count and the completion's count; None when the reply has
+    no well-formed ids. Enough to check a training render against, a few dozen bytes.
+    A cached reply already holds it (`compact_token_ids`)."""
+    if "engine_tokens" in data:
+        kept = data["engine_tokens"]
+        return kept if _well_formed_tokens(kept) else None
+    prompt_ids = data.get("prompt_token_ids")
+    try:
+        completion_ids = data["choices"][0].get("token_ids")
+        return {
+            "prompt_sha256": token_ids_digest(prompt_ids),
+            "prompt": len(prompt_ids),
+            "completion": len(completion_ids) if isinstance(completion_ids, list) else None,
+        }
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def _well_formed_tokens(kept: Any) -> bool:
+    """A cached `engine_tokens` is read back from disk: check its shape like any reply."""
+    return (
+        isinstance(kept, dict) and set(kept) == {"prompt_sha256", "prompt", "completion"}
+        and isinstance(kept["prompt_sha256"], str) and type(kept["prompt"]) is int
+        and (kept["completion"] is None or type(kept["completion"]) is int)
+    )
+
+
+def compact_token_ids(data: dict) -> bool:
+    """Swap the engine's id lists (`prompt_token_ids`, `choices[].token_ids`) for
+    `engine_tokens`, in place; True when the reply changed. The lists are as long as the
+    prompt and the answer: cached whole they would double the request cache."""
+    choices = data.get("choices")
+    listed = [c for c in choices if isinstance(c, dict) and "token_ids" in c] if isinstance(
+        choices, list) else []
+    if "prompt_token_ids" not in data and not listed:
+        return False
+    kept = engine_tokens(data)
+    data.pop("prompt_token_ids", None)
+    for choice in listed:
+        del choice["token_ids"]
+    if kept is not None:
+        data["engine_tokens"] = kept
+    return True
+
+
 def classify(status: int, message: str) -> tuple[str, str]:
     """(kind, class) of an HTTP error; class is permanent/transient/t500/fatal."""
     low = message.lower()
-    if status in (401, 403, 404):
+    if status in (401, 403, 404) or 300 <= status < 400:
+        # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
     if status in (400, 413, 422) or (400 <= status < 500 and status not in (408, 429)):
         if any(h in low for h in CONTEXT_HINTS):
-            return "context_length", "permanent"
+            return "context_overflow", "permanent"
         return "bad_request", "permanent"
     if status in (429, 503):
         return "overloaded", "transient"
@@ -237,6 +310,22 @@ def classify(status: int, message: str) -> tuple[str, str]:
     if OOM_HINT in low:
         return "oom", "permanent"
     return "server_error", "t500"
+
+
+def context_numbers(message: str) -> Optional[tuple[int, int]]:
+    """(context length, prompt tokens) from an engine's context error, else None."""
+    for pattern, ctx, prompt in CONTEXT_ERRORS:
+        m = pattern.search(message)
+        if m:
+            return int(m.group(ctx)), int(m.group(prompt))
+    return None
+
+
+def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
+    """The same request asking for at most `max_tokens` (rare: only prompts near the context)."""
+    data = json.loads(body)
+    data["max_tokens"] = max_tokens
+    return json.dumps(data, ensure_ascii=False).encode()
 
 
 def _error_message(raw: bytes) -> str:
@@ -282,6 +371,7 @@ class ChatClient:
         split_reasoning: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
+        min_new_tokens: int = 1,
     ):
         # shown in messages without credentials; aiohttp sends a URL's own as Basic auth
         self.urls = [strip_url_credentials(u.rstrip("/")) for u in urls]
@@ -299,6 +389,7 @@ class ChatClient:
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
         self.split = split_reasoning
+        self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
         self.inflight = [0] * len(self.urls)
@@ -307,6 +398,7 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
+        self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "ChatClient":
@@ -348,12 +440,21 @@ class ChatClient:
             await self.gate.wait_ready()
             self.last_contact = time.monotonic()  # a restart is not silence
 
+    def _room(self, message: str, clamped: bool) -> Optional[int]:
+        """max_tokens that fits the context the engine reported, if worth a second try."""
+        numbers = None if clamped else context_numbers(message)
+        if numbers is None:
+            return None
+        room = numbers[0] - numbers[1]
+        return room if room >= self.min_new_tokens else None
+
     async def complete(self, body: bytes) -> Reply:
         """Send one request until it succeeds or gives up.
 
         Raises Failure (this request), Unreachable or Rejected (the whole run).
         """
         attempts = retries = retries_500 = waits = 0
+        clamped = False
         while True:
             await self._wait_gate()
             i = self._pick()
@@ -362,10 +463,15 @@ class ChatClient:
             t0 = time.perf_counter()
             err: Optional[_Attempt] = None
             try:
-                async with self.session.post(self._endpoints[i], data=body) as resp:
-                    raw = await resp.read()
+                async with self.session.post(
+                    self._endpoints[i], data=body, allow_redirects=False
+                ) as resp:
+                    raw = await _read_capped(resp)
                     status = resp.status
                     retry_after = resp.headers.get("Retry-After")
+                    if 300 <= status < 400:
+                        where = resp.headers.get("Location", "nowhere")
+                        raw = f"a redirect to {where[:300]}; use the address it names".encode()
             except aiohttp.ConnectionTimeoutError:
                 err = _Attempt("down", None, f"{self.urls[i]}: connect timed out")
             except (asyncio.TimeoutError, TimeoutError):
@@ -382,14 +488,21 @@ class ChatClient:
             if err is None:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
-                if status == 200:
+                if raw is None:
+                    err = _Attempt("bad_reply", status, f"HTTP {status} with a body over "
+                                   f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)")
+                    cls = "t500"
+                elif status == 200:
                     data, bad = read_body(raw)
+                    if bad is None and data["choices"][0].get("finish_reason") == "abort":
+                        # an admin abort, pause or weight update cut it: not the model's end
+                        bad = ("aborted", "the server aborted the request")
                     if bad is None:
                         return self._reply(data, raw, attempts, latency)
                     kind, why = bad
                     text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
                     err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
-                    cls = "transient" if kind == "malformed" else "t500"
+                    cls = "t500" if kind == "bad_reply" else "transient"
                 else:
                     message = _error_message(raw)
                     kind, cls = classify(status, message)
@@ -400,6 +513,11 @@ class ChatClient:
                             f"{self._say(message, 200)} (check generate.server.url/model"
                             f" and the key in generate.server.api_key_env)"
                         )
+                    room = self._room(message, clamped) if kind == "context_overflow" else None
+                    if room is not None:
+                        body, clamped = with_max_tokens(body, room), True
+                        self.clamped += 1
+                        continue  # not a retry: the engine said what fits
                     if cls == "permanent":
                         text = self._say(message, MAX_MESSAGE)
                         raise Failure(kind, status, text, attempts, True)
@@ -442,11 +560,28 @@ class ChatClient:
         return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
-        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked,
+        one with the engine's token id lists with only what a row keeps of them."""
+        changed = compact_token_ids(data)
         if self.redact and self.redact.found(raw.decode("utf-8")):
             data = self.redact.scrub(data)
+            changed = True
+        if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:
+    """The whole body, or None once it passes MAX_REPLY_BYTES (the rest is never read)."""
+    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _retry_after(value: Optional[str]) -> float:

@@ -6,7 +6,8 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling fingerprint
+                                      truncated, usage, model, sampling fingerprint,
+                                      and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
   reports/generate.json               requests, failures by kind, tokens, req/s,
@@ -15,12 +16,17 @@ writes, in prompt order:
 Every reply goes first into a crash-safe request cache (`generate.cache_dir`, default
 .cache/requests, outside the DVC outs). Kill the run at any moment and run it again:
 only the missing requests are sent. Changing a sampling param or the model starts a new
-key space; the old one stays for a rollback. Permanent failures (400, prompt too long,
-OOM after retracting) are cached too and not resent (`generate.retry_failed: true`
-resends them); transient ones (503, 429, timeouts, bad replies, ...) are retried on the
-next run. A run left with more failures than `generate.max_transient_failures` /
+key space; the old one stays for a rollback. Permanent failures (400, a prompt that
+leaves fewer than `generate.min_new_tokens` in the context, OOM after retracting) are
+cached too and not resent (`generate.retry_failed: true` resends them); transient ones
+(503, 429, timeouts, bad replies, aborted replies, ...) are retried on the next run. A
+run left with more failures than `generate.max_transient_failures` /
 `generate.max_permanent_failures` allow writes its outputs for inspection and exits 1,
 so DVC records no version and the next `dvc repro` runs it again (see `verdict`).
+
+A URL server is used once /v1/models names its model (a router answers /health with no
+worker behind it); that name keys the cache. One that stops finishing requests without
+proving it generates ends the run after `watchdog_seconds` + `server.hang_timeout`.
 
 `generate.limit: N` runs the first N prompts and prints the first request body.
 Ctrl-C stops cleanly with exit status 130, SIGTERM with 143; the cache keeps every
@@ -42,6 +48,7 @@ import time
 from array import array
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -56,6 +63,7 @@ from stages.client import (
     RetryPolicy,
     Sampling,
     build_body,
+    engine_tokens,
     parse_reply,
 )
 from stages.errors import StageError, json_object
@@ -71,8 +79,9 @@ SERVER_LOG = Path(".cache/logs/generate-server.log")
 # (a param the server rejects, a wrong model): stop instead of caching them all.
 BREAKER = 32
 BAD_BODIES = ("malformed", "bad_reply")  # a 200 whose body is not a chat completion
+# "abort" is retried now (client.py), but caches written before may still hold one
 TRUNCATED_FINISH = ("length", "abort")
-FALLBACK_MODEL = "default"
+ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
 
 
 # ------------------------------------------------------------------------ params
@@ -88,9 +97,15 @@ def check(cfg: P.Generate) -> None:
     if isinstance(s.url, list) and not s.url:
         raise StageError("generate.server.url: empty list (give at least one URL)")
     for u in server_urls(s):
+        shown = strip_url_credentials(u)
         if not u.startswith(("http://", "https://")):
-            shown = strip_url_credentials(u)
             raise StageError(f"generate.server.url: {shown!r} is not an http(s):// URL")
+        try:  # a bad port or no host would only show as an unreachable server, much later
+            parts = urlsplit(u)
+            if parts.port == 0 or not parts.hostname:
+                raise ValueError("no host or port 0")
+        except ValueError as e:
+            raise StageError(f"generate.server.url: {shown!r} is not a valid URL ({e})") from None
         if s.api_key_env and any(url_credentials(u)):
             raise StageError(
                 "generate.server.url: has credentials (user:password@) and "
@@ -98,6 +113,8 @@ def check(cfg: P.Generate) -> None:
                 "Authorization header: use one of them"
             )
     P.check_ranges(cfg, "generate")
+    if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
+        raise StageError(router_timeout_advice(cfg.request_timeout, s.router_timeout))
     for name in ("max_transient_failures", "max_permanent_failures"):
         limit = getattr(cfg, name)
         if isinstance(limit, float) and not 0 <= limit <= 1:
@@ -112,6 +129,17 @@ def check(cfg: P.Generate) -> None:
 def server_urls(server: P.Server) -> list[str]:
     """generate.server.url as a list (empty for a launched server)."""
     return [server.url] if isinstance(server.url, str) else list(server.url or [])
+
+
+def router_timeout_advice(request_timeout: float, router_timeout: float) -> str:
+    return (
+        f"generate.request_timeout ({request_timeout:g} s) is longer than the router's "
+        f"--request-timeout-secs ({router_timeout:g} s, generate.server.router_timeout): the "
+        "router would cut long generations and they would start over; set "
+        f"generate.request_timeout <= {router_timeout:g} or start the router with "
+        f"--request-timeout-secs {int(request_timeout) + 60} and set "
+        "generate.server.router_timeout to match"
+    )
 
 
 def api_key(server: P.Server) -> Optional[str]:
@@ -277,11 +305,23 @@ class Server:
         self.request_model = s.model
 
     async def resolve_label(self) -> str:
-        """The model name that keys the cache (a URL server without server.model is asked)."""
+        """The model name that keys the cache (a URL server without server.model is asked,
+        once it is ready)."""
         if self.label is None:
-            self.request_model = await _served_model(self.urls, self.key, self.cfg)
-            self.label = self.redact(self.request_model)  # written into every row
+            served = await self.ready()
+            if served is None:
+                raise StageError(
+                    f"{self.shown_urls()[0]}/v1/models lists no model: set generate.server.model "
+                    "(it is sent with every request and keys the request cache)"
+                )
+            self.request_model = served
+            self.label = self.redact(served)  # written into every row
         return self.label
+
+    async def ready(self) -> Optional[str]:
+        from stages.servers import wait_ready
+
+        return await wait_ready(self.urls, self.cfg.server.unreachable_deadline, self.key)
 
     def shown_urls(self) -> list[str]:
         return [strip_url_credentials(u) for u in self.urls]
@@ -300,45 +340,6 @@ class Server:
         return self.redact.scrub(info)
 
 
-async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> str:
-    """The model the URL servers serve (GET /v1/models), when generate.server.model is unset."""
-    import aiohttp
-
-    await _any_reachable(urls, cfg.server.unreachable_deadline, key)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    names: set[str] = set()
-    down = ""
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
-        for url in urls:
-            try:
-                async with s.get(url + "/v1/models") as r:
-                    status = r.status
-                    data = await r.json(content_type=None)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-                down = down or f"{url}: {type(e).__name__}"  # the client avoids it while it is down
-                continue
-            except ValueError:
-                data, status = None, -1
-            if status in (401, 403):
-                raise StageError(
-                    f"{url}/v1/models answered HTTP {status}: check the API key "
-                    f"(generate.server.api_key_env={cfg.server.api_key_env})"
-                )
-            try:
-                names.add(str(data["data"][0]["id"]))
-            except (KeyError, IndexError, TypeError):
-                # SGLang and vLLM answer any model name when they serve one model
-                log.warning(
-                    "%s/v1/models gave no model (HTTP %s): sending model %r; set "
-                    "generate.server.model to name it (it also keys the request cache)",
-                    url, status, FALLBACK_MODEL,
-                )  # fmt: skip
-                names.add(FALLBACK_MODEL)
-    if not names:
-        raise StageError(f"cannot read the served model: {down}; set generate.server.model")
-    if len(names) > 1:
-        raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
-    return names.pop()
 
 
 # --------------------------------------------------------------------------- run
@@ -656,6 +657,9 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         model=model,
         sampling=sampling_fp,
     )
+    served = engine_tokens(reply)
+    if served is not None:
+        row["engine_tokens"] = served
     return row
 
 
@@ -695,6 +699,9 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     t0 = time.monotonic()
     server = Server(cfg, key, redact)
     label = await server.resolve_label()
+    seed_used = await asyncio.to_thread(_seed_used, server, cfg)
+    if server.urls and cfg.server.router_timeout is None:
+        await asyncio.to_thread(_warn_router_timeout, server, cfg)
     sampling = sampling_of(cfg)
     sampling_fp = fingerprint(sampling.as_dict())
     namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
@@ -720,11 +727,13 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "from_cache": gen.cached if gen else plan.n,
         "sent": gen.sent if gen else 0,
         "retries": gen.client.retries if gen else 0,
+        "clamped": gen.client.clamped if gen else 0,
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,
         "sampling": sampling_fp,
         "sampling_params": sampling.as_dict(),
+        "seed_honoured": seed_used,
         "server": server.info(),
         "cache_dir": str(cache.dir),
         "cache_damaged": damaged,
@@ -746,6 +755,39 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
             counts["failed_transient"],
         )
     return report
+
+
+def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
+    """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
+    when it does not. The seed keys the request cache either way: it is what was asked."""
+    from stages import servers
+
+    if cfg.seed is None:
+        return None
+    launch = cfg.server.launch
+    argv = None if launch is None else list(launch.args) + list(launch.command or [])
+    url = server.urls[0] if server.urls else None
+    used = servers.seed_honoured(server.engine, url, server.key, argv)
+    if used is False:
+        log.warning(
+            "generate.seed=%s is ignored: SGLang uses a request's seed only when started with "
+            "%s; replies are sampled anew on a re-send (the cache keeps them stable)",
+            cfg.seed, servers.DETERMINISTIC_FLAG,
+        )  # fmt: skip
+    return used
+
+
+def _warn_router_timeout(server: Server, cfg: P.Generate) -> None:
+    from stages import servers
+
+    if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
+        return
+    if any(servers.is_router(u, server.key) for u in server.urls):
+        log.warning(
+            "%s is an sglang-router (default --request-timeout-secs %d). %s",
+            ", ".join(server.shown_urls()), ROUTER_DEFAULT_TIMEOUT,
+            router_timeout_advice(cfg.request_timeout, ROUTER_DEFAULT_TIMEOUT),
+        )  # fmt: skip
 
 
 def allowed(limit: int | float, n: int) -> int:
@@ -814,11 +856,12 @@ async def _send(
     retry = RetryPolicy(cfg.max_retries, cfg.max_retries_500, cfg.backoff_base, cfg.backoff_max)
     split = cfg.enable_thinking
     if cfg.server.launch is None:
-        await _any_reachable(server.urls, cfg.server.unreachable_deadline, key)
+        await server.ready()  # a router with no worker answers 503
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
             gen = Generation(cfg, plan, cache, server, client)
             await gen.run(pending, watch=_watch_url)
@@ -834,6 +877,7 @@ async def _send(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
 
             async def watch(gen: Generation) -> None:
@@ -850,39 +894,45 @@ async def _send(
         launched.stop()
 
 
-async def _any_reachable(urls: list[str], deadline: float, key: Optional[str]) -> None:
-    """Return once one of the URLs answers (the client avoids the others while they are down)."""
-    from stages import servers
-
-    tasks = [asyncio.ensure_future(servers.wait_reachable(u, deadline, key)) for u in urls]
-    try:
-        for next_done in asyncio.as_completed(tasks):
-            try:
-                return await next_done
-            except StageError:
-                if all(t.done() for t in tasks):
-                    raise
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 async def _watch_url(gen: Generation) -> None:
-    """A URL server cannot be restarted from here: say loudly when it stops making progress."""
-    limit = gen.cfg.server.watchdog_seconds
-    last, since = gen.done, time.monotonic()
+    """A URL server cannot be restarted from here. Requests in flight, none finished for
+    watchdog_seconds, and no URL proving it generates: the server looks hung. Still so
+    after hang_timeout more: the run stops (the cache keeps every answer so far)."""
+    from stages.servers import GenerationProbe
+
+    s = gen.cfg.server
+    model = gen.server.request_model or ""
+    probes = [GenerationProbe(u, gen.server.engine, model, gen.server.key) for u in gen.server.urls]
+    limit, tick = s.watchdog_seconds, min(s.watchdog_seconds / 4, 30.0)
+    last, since, hung_since = gen.done, time.monotonic(), None
     while True:
-        await asyncio.sleep(min(limit / 4, 30.0))
+        await asyncio.sleep(tick)
         if gen.done != last or gen.client.in_flight == 0:
-            last, since = gen.done, time.monotonic()
-        elif time.monotonic() - since >= limit:
+            last, since, hung_since = gen.done, time.monotonic(), None
+            continue
+        quiet = time.monotonic() - since
+        if quiet < limit:
+            continue
+        checks = [asyncio.to_thread(p.generating, min(limit / 2, 30.0)) for p in probes]
+        if any(await asyncio.gather(*checks)):
+            hung_since = None
+            continue
+        if hung_since is None:
+            hung_since = time.monotonic()
             log.warning(
-                "no request finished for %.0f s with %d in flight: the server at %s may be hung "
-                "(generate.server.watchdog_seconds=%g)",
-                time.monotonic() - since, gen.client.in_flight,
-                ", ".join(gen.server.shown_urls()), limit,
+                "no request finished for %.0f s with %d in flight and the server at %s shows no "
+                "generation: it may be hung; the run stops in %g s unless it recovers "
+                "(generate.server.watchdog_seconds=%g, hang_timeout=%g)",
+                quiet, gen.client.in_flight, ", ".join(gen.server.shown_urls()), s.hang_timeout,
+                limit, s.hang_timeout,
             )  # fmt: skip
-            since = time.monotonic()
+        elif time.monotonic() - hung_since >= s.hang_timeout:
+            raise StageError(
+                f"server {', '.join(gen.server.shown_urls())} hung: no request finished for {quiet:.0f} s "
+                f"with {gen.client.in_flight} in flight and no sign of generation "
+                f"(generate.server.watchdog_seconds={limit:g} + hang_timeout={s.hang_timeout:g}); "
+                "every answer so far is in the request cache: restart the server and re-run"
+            )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class ParamError(StageError):
 INT32 = 2**31 - 1  # lengths and counts stored as Arrow int32
 INT64 = 2**63 - 1
 MAX_PROCS = 256  # worker processes
+MAX_PATH = 4096  # characters in a path or a model name (Linux PATH_MAX)
 MAX_SECONDS = 30 * 86400.0  # any timeout or interval; longer overflows some event loops
 
 
@@ -161,6 +162,11 @@ class Server:
     watchdog_seconds: float = ranged(600.0, gt=0, le=MAX_SECONDS)
     # watchdog restarts in a row without a completion, then give up
     max_restarts: int = ranged(3, ge=0, le=1000)
+    # a URL server that looks hung (watchdog_seconds, no sign of generation) this much
+    # longer stops the run
+    hang_timeout: float = ranged(900.0, gt=0, le=MAX_SECONDS)
+    # the sglang-router's --request-timeout-secs in front of `url`; null: no router
+    router_timeout: Optional[float] = ranged(None, gt=0, le=MAX_SECONDS)
     # the API dialect at `url` (a launched server uses launch.engine); default sglang
     engine: Optional[Literal["sglang", "vllm", "transformers"]] = None
 
@@ -170,6 +176,8 @@ class Generate:
     server: Server
     concurrency: int = ranged(256, ge=1, le=65536)
     max_tokens: int = ranged(4096, ge=1, le=INT32)
+    # a prompt that leaves the engine fewer new tokens than this is a context_overflow
+    min_new_tokens: int = ranged(256, ge=1, le=INT32)
     temperature: float = ranged(0.6, ge=0, le=100.0)
     top_p: float = ranged(0.95, gt=0, le=1.0)
     top_k: int = ranged(20, ge=-1, le=INT32)  # -1: no top-k (SGLang, vLLM)
@@ -206,7 +214,8 @@ class Tokenize:
     min_loss_tokens: int = ranged(1, ge=0, le=INT32)
     num_proc: int = ranged(1, ge=1, le=MAX_PROCS)
     shard_rows: int = ranged(20000, ge=1, le=INT32)
-    check_sample: int = ranged(64, ge=0, le=INT64)
+    # rows whose prompt may differ from what the engine served before the stage fails
+    max_render_mismatch: int = ranged(0, ge=0, le=INT64)
     # a shard also closes at this many MiB of Arrow data
     shard_max_mb: int = ranged(512, ge=1, le=1 << 20)
     enable_thinking: bool = True
@@ -224,6 +233,22 @@ class Merge:
 
 
 @dataclass
+class TrainCheck:
+    enabled: bool = True
+    model: str = path_field("demo:tiny-qwen3")  # or a local causal LM folder
+    # the first batches of data/merged, each one training step
+    batches: int = ranged(2, ge=1, le=1_000_000)
+    tokens_per_batch: int = ranged(16384, ge=1, le=INT32)  # also the token budget's
+    # batches per optimizer step (gradient accumulation x data-parallel ranks)
+    batches_per_step: int = ranged(1, ge=1, le=INT32)
+    packed: bool = True  # the layout of the training step (both are compared either way)
+    # the memory dry run on one row this long; null: max_seq_len, 0: off
+    longest_batch_tokens: Optional[int] = ranged(None, ge=0, le=INT32)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
 class Validate:
     # null: the limits tokenize recorded in data/merged/fingerprint.json (policy.*)
     max_seq_len: Optional[int] = ranged(None, ge=1, le=INT32)
@@ -233,6 +258,7 @@ class Validate:
     vocab_size: Optional[int] = ranged(None, ge=1, le=INT32)
     # shards summarised at once; 0: one per idle CPU, 1 to 4
     threads: int = ranged(0, ge=0, le=MAX_PROCS)
+    train_check: TrainCheck = field(default_factory=TrainCheck)
 
 
 SECTIONS: dict[str, type] = {
@@ -252,7 +278,7 @@ def load(section: str, path: str | Path = "params.yaml"):
     """Read one section of a params file into its dataclass, or raise ParamError."""
     path = Path(path)
     try:
-        doc = yaml.load(_read(path), Loader=_Loader)
+        doc = yaml.load(_read(path), Loader=BoundedLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -260,7 +286,7 @@ def load(section: str, path: str | Path = "params.yaml"):
         raise ParamError(f"{where}: not valid YAML: {what.splitlines()[0][:200]}") from None
     except yaml.YAMLError as e:
         raise ParamError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
-    except _TooDeep as e:
+    except TooDeep as e:
         raise ParamError(f"{path}:{e.line}: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise ParamError(f"{path}: cannot read a value: {str(e).splitlines()[0][:200]}") from None
@@ -292,12 +318,12 @@ def _read(path: Path) -> str:
         raise ParamError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-class _TooDeep(Exception):
+class TooDeep(Exception):
     def __init__(self, line: int):
         self.line = line
 
 
-class _Loader(yaml.SafeLoader):
+class BoundedLoader(yaml.SafeLoader):
     """SafeLoader that stops at MAX_DEPTH levels of nesting (PyYAML recurses per level).
     Aliases stay shared references, so an alias bomb costs little until something walks
     it; nothing here does (see _show)."""
@@ -308,7 +334,7 @@ class _Loader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise _TooDeep(self.peek_event().start_mark.line + 1)
+                raise TooDeep(self.peek_event().start_mark.line + 1)
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
@@ -354,8 +380,10 @@ def build(cls, data: Any, where: str):
 
 def _expand_user(value: str, key: str) -> str:
     """`~/x` and `~user/x` as the shell expands them; an unknown user is an error."""
-    if len(value) > 4096:  # PATH_MAX; also keeps every message naming the path short
-        raise ParamError(f"{key}: longer than 4096 characters ({_show(value)})")
+    if len(value) > MAX_PATH:  # also keeps every message naming the path short
+        raise ParamError(f"{key}: longer than {MAX_PATH} characters ({_show(value)})")
+    if not value.strip():  # would name the working folder: the whole project
+        raise ParamError(f"{key}: an empty path names no file (null, where allowed, means none)")
     if not value.startswith("~"):
         return value
     expanded = os.path.expanduser(value)

@@ -17,8 +17,9 @@ byte-identical output and changing one source's limit changes only that source's
 Output, one JSON object per line, sources in params order, rows in source order:
   {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
    "tools": [...]}            (tools only when the source has them)
-`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools:
-the same prompt keeps its id in every run, whatever the row order.
+`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools as
+the source gave them: the same prompt keeps its id in every run, whatever the row order.
+Tool turns are then settled for engines and routers (sources.settle_tool_turns).
 """
 
 from __future__ import annotations
@@ -193,6 +194,10 @@ class _RowMaker:
         canon = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) if structured else body
         key = None if spec.dedup == "off" else dedup_key(messages, tools, spec.dedup)
         pid = xxhash.xxh3_128_hexdigest(self.id_prefix + canon).encode()
+        # after the id and dedup key: adding tool_call_ids and unwrapping <tool_response>
+        # keeps the ids prompts had before, and depends only on the conversation
+        if sources.settle_tool_turns(messages):
+            body = orjson.dumps(payload)
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
         multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context

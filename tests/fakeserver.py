@@ -10,8 +10,9 @@ It answers POST /v1/chat/completions (non-streaming) like SGLang: `choices[0].me
 with `content` and `reasoning_content` (`reasoning` in vLLM mode), `finish_reason`,
 `usage`, and `id` = the request's `rid`. The reply text is a pure function of the
 request's messages, tools and sampling params, so a re-run gets identical replies.
-Also: GET /health, /health_generate, /v1/models, /get_model_info, /stats (per-request
-attempts, arrival times and outcomes) and POST /admin/reset, /admin/stall.
+Also: GET /health, /health_generate, /v1/models, /get_model_info, /get_server_info,
+/metrics (`sglang:generation_tokens_total`, rising while requests decode), /stats
+(per-request attempts, arrival times and outcomes) and POST /admin/reset, /admin/stall.
 
 Fault spec: a JSON object, every key optional.
 
@@ -26,10 +27,19 @@ Fault spec: a JSON object, every key optional.
                                    reasoning -> content null, finish_reason "length"
   latency           number | {"min": a, "max": b} | {"median": m, "sigma": s}
                                    seconds before each reply (uniform / lognormal)
-  max_context       int     null   prompt_tokens + max_tokens above it -> 400
+  max_context       int     null   prompt_tokens + max_tokens above it -> SGLang's 400
+                                   (its exact text); also /v1/models max_model_len
   api_key           str     null   require "Authorization: Bearer <key>" (else 401)
   not_ready_for     number  0      chat answers 503 "loading" for this many seconds
                                    after start while /health already says 200
+  no_worker_for     number  0      chat and /v1/models answer 503 for this many seconds
+                                   while /health says 200 (sglang-router before a worker
+                                   is healthy)
+  require_tool_call_id bool false  400 for a role:tool message without tool_call_id
+                                   (sglang-router's request schema)
+  router            bool    false  GET /workers lists this server (as sglang-router does)
+  deterministic     bool    false  /get_server_info enable_deterministic_inference
+                                   (SGLang honours `seed` only then)
   exit_after        int     null   the process exits (code 3) right after reply K
   stall_after       int     null   after reply K generation hangs: chat requests never
                                    answer, /health stays 200, /health_generate hangs
@@ -38,13 +48,19 @@ Fault spec: a JSON object, every key optional.
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
   record_bodies     bool    false  keep each request id's last body in /stats
+  tokenizer         str     null   a tokenizer folder: the server then renders each
+                                   request with its chat template (and the request's
+                                   chat_template_kwargs) and counts real tokens, like an
+                                   engine; `"return_token_ids": true` gets vLLM's
+                                   `prompt_token_ids` and `choices[0].token_ids`
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
 
 Fault kinds: queue_full (503), rate_limit (429), timeout (408), error (500, or
 "status"/"message"), oom (500 "Out of memory even after retracting"), context_length
-(400), bad_request (400), hang (never answers; "seconds" to give up after S and
+(400, SGLang's "input longer than the context" text: the prompt alone fills it),
+bad_request (400), hang (never answers; "seconds" to give up after S and
 answer), slow (answer after "seconds"), malformed (200 with a cut JSON body),
 no_choices (200, valid JSON without choices), drop (connection closed, no response),
 exit (the process exits at once), stall (stall from now on), length (finish_reason
@@ -57,6 +73,15 @@ reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
 \\ud800), utf16 (a valid reply encoded as UTF-16), echo (a text/plain body: "message",
 status "status", default 200), say (a valid reply whose content is "message").
 
+Hostile transports (a rule's extra keys): patch ("set": {"dotted.path": JSON value} on
+the valid reply, e.g. {"choices.0.message": null}), raw ("body": the exact text sent,
+{reply} = the valid reply's JSON, "content_type", "headers"), huge ("bytes": a valid
+reply whose content is that long, streamed), endless (a 200 whose chunked body never
+ends), gzip_bomb ("bytes" of zeros, gzip Content-Encoding), redirect ("location", a
+3xx "status", default 307). "retry_after" adds that Retry-After header to an error
+reply. "models": the exact JSON body of GET /v1/models. Each text field may quote the
+secret with {key...} references.
+
 A rule's "message" may quote the secret the request carried (the Bearer key, or the
 password of Basic auth): {key} whole, {key_json} JSON-escaped, {key_url} URL-encoded,
 each optionally sliced like {key[:9]} or {key_url[3:]}.
@@ -68,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -106,10 +132,13 @@ HOSTILE = {
     "content_dict", "content_number", "reasoning_number", "tool_calls_string", "bad_usage",
     "surrogate", "utf16", "echo", "say",
 }  # fmt: skip
-KINDS = set(ERRORS) | HOSTILE | {
+TRANSPORT = {"patch", "raw", "huge", "endless", "gzip_bomb", "redirect"}
+KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
     "length", "unclosed_think", "abort",
 }  # fmt: skip
+NO_WORKER = "No models available - no workers registered"  # sglang-router's words
+DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(r"\{key(_json|_url)?(?:\[(-?\d*):(-?\d*)\])?\}")
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -122,13 +151,19 @@ DEFAULTS: dict[str, Any] = {
     "max_context": None,
     "api_key": None,
     "not_ready_for": 0,
+    "no_worker_for": 0,
+    "require_tool_call_id": False,
+    "router": False,
+    "deterministic": False,
     "exit_after": None,
     "stall_after": None,
     "stall_health": "hang",
     "once_file": None,
     "record": True,
     "record_bodies": False,
+    "tokenizer": None,
     "rules": [],
+    "models": None,
 }
 
 
@@ -147,7 +182,9 @@ def load_spec(spec: dict | str | Path | None) -> dict:
     for i, rule in enumerate(full["rules"]):
         if rule.get("fault") not in KINDS:
             raise ValueError(f"fault spec: rules[{i}].fault must be one of {sorted(KINDS)}")
-        if set(rule) - {"fault", "match", "first", "prob", "seconds", "status", "message"}:
+        if set(rule) - {"fault", "match", "first", "prob", "seconds", "status", "message",
+                        "set", "body", "content_type", "headers", "bytes", "location",
+                        "retry_after"}:
             raise ValueError(f"fault spec: rules[{i}] has unknown keys")
     if full["reasoning_field"] not in ("reasoning_content", "reasoning", "both"):
         raise ValueError("fault spec: reasoning_field must be reasoning_content, reasoning or both")
@@ -188,6 +225,9 @@ class _State:
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
+        self.tokens_done = 0  # generation tokens of finished replies (for /metrics)
+        self.decoding: dict[int, float] = {}  # request -> when its decode started
+        self.frozen_tokens: int | None = None  # /metrics while stalled
 
     def fire_once(self) -> bool:
         """True when a one-shot fault (exit/stall) may fire now; records that it did."""
@@ -267,6 +307,63 @@ def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
     return web.Response(text=text, content_type="application/json")
 
 
+async def transport(request, body: dict, spec: dict, rule: dict, secret: str):
+    """A reply whose framing, encoding or size is the attack (see the module docstring)."""
+    fault = rule["fault"]
+    if fault == "patch":
+        reply = reply_for(body, spec)
+        for path, value in rule.get("set", {}).items():
+            *parents, last = path.split(".")
+            node = reply
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            if isinstance(node, list):
+                node[int(last)] = value
+            else:
+                node[last] = value
+        return web.Response(text=json.dumps(reply), content_type="application/json")
+    if fault == "raw":
+        text = render(rule.get("body", ""), secret).replace("{reply}", json.dumps(reply_for(body, spec)))
+        headers = {k: render(v, secret) for k, v in rule.get("headers", {}).items()}
+        return web.Response(body=text.encode("utf-8", "surrogatepass"), status=rule.get("status", 200),
+                            headers={"Content-Type": rule.get("content_type", "application/json"), **headers})
+    if fault == "redirect":
+        location = render(rule.get("location", "/v1/chat/completions"), secret)
+        return web.Response(status=rule.get("status", 307), headers={"Location": location})
+    response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    if fault == "gzip_bomb":
+        import zlib
+
+        comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+        zero = b"\0" * (1 << 20)
+        data = b"".join(comp.compress(zero) for _ in range(rule.get("bytes", 1 << 30) >> 20))
+        data += comp.flush()
+        response.headers["Content-Encoding"] = "gzip"
+        response.content_length = len(data)
+        await response.prepare(request)
+        await response.write(data)
+        await response.write_eof()
+        return response
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    if fault == "endless":
+        await response.write(b'{"choices": [')
+        while True:
+            await response.write(b" " * 1024)
+            await asyncio.sleep(0.001)
+    reply = json.dumps(reply_for(body, spec))
+    head, _, tail = reply.partition('"content": "')
+    await response.write((head + '"content": "').encode())
+    chunk = b"a" * (1 << 20)
+    left = rule.get("bytes", 100 << 20)
+    while left > 0:
+        await response.write(chunk[:left])
+        left -= len(chunk)
+    await response.write(('"' + tail.partition('"')[2]).encode())
+    await response.write_eof()
+    return response
+
+
 def _pick_rule(spec: dict, rid: str, attempt: int) -> dict | None:
     for i, rule in enumerate(spec["rules"]):
         if "match" in rule and not re.search(rule["match"], rid):
@@ -336,7 +433,12 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning"] = reasoning_text
     prompt_tokens = _count(messages)
     completion_tokens = len(reasoning) + len(content)
-    return {
+    ids = None
+    if spec["tokenizer"]:
+        ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
+                          finish == "stop")
+        prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
+    reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
         "object": "chat.completion",
         "created": int(time.time()),
@@ -350,6 +452,44 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if ids is not None and body.get("return_token_ids"):
+        reply["prompt_token_ids"], reply["choices"][0]["token_ids"] = ids
+    return reply
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
+                content: str | None, stopped: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) as an engine serving `folder` would have them: the
+    chat template renders the request (JSON-text tool arguments parsed into objects,
+    as vLLM and SGLang do), the text is encoded whole with control tokens parsed, and
+    the completion is what the model wrote after the generation prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _TOKENIZERS.get(folder)
+    if tok is None:
+        tok = _TOKENIZERS[folder] = PreTrainedTokenizerFast.from_pretrained(folder)
+    messages = []
+    for m in body.get("messages") or []:
+        m = {k: v for k, v in m.items() if v is not None}
+        calls = []
+        for c in m.get("tool_calls") or []:
+            args = c["function"].get("arguments")
+            if isinstance(args, str):
+                c = {**c, "function": {**c["function"], "arguments": json.loads(args)}}
+            calls.append(c)
+        if calls:
+            m["tool_calls"] = calls
+        messages.append(m)
+    prompt = tok.apply_chat_template(
+        messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
+        **(body.get("chat_template_kwargs") or {}))
+    written = (reasoning or "") + "\n</think>\n\n" if thinking else ""
+    written += (content or "") + ("<|im_end|>" if stopped else "")
+    encode = functools.partial(tok, add_special_tokens=False)
+    return encode(prompt)["input_ids"], encode(written)["input_ids"]
 
 
 def build_app(spec: dict, die) -> web.Application:
@@ -411,6 +551,13 @@ def build_app(spec: dict, die) -> web.Application:
             await forever()
         if time.monotonic() - state.started < spec["not_ready_for"]:
             return _error(503, "ServiceUnavailableError", "The server is still loading."), "loading"
+        if time.monotonic() - state.started < spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER), "no_worker"
+        if spec["require_tool_call_id"]:
+            for k, m in enumerate(body["messages"]):
+                if isinstance(m, dict) and m.get("role") == "tool" and "tool_call_id" not in m:
+                    msg = f"Invalid JSON data: messages[{k}]: missing field `tool_call_id`"
+                    return _error(400, "invalid_request_error", msg), "no_tool_call_id"
         if spec["check_model"] and body.get("model") not in (None, spec["model"]):
             msg = f"The model `{body.get('model')}` does not exist."
             return _error(404, "NotFoundError", msg), "not_found"
@@ -421,9 +568,15 @@ def build_app(spec: dict, die) -> web.Application:
         if fault in ERRORS:
             status, kind, message = ERRORS[fault]
             if fault == "context_length":
-                message = _too_long(body, spec.get("max_context") or 32768)
+                prompt = _count(body.get("messages") or [])
+                message = _too_long(prompt, 0, spec.get("max_context") or prompt)
             message = render(rule.get("message", message), request_secret(request))
-            return _error(rule.get("status", status), kind, message), fault
+            response = _error(rule.get("status", status), kind, message)
+            if "retry_after" in rule:
+                response.headers["Retry-After"] = render(str(rule["retry_after"]), request_secret(request))
+            return response, fault
+        if fault in TRANSPORT:
+            return await transport(request, body, spec, rule, request_secret(request)), fault
         if fault in HOSTILE:
             message = render(rule.get("message", ""), request_secret(request))
             response = hostile(body, spec, fault, message)
@@ -434,7 +587,7 @@ def build_app(spec: dict, die) -> web.Application:
                 await forever()
             await asyncio.sleep(rule["seconds"])
         elif fault == "slow":
-            await asyncio.sleep(rule.get("seconds", 1.0))
+            await decode(rule.get("seconds", 1.0))
         elif fault == "drop":
             request.transport.abort()
             await forever()
@@ -447,11 +600,12 @@ def build_app(spec: dict, die) -> web.Application:
             await forever()
         max_context = spec["max_context"]
         if max_context is not None:
-            if _count(body["messages"]) + int(body.get("max_tokens") or 0) > max_context:
-                return _error(400, "BadRequestError", _too_long(body, max_context)), "too_long"
+            prompt, extra = _count(body["messages"]), int(body.get("max_tokens") or 0)
+            if prompt >= max_context or prompt + extra > max_context:
+                return _error(400, "BadRequestError", _too_long(prompt, extra, max_context)), "too_long"
         delay = _latency(spec, rid, attempt)
         if delay > 0:
-            await asyncio.sleep(delay)
+            await decode(delay)
         if state.dying or state.stalled:
             await forever()
         if fault == "malformed":
@@ -461,6 +615,7 @@ def build_app(spec: dict, die) -> web.Application:
             return web.json_response({"object": "chat.completion", "id": rid}), fault
         reply = reply_for(body, spec, fault)
         state.completed += 1
+        state.tokens_done += reply["usage"]["completion_tokens"]
         response = web.json_response(reply)
         done = state.completed
         if spec["exit_after"] is not None and done >= spec["exit_after"] and state.fire_once():
@@ -471,6 +626,45 @@ def build_app(spec: dict, die) -> web.Application:
         elif spec["stall_after"] is not None and done >= spec["stall_after"]:
             stall_now()
         return response, fault or "ok"
+
+    async def decode(seconds: float) -> None:
+        """Sleep like a decoding request: /metrics counts its tokens as they come."""
+        token = id(asyncio.current_task())
+        state.decoding[token] = time.monotonic()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            state.decoding.pop(token, None)
+
+    def generation_tokens() -> int:
+        now = time.monotonic()
+        live = state.tokens_done + int(DECODE_RATE * sum(now - t for t in state.decoding.values()))
+        if state.stalled or state.dying:
+            if state.frozen_tokens is None:
+                state.frozen_tokens = live
+            return state.frozen_tokens
+        return live
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = (
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE sglang:generation_tokens_total counter\n"
+            f'sglang:generation_tokens_total{{model_name="{state.spec["model"]}"}} '
+            f"{float(generation_tokens())}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": state.spec["model"],
+             "enable_deterministic_inference": state.spec["deterministic"]}
+        )  # fmt: skip
+
+    async def workers(request: web.Request) -> web.Response:
+        if not state.spec["router"]:
+            return _error(404, "NotFoundError", "Not Found")
+        url = f"http://{request.host}"
+        return web.json_response({"workers": [{"url": url, "model_id": state.spec["model"]}]})
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -485,6 +679,11 @@ def build_app(spec: dict, die) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         if not authorized(request):
             return _error(401, "AuthenticationError", "Invalid API key.")
+        if time.monotonic() - state.started < state.spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER)
+        if state.spec["models"] is not None:
+            return web.Response(text=render(json.dumps(state.spec["models"]), request_secret(request)),
+                                content_type="application/json")
         name = state.spec["model"]
         card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
         if state.spec["max_context"]:
@@ -522,19 +721,27 @@ def build_app(spec: dict, die) -> web.Application:
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", workers)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/reset", admin_reset)
     app.router.add_post("/admin/stall", admin_stall)
     return app
 
 
-def _too_long(body: dict, max_context: int) -> str:
-    prompt = _count(body.get("messages") or [])
-    extra = int(body.get("max_tokens") or 0)
+def _too_long(prompt: int, extra: int, max_context: int) -> str:
+    """SGLang 0.5.23's texts (TokenizerManager._validate_one_request), word for word."""
+    if prompt >= max_context:
+        return (
+            f"The input ({prompt} tokens) is longer than the model's context length "
+            f"({max_context} tokens)."
+        )
     return (
         f"Requested token count exceeds the model's maximum context length of {max_context} "
         f"tokens. You requested a total of {prompt + extra} tokens: {prompt} tokens from the "
-        f"input messages and {extra} tokens for the completion."
+        f"input messages and {extra} tokens for the completion. Please reduce the number of "
+        f"tokens in the input messages or the completion to fit within the limit."
     )
 
 

@@ -16,6 +16,9 @@ from stages.client import (
     Unreachable,
     build_body,
     classify,
+    context_numbers,
+    compact_token_ids,
+    engine_tokens,
     split_think,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
@@ -110,14 +113,14 @@ def test_the_fast_encoder_gives_the_same_bytes_as_json_dumps():
 def test_error_classes():
     assert classify(400, "Invalid request.") == ("bad_request", "permanent")
     too_long = "This model's maximum context length is 4096 tokens."
-    assert classify(400, too_long) == ("context_length", "permanent")
+    assert classify(400, too_long) == ("context_overflow", "permanent")
     assert classify(422, "Unexpected fields") == ("bad_request", "permanent")
     assert classify(503, "The request queue is full.") == ("overloaded", "transient")
     assert classify(429, "") == ("overloaded", "transient")
     assert classify(408, "") == ("timeout", "transient")
     assert classify(500, "Out of memory even after retracting requests.") == ("oom", "permanent")
     assert classify(500, "Internal server error.") == ("server_error", "t500")
-    assert classify(401, "")[1] == classify(404, "")[1] == "fatal"
+    assert classify(401, "")[1] == classify(404, "")[1] == classify(307, "")[1] == "fatal"
 
 
 def test_split_think_for_servers_without_a_reasoning_parser():
@@ -139,10 +142,63 @@ def test_replies_are_parsed_and_vllm_reasoning_field_is_read(fake):
 
 
 def test_truncations_come_back_as_replies(fake):
-    s = fake({"rules": [{"fault": "unclosed_think", "match": "p1$"}, {"fault": "abort", "match": "p2$"}]})
-    r1, r2 = run(send(client(s.url), body(1), body(2)))
+    s = fake({"rules": [{"fault": "unclosed_think", "match": "p1$"}]})
+    (r1,) = run(send(client(s.url), body(1)))
     assert r1.content is None and r1.reasoning and r1.finish_reason == "length"
-    assert r2.finish_reason == "abort"
+
+
+def test_an_aborted_reply_is_retried_never_returned(fake):
+    # SGLang answers 200 with finish_reason "abort" when an admin abort, a pause or a
+    # weight update cuts a request: the model did not stop, so the request is sent again
+    s = fake({"rules": [{"fault": "abort", "match": "p1$", "first": 2}, {"fault": "abort", "match": "p2$"}]})
+    r1, f2 = run(send(client(s.url), body(1), body(2)))
+    assert r1.finish_reason == "stop" and r1.attempts == 3 == s.attempts("p1")
+    assert (f2.kind, f2.status, f2.permanent, f2.attempts) == ("aborted", 200, False, 5)
+
+
+# SGLang 0.5.23's own texts (TokenizerManager) and vLLM's
+SGLANG_TOO_LONG = (
+    "Requested token count exceeds the model's maximum context length of 40960 tokens. You "
+    "requested a total of 50000 tokens: 17232 tokens from the input messages and 32768 tokens "
+    "for the completion. Please reduce the number of tokens in the input messages or the "
+    "completion to fit within the limit."
+)
+
+
+def test_context_numbers_are_read_from_each_engines_error():
+    assert context_numbers(SGLANG_TOO_LONG) == (40960, 17232)
+    sglang_input = "The input (41000 tokens) is longer than the model's context length (40960 tokens)."
+    assert context_numbers(sglang_input) == (40960, 41000)
+    vllm = ("'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum "
+            "context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).")  # fmt: skip
+    assert context_numbers(vllm) == (4096, 2778)
+    for text in (
+        "This model's maximum context length is 4096 tokens. However, you requested 8000 output "
+        "tokens and your prompt contains 2778 input tokens, for a total of 10778 tokens.",
+        "This model's maximum context length is 4096 tokens. However, you requested 10778 tokens "
+        "(2778 in the messages, 8000 in the completion). Please reduce the length.",
+    ):
+        assert context_numbers(text) == (4096, 2778), text
+    assert context_numbers("This model's maximum context length is 4096 tokens.") is None
+
+
+def test_a_prompt_near_the_context_is_resent_once_with_max_tokens_clamped(fake):
+    # the fake counts 4 + words per message: "q 1" is 6 prompt tokens, 64 asked, context 40
+    s = fake({"max_context": 40, "record_bodies": True})
+    (reply,) = run(send(client(s.url, min_new_tokens=8), body(1)))
+    assert reply.attempts == 2 == s.attempts("p1")
+    assert s.stats()["requests"]["p1"]["body"]["max_tokens"] == 40 - 6
+    assert reply.finish_reason == "length" and reply.completion_tokens == 34
+
+
+def test_a_prompt_leaving_less_than_min_new_tokens_is_a_context_overflow(fake):
+    s = fake({"max_context": 40})
+    (f,) = run(send(client(s.url, min_new_tokens=35), body(1)))
+    assert (f.kind, f.status, f.permanent, f.attempts) == ("context_overflow", 400, True, 1)
+    assert "maximum context length of 40 tokens" in f.message and s.attempts("p1") == 1
+    s.reset({"max_context": 6})  # the prompt alone fills the context
+    (f,) = run(send(client(s.url, min_new_tokens=1), body(1)))
+    assert (f.kind, f.attempts) == ("context_overflow", 1) and "is longer than" in f.message
 
 
 def test_permanent_failures_are_sent_once(fake):
@@ -154,7 +210,7 @@ def test_permanent_failures_are_sent_once(fake):
     out = run(send(client(s.url), body(1), body(2), body(3)))
     assert [(f.kind, f.status, f.permanent, f.attempts) for f in out] == [
         ("bad_request", 400, True, 1),
-        ("context_length", 400, True, 1),
+        ("context_overflow", 400, True, 1),
         ("oom", 500, True, 1),
     ]
     assert [s.attempts(f"p{i}") for i in (1, 2, 3)] == [1, 1, 1]
@@ -334,3 +390,56 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     ok, bad = run(send(c, body(1), body(2)))
     assert isinstance(ok.content, str)
     assert bad.message == "who is ***?"
+
+
+def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
+    assert build_body(prompt(1), "m", SAMPLING, "vllm")["return_token_ids"] is True
+    assert all("return_token_ids" not in build_body(prompt(1), "m", SAMPLING, e)
+               for e in ("sglang", "transformers"))
+    reply = {"prompt_token_ids": [1, 2, 248045], "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert kept["prompt"] == 3 and kept["completion"] == 2 and len(kept["prompt_sha256"]) == 16
+    assert engine_tokens({**reply, "prompt_token_ids": [1, 2, 248044]}) != kept
+    for bad in ("abc", [[1, 2]], [1, -2], [1, "2"], [2 ** 40], None, {"a": 1}):
+        assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
+    assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
+    assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None
+
+
+def test_the_cache_keeps_what_a_row_needs_of_the_engine_ids_not_the_lists():
+    reply = {"prompt_token_ids": list(range(3000)), "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert compact_token_ids(reply) is True
+    assert reply == {"choices": [{}], "engine_tokens": kept}
+    assert engine_tokens(reply) == kept  # read back from a cached reply
+    assert compact_token_ids(reply) is False and compact_token_ids({"choices": []}) is False
+    # a damaged cached copy is not trusted
+    for bad in ({"prompt": 1}, {**kept, "prompt": "3"}, {**kept, "completion": 1.5}, [1]):
+        assert engine_tokens({"engine_tokens": bad}) is None, bad
+
+
+@pytest.mark.parametrize("rule", [{"fault": "huge", "bytes": 3 << 20}, {"fault": "endless"},
+                                  {"fault": "gzip_bomb", "bytes": 64 << 20}])  # fmt: skip
+def test_a_body_past_the_size_cap_is_refused_while_it_arrives(fake, monkeypatch, rule):
+    import stages.client
+
+    monkeypatch.setattr(stages.client, "MAX_REPLY_BYTES", 1 << 20)
+    s = fake({"rules": [{**rule, "match": "p1$"}]})
+    started = time.monotonic()
+    ok, f = run(send(client(s.url, request_timeout=30.0), body(0), body(1)))
+    assert isinstance(ok.content, str)
+    assert isinstance(f, Failure) and (f.kind, f.status, f.permanent) == ("bad_reply", 200, False)
+    assert "body over 1048576 bytes" in f.message and f.attempts == FAST.max_retries_500 + 1
+    assert time.monotonic() - started < 20  # stopped at the cap, not at request_timeout
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_never_followed_and_stops_the_run_in_one_line(fake, status):
+    echo = fake({"record_bodies": True})
+    s = fake({"api_key": KEY, "rules": [{"fault": "redirect", "status": status, "match": "p1$",
+                                         "location": echo.url + "/v1/chat/completions?k={key}"}]})
+    ok, err = run(send(client(s.url, api_key=KEY), body(0), body(1)))
+    assert isinstance(ok.content, str)
+    assert isinstance(err, Rejected) and f"HTTP {status}: a redirect to {echo.url}" in str(err)
+    assert echo.stats()["received"] == 0  # neither the body nor the key went there
+    assert not any(p in str(err) for p in secret_pieces(KEY))

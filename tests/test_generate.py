@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
             {"fault": "oom", "match": "p00021$"},
             {"fault": "unclosed_think", "match": "p0003[0-4]$"},
             {"fault": "length", "match": "p0004[0-4]$"},
-            {"fault": "abort", "match": "p00050$"},
+            {"fault": "abort", "match": "p00050$", "first": 1},
             {"fault": "queue_full", "first": 2, "prob": 0.3},
             {"fault": "rate_limit", "first": 1, "prob": 0.1},
             {"fault": "error", "first": 1, "prob": 0.1},
@@ -181,7 +182,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
         completions, failures = outputs(tmp_path)
         permanent = ["p00010", "p00011", "p00012", "p00020", "p00021"]
         assert [f["id"] for f in failures] == permanent
-        assert [f["kind"] for f in failures] == ["context_length"] * 3 + ["bad_request", "oom"]
+        assert [f["kind"] for f in failures] == ["context_overflow"] * 3 + ["bad_request", "oom"]
         assert all(f["attempts"] == 1 and f["status"] in (400, 500) for f in failures)
         stats = fake.stats()["requests"]
         assert [stats[i]["attempts"] for i in permanent] == [1] * 5
@@ -206,14 +207,15 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
             assert c["messages"][-1]["content"] is None and c["messages"][-1]["reasoning_content"]
         for i in range(40, 45):
             assert by_id[f"p{i:05d}"]["truncated"] and by_id[f"p{i:05d}"]["messages"][-1]["content"]
-        assert by_id["p00050"]["truncated"] and by_id["p00050"]["finish_reason"] == "abort"
-        assert sum(c["truncated"] for c in completions) == 11
+        # an aborted reply is not the model's end: sent again, never cached as an answer
+        assert by_id["p00050"]["finish_reason"] == "stop" and fake.attempts("p00050") >= 2
+        assert sum(c["truncated"] for c in completions) == 10
         assert not by_id["p00001"]["truncated"]
 
         assert r == report(tmp_path)
         assert r["requests"] == 150 and r["completed"] == 145 and r["failed"] == 5
-        assert r["failed_by_kind"] == {"bad_request": 1, "context_length": 3, "oom": 1}
-        assert r["truncated"] == 11 and r["retries"] > 0
+        assert r["failed_by_kind"] == {"bad_request": 1, "context_overflow": 3, "oom": 1}
+        assert r["truncated"] == 10 and r["retries"] > 0
         assert r["output_tokens"] == sum(c["usage"]["completion_tokens"] for c in completions)
         assert r["request_throughput"] > 0 and r["median_e2e_latency_ms"] > 0
         assert r["p99_e2e_latency_ms"] >= r["p90_e2e_latency_ms"] >= r["median_e2e_latency_ms"]
@@ -419,6 +421,11 @@ def test_a_setup_the_server_rejects_stops_before_caching_failures(tmp_path):
         ({}, "exactly one of generate.server.url"),
         ({"url": "localhost:3000"}, "generate.server.url"),
         ({"url": []}, "generate.server.url"),
+        ({"url": "http://u:pw-secret-123@127.0.0.1:99999999"},
+         r"'http://127.0.0.1:99999999' is not a valid URL \(Port out of range"),
+        ({"url": ["http://127.0.0.1:8000", "http://:pw-secret-123@:8000/v1"]},
+         r"'http://:8000/v1' is not a valid URL \(no host"),
+        ({"url": "http://[::1:8000"}, "is not a valid URL"),
     ],
 )
 def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, message):
@@ -584,7 +591,7 @@ def test_permanent_failures_have_their_own_tolerance(tmp_path):
         with pytest.raises(StageError) as err:
             here(tmp_path)
         msg = str(err.value)
-        assert msg.startswith("3 of 40 requests failed permanently (context_length 3)")
+        assert msg.startswith("3 of 40 requests failed permanently (context_overflow 3)")
         assert "above the 0 that generate.max_permanent_failures=0.01 allows" in msg
         assert "failures.jsonl" in msg
         failures = outputs(tmp_path)[1]  # written, for the user to look at
@@ -779,3 +786,142 @@ def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
     assert "generate" in lock["stages"]
     assert len(outputs(repo)[0]) == n
     assert "up to date" in run(["dvc", "status", "generate"], repo)
+
+
+# ------------------------------------------------------ real-engine behaviours (issue 11)
+
+
+def test_the_stage_waits_for_a_worker_and_keys_the_cache_with_the_real_model(tmp_path):
+    # sglang-router answers /health 200 with no worker and /v1/models 503 until one is up:
+    # the model name that keys the cache must be the served one, never a placeholder
+    rows = make_prompts(tmp_path, 20)
+    with spawn({"model": "served-name", "no_worker_for": 2.5}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        assert fake.stats()["outcomes"].get("no_worker", 0) == 0  # nothing sent before it was up
+    assert r["model"] == "served-name" and r["completed"] == len(rows)
+    completions, _ = outputs(tmp_path)
+    assert {c["model"] for c in completions} == {"served-name"}
+    meta = [json.loads(p.read_text()) for p in (tmp_path / ".cache/requests").glob("*/meta.json")]
+    assert [m["model"] for m in meta] == ["served-name"]
+
+
+def test_no_worker_within_the_deadline_is_one_line(tmp_path):
+    make_prompts(tmp_path, 5)
+    with spawn({"no_worker_for": 120}) as fake:
+        write_params(tmp_path, server=url_server(fake.url, unreachable_deadline=1.5))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "no model ready" in err and "unreachable_deadline" in err and "HTTP 503" in err
+    assert cache_entries(tmp_path) == []
+
+
+def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tmp_path):
+    # the fake counts 4 + words per message and answers over max_context with SGLang's
+    # exact 400 text; 64 new tokens asked, context 96
+    rows = make_prompts(tmp_path, 30)
+    rows[3]["messages"] = [{"role": "user", "content": "w " * 40}]  # 44 tokens: clamped to 52
+    rows[7]["messages"] = [{"role": "user", "content": "w " * 80}]  # 84: leaves 12 < 16
+    rows[9]["messages"] = [{"role": "user", "content": "w " * 100}]  # 104: over the context
+    (tmp_path / "data/prompts/prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copytree(tmp_path / "data", ref / "data")
+    with spawn({"max_context": 96, "record_bodies": True}) as fake, spawn({}) as roomy:
+        write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16, max_permanent_failures=2)
+        write_params(ref, server=url_server(roomy.url), min_new_tokens=16)
+        r = here(tmp_path)
+        here(ref)
+        reqs = fake.stats()["requests"]
+    assert reqs["p00003"]["attempts"] == 2 and reqs["p00003"]["body"]["max_tokens"] == 52
+    assert reqs["p00007"]["attempts"] == 1 and reqs["p00009"]["attempts"] == 1
+    assert all(reqs[r["id"]]["attempts"] == 1 for i, r in enumerate(rows) if i not in (3, 7, 9))
+    assert all(reqs[r["id"]]["body"]["max_tokens"] == 64 for i, r in enumerate(rows) if i != 3)
+    completions, failures = outputs(tmp_path)
+    assert [(f["id"], f["kind"], f["status"]) for f in failures] == [
+        ("p00007", "context_overflow", 400), ("p00009", "context_overflow", 400),
+    ]  # fmt: skip
+    assert "maximum context length of 96 tokens" in failures[0]["message"]
+    assert r["failed_by_kind"] == {"context_overflow": 2} and len(completions) == 28
+    assert r["clamped"] == 1
+    # a clamp is per request: every prompt keeps the key it has without one
+    assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
+
+
+def test_a_healthy_engine_busy_with_long_decodes_is_not_restarted(tmp_path):
+    # one request decodes for 6 s; nothing completes meanwhile, but /metrics shows
+    # tokens coming and /health_generate answers: the watchdog must not restart it
+    make_prompts(tmp_path, 12)
+    spec = {"latency": 0.01, "rules": [{"fault": "slow", "match": "p00011$", "seconds": 6}]}
+    write_params(tmp_path, server=launch_server(tmp_path, spec, watchdog_seconds=1.5), concurrency=4)
+    out = ok(stage(tmp_path))
+    completions, failures = outputs(tmp_path)
+    assert len(completions) == 12 and failures == []
+    assert report(tmp_path)["server"]["restarts"] == 0, out
+    assert "the engine is generating: not restarting" in out
+
+
+def test_a_hung_url_server_ends_the_run_in_bounded_time_keeping_its_answers(tmp_path):
+    rows = make_prompts(tmp_path, 60)
+    with spawn({"stall_after": 20, "latency": 0.01, "stall_health": "fail"}) as fake:
+        server = url_server(fake.url, watchdog_seconds=1, hang_timeout=1.5)
+        write_params(tmp_path, server=server, concurrency=4)
+        t0 = time.monotonic()
+        proc = stage(tmp_path, timeout=60)
+        took = time.monotonic() - t0
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "hung" in err and "hang_timeout=1.5" in err and "re-run" in err
+    assert took < 30
+    kept = len(cache_entries(tmp_path))
+    assert kept >= 20
+    with spawn({"latency": 0.005}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        assert to_send(ok(stage(tmp_path))) == len(rows) - kept
+
+
+def test_the_report_says_whether_the_seed_is_honoured(tmp_path):
+    make_prompts(tmp_path, 4)
+    write_params(tmp_path, server=launch_server(tmp_path, {}), seed=5)
+    out = ok(stage(tmp_path))
+    assert report(tmp_path)["seed_honoured"] is False  # SGLang without the flag
+    assert "--enable-deterministic-inference" in out
+    for spec, engine, expected in [({"deterministic": True}, "sglang", True), ({}, "vllm", True)]:
+        with spawn(spec) as fake:
+            write_params(tmp_path, server=url_server(fake.url, engine=engine), seed=5)
+            assert here(tmp_path)["seed_honoured"] is expected
+    write_params(tmp_path, server=launch_server(tmp_path, {}), seed=None)
+    assert here(tmp_path)["seed_honoured"] is None
+
+
+def test_a_request_timeout_longer_than_the_routers_is_refused_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    server = {"url": "http://127.0.0.1:1", "router_timeout": 1800}
+    cfg = P.build(P.Generate, {"server": server, "request_timeout": 3600}, "generate")
+    with pytest.raises(StageError, match=r"--request-timeout-secs 3660"):
+        generate.run(cfg)
+
+
+def test_a_router_with_its_default_timeout_gets_a_warning_with_the_fix(tmp_path):
+    make_prompts(tmp_path, 3)
+    with spawn({"router": True}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        out = ok(stage(tmp_path))
+    assert "is an sglang-router" in out and "--request-timeout-secs 3660" in out
+    with spawn({}) as fake:  # an engine: no warning
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        assert "sglang-router" not in ok(stage(tmp_path))
+
+
+@pytest.mark.parametrize("served", [5, {"a": 1}, "", "m\ud800", "m" * 5000, None])
+def test_a_served_model_id_that_is_no_name_is_not_sent_nor_written(tmp_path, served):
+    make_prompts(tmp_path, 3)
+    with spawn() as fake:
+        fake.reset({"models": {"object": "list", "data": [{"id": served}]}})
+        write_params(tmp_path, server=url_server(fake.url))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "/v1/models lists no model: set generate.server.model" in line
+    assert not (tmp_path / "data/completions").exists()

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -144,6 +145,19 @@ def test_merge_without_reports_still_writes_a_card(repo):
     assert card.data.to_dict()["size_categories"] == ["n<1K"]
 
 
+def test_the_card_links_what_validate_writes(repo):
+    import re
+
+    from stages import charts, outputs
+
+    save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1))
+    merge.run(P.Merge(base=None))
+    text = (repo / "data/merged/README.md").read_text()
+    targets = {(repo / "data/merged" / t).resolve() for t in re.findall(r"\]\(([^)]+)\)", text)}
+    assert targets == {(repo / outputs.REPORTS / "validate.json").resolve()} | {
+        (repo / charts.picture(name)).resolve() for name in charts.PICTURES}
+
+
 def test_a_damaged_base_history_is_refused_in_one_line(repo):
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": "v1"}))
     new_version(repo, "n", 2)
@@ -240,7 +254,10 @@ def runs(tmp_path_factory) -> Runs:
     """The demo against the fake server (with an API key), then a default-only knob, then
     the same answers through a URL carrying a password."""
     repo = demo_clone(tmp_path_factory.mktemp("lineage"))
-    short = {"reasoning_tokens": 6, "reply_tokens": 6}  # well under generate.max_tokens
+    # well under generate.max_tokens; token counts as the bundled tokenizer and template
+    # give them, as a real engine reports them (tokenize checks every prompt against them)
+    short = {"reasoning_tokens": 6, "reply_tokens": 6,
+             "tokenizer": str(repo / ".cache/tokenizers/qwen3.6")}
     os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.repo.run passes the environment on
     try:
         with spawn({**short, "api_key": KEY}) as keyed, spawn(short) as open_server:
@@ -328,6 +345,8 @@ SHAPED_BY = {
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
+    "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
+    "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
     "stages/decontam.py": {"prepare"},
 }
@@ -359,3 +378,64 @@ def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
         return json.loads(run(["dvc", "status", "--json"], repo))
     finally:
         path.write_bytes(original) == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"version": True}, r"history\[0\]\.version is a boolean, not a count"),
+    ({"version": 2**70}, r"history\[0\]\.version is a number, not a count"),
+    ({"version": 1, "git_commit": 5}, r"history\[0\]\.git_commit is a number, not a string"),
+    ({"version": 1, "created": {"a": 1}}, r"history\[0\]\.created is an object, not a string"),
+    ({"version": 1, "rows": float("nan")}, r"history\[0\]\.rows is a number, not a count"),
+    ({"rows": 3}, r"history\[0\]\.version is missing"),
+    ({"version": 1, "model": "\ud800"}, r"history\[0\]\.model holds a lone surrogate"),
+])  # fmt: skip
+def test_a_base_history_with_a_field_of_the_wrong_type_is_one_line(repo, entry, message):
+    (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
+    new_version(repo, "n", 2)
+    with pytest.raises(merge.StageError, match=r"^data/base/lineage\.json: " + message):
+        merge.run(P.Merge(base="data/base"))
+    assert not (repo / "data/merged").exists()
+
+
+BOMB = "a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 12))
+
+
+@pytest.mark.parametrize("header", [
+    BOMB + "distill_data:\n  history:\n    - {version: 1, model: *a11}\n",  # 9**12 strings
+    "distill_data: " + "[" * 100_000 + "]" * 100_000 + "\n",
+    "distill_data: [1, 2]\n",
+    "distill_data: {history: [{version: 1, version: 2}]}\n",
+])  # fmt: skip
+def test_a_base_card_header_that_is_not_plain_data_is_passed_over_quickly(repo, header, caplog):
+    (repo / "data/base/README.md").write_text("---\n" + header + "---\nbody\n")
+    new_version(repo, "n", 2)
+    started = time.monotonic()
+    merge.run(P.Merge(base="data/base"))
+    assert time.monotonic() - started < 30
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 32)]
+
+
+def test_history_cells_stay_in_their_table_column(repo):
+    entry = {"version": 1, "rows": 30, "model": "a | b\n---\nc", "created": "x|y"}
+    (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
+    new_version(repo, "n", 2)
+    merge.run(P.Merge(base="data/base"))
+    text = (repo / "data/merged/README.md").read_text()
+    assert "| 1 | x\\|y | – | 30 | – | – | a \\| b --- c |" in text
+    card = DatasetCard.load(repo / "data/merged/README.md")
+    assert card.data.to_dict()["distill_data"]["history"][0]["model"] == "a | b\n---\nc"
+
+
+def test_a_card_saved_with_crlf_and_a_bom_still_carries_its_history(repo):
+    new_version(repo, "x", 3)
+    merge.run(P.Merge(base="data/base"))
+    base = keep(repo, "v1")
+    (repo / base / "lineage.json").unlink()
+    card = repo / base / "README.md"
+    card.write_bytes(b"\xef\xbb\xbf" + card.read_bytes().replace(b"\n", b"\r\n"))
+    new_version(repo, "y", 2)
+    merge.run(P.Merge(base=base))
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]

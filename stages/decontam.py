@@ -147,10 +147,11 @@ _WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)  # odd: invertible mod 2^64
 
 
 class _Words:
-    """The words of a batch of texts, hashed, in one row: `hashes[j]` is word j's hash. A
-    break word stands before, between and after the texts (`breaks[s]`: the one before
-    text s), so a run of words across two texts holds one and matches no indexed run;
-    `count[s]` is the number of words of text s.
+    """The words of a batch of texts in one row (`words` of them), kept as prefix sums of
+    their hashes so that any run of words hashes in O(1). A break word stands before,
+    between and after the texts (`breaks[s]`: the one before text s), so a run of words
+    across two texts holds one and matches no indexed run; `count[s]` is the number of
+    words of text s.
 
     One pass of bytes.translate folds case and punctuation; a word is a run of non-zero
     bytes, hashed from the 8-byte little-endian words that cover it (most words fit in

@@ -295,7 +295,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
         try:
             row_plans = encoder.plan(row["messages"], row.get("tools"),
                                      policy=cfg.multi_turn, truncated=truncated,
-                                     lookalikes=None if encoder.json_may_spell(raw) else False)
+                                     lookalikes=None if encoder.codec.json_may_spell(raw) else False)
         except StageError as e:
             raise StageError(f"{path}:{no}: row {row['id']!r}: {e}") from None
         for p in row_plans:

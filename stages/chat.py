@@ -416,7 +416,7 @@ class ChatEncoder:
         """The rows of one conversation that ends with an assistant message.
 
         `lookalikes=False` promises that no string spells a control token (see
-        `json_may_spell`); None looks.
+        `ControlTokenCodec.json_may_spell`); None looks.
         """
         if policy not in POLICIES:
             raise StageError(f"multi_turn policy {policy!r}: expected one of {POLICIES}")

@@ -110,54 +110,43 @@ class Batcher:
             raise StageError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         self.budget = tokens_per_batch
         self.packed = packed
-        self.pending = np.zeros(0, np.int64)  # lengths of the rows of the open batch
-        self.window = 64
+        self.open = (0, 0, 0)  # the open batch: rows, longest row, tokens
         self.batches = self.tokens = self.slots = 0
 
-    def add(self, lengths: np.ndarray) -> list[int]:
+    def add(self, lengths) -> list[int]:
         """Row counts of the batches that `lengths` (the next rows) close, in order."""
-        self.pending = np.concatenate((self.pending, np.asarray(lengths, np.int64)))
-        sizes, start = [], 0
-        while start < len(self.pending):
-            size = self._fit(start)
-            if start + size == len(self.pending):  # the batch could still take more rows
-                break
-            sizes.append(size)
-            start += size
-        return self._close(sizes, start)
+        # One row at a time in plain Python: greedy batching is sequential, and a few
+        # integer operations per row cost less than numpy calls per batch.
+        budget, packed = self.budget, self.packed
+        rows, longest, tokens = self.open
+        sizes, closed, slots = [], 0, 0
+        for n in np.asarray(lengths, np.int64).tolist():
+            if rows and (tokens + n if packed else (rows + 1) * max(longest, n)) > budget:
+                sizes.append(rows)
+                closed += tokens
+                slots += max(tokens, budget) if packed else rows * longest
+                rows = longest = tokens = 0
+            rows += 1
+            tokens += n
+            if n > longest:
+                longest = n
+        self.open = (rows, longest, tokens)
+        self._count(sizes, closed, slots)
+        return sizes
 
     def finish(self) -> list[int]:
         """Row counts of the batches left open at the end of the stream."""
-        sizes, start = [], 0
-        while start < len(self.pending):
-            sizes.append(self._fit(start))
-            start += sizes[-1]
-        return self._close(sizes, start)
+        rows, longest, tokens = self.open
+        self.open = (0, 0, 0)
+        if not rows:
+            return []
+        self._count([rows], tokens, max(tokens, self.budget) if self.packed else rows * longest)
+        return [rows]
 
-    def _fit(self, start: int) -> int:
-        """How many rows from `start` fit in one batch (at least one)."""
-        while True:
-            window = self.pending[start : start + self.window]
-            if self.packed:
-                cost = np.cumsum(window)
-            else:
-                cost = np.maximum.accumulate(window) * np.arange(1, len(window) + 1)
-            fit = int(np.searchsorted(cost, self.budget, side="right"))
-            if fit < len(window) or start + len(window) == len(self.pending):
-                return max(fit, 1)
-            self.window *= 2  # every row in the window fit: look further
-
-    def _close(self, sizes: list[int], end: int) -> list[int]:
-        done, self.pending = self.pending[:end], self.pending[end:]
-        if sizes:
-            starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-            self.batches += len(sizes)
-            self.tokens += int(done.sum())
-            if self.packed:
-                self.slots += int(np.maximum(np.add.reduceat(done, starts), self.budget).sum())
-            else:
-                self.slots += int((np.maximum.reduceat(done, starts) * sizes).sum())
-        return sizes
+    def _count(self, sizes: list[int], tokens: int, slots: int) -> None:
+        self.batches += len(sizes)
+        self.tokens += tokens
+        self.slots += slots
 
 
 # ----------------------------------------------------------------------- collate

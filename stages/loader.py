@@ -116,20 +116,22 @@ class Batcher:
     def add(self, lengths) -> list[int]:
         """Row counts of the batches that `lengths` (the next rows) close, in order."""
         # One row at a time in plain Python: greedy batching is sequential, and a few
-        # integer operations per row cost less than numpy calls per batch.
+        # integer operations per row (no builtin calls) cost less than numpy calls per
+        # batch (30K batches of 3 rows made validate's budget half its time).
         budget, packed = self.budget, self.packed
         rows, longest, tokens = self.open
         sizes, closed, slots = [], 0, 0
         for n in np.asarray(lengths, np.int64).tolist():
-            if rows and (tokens + n if packed else (rows + 1) * max(longest, n)) > budget:
+            wide = n if n > longest else longest
+            if rows and (tokens + n if packed else (rows + 1) * wide) > budget:
                 sizes.append(rows)
                 closed += tokens
-                slots += max(tokens, budget) if packed else rows * longest
-                rows = longest = tokens = 0
+                slots += (tokens if tokens > budget else budget) if packed else rows * longest
+                rows = tokens = 0
+                wide = n
             rows += 1
             tokens += n
-            if n > longest:
-                longest = n
+            longest = wide
         self.open = (rows, longest, tokens)
         self._count(sizes, closed, slots)
         return sizes

@@ -81,6 +81,9 @@ class Launch:
     port: Optional[int] = None
     # argv replacing the engine's own command; {model} {host} {port} {python} are filled in
     command: Optional[list[str]] = None
+    # the interpreter the engine runs from (its own venv: engines pin their own
+    # transformers); null = the stage's own
+    python: Optional[str] = None
     stop_timeout: float = 30.0  # SIGTERM, then SIGKILL of the process group after this
 
 

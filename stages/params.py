@@ -111,6 +111,7 @@ class Generate:
     seed: Optional[int] = None
     enable_thinking: bool = True
     separate_reasoning: bool = True
+    ignore_eos: bool = False  # SGLang/vLLM: answers run to max_tokens (benchmarks only)
     request_timeout: float = 3600.0
     limit: Optional[int] = None
     max_retries: int = 8

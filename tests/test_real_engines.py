@@ -1,6 +1,6 @@
 """The generate stage against real engines on this CPU: vLLM (from its own venv,
 `make engine-venv`) on the tiny demo model built for its attention, and SGLang's router
-in front of two real `transformers serve` workers.
+in front of two real vLLM workers.
 
 vLLM takes ~90 s to start on 2 cores, so one module-wide server answers every test that
 does not need the stage's own launcher; the pipeline test launches its own (twice: the
@@ -28,6 +28,7 @@ from stages import params as P
 from stages import servers
 from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
+from tests.repo import env as repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -55,7 +56,7 @@ def vllm_launch(**kw) -> dict:
 
 
 def env() -> dict:
-    e = dict(os.environ)
+    e = repo_env()  # the venv's bin first on PATH: `dvc`, and `python` for its stages
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["HF_HUB_OFFLINE"] = "1"
     return e
@@ -285,20 +286,23 @@ ROUTER_TIMEOUT = 60  # the router's --request-timeout-secs
 
 
 class Router:
-    """sglang-router on loopback in front of two `transformers serve` workers that are
-    started only when asked: the router comes up first, as on a cluster that boots."""
+    """sglang-router on loopback, started before any worker can answer, as on a cluster
+    that boots: its one configured worker is a second real vLLM, started when asked;
+    the module's vLLM joins later through the router's POST /workers. (The router adds
+    SGLang-only fields to every request, which `transformers serve` refuses with 422.)"""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, shared: servers.LaunchedServer):
         self.tmp = tmp
-        self.ports = [servers.free_port(), servers.free_port()]
-        self.workers: list[servers.LaunchedServer | None] = [None, None]
+        self.shared = shared
+        self.port = servers.free_port()
+        self.worker: servers.LaunchedServer | None = None
         port = servers.free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "router.log"
         argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router",
                 "--host", "127.0.0.1", "--port", str(port), "--policy", "power_of_two",
                 "--request-timeout-secs", str(ROUTER_TIMEOUT),
-                "--worker-urls", *[f"http://127.0.0.1:{p}" for p in self.ports]]  # fmt: skip
+                "--worker-urls", f"http://127.0.0.1:{self.port}"]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # fmt: skip
@@ -313,26 +317,20 @@ class Router:
         raise AssertionError(f"router did not start: {self.log.read_text()[-2000:]}")
 
     def start_workers(self) -> None:
-        """Start the workers that are not running (in parallel: ~25 s each on 2 cores)."""
-        todo = [i for i, w in enumerate(self.workers) if w is None or w.exit_code() is not None]
-        for i in todo:
-            launch = P.Launch(engine="transformers", model="demo:tiny-qwen3", port=self.ports[i],
-                              startup_timeout=300, stop_timeout=5)  # fmt: skip
-            self.workers[i] = servers.LaunchedServer(launch, self.tmp / f"worker{i}.log")
-        threads = [threading.Thread(target=self.workers[i].start) for i in todo]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(self.workers[i].exit_code() is None for i in todo)
+        """Start the router's own worker (unless it runs) and add the module's vLLM."""
+        if self.worker is None:
+            launch = P.build(P.Launch, vllm_launch(port=self.port), "test")
+            self.worker = servers.LaunchedServer(launch, self.tmp / "worker.log")
+            self.worker.start()
+            status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
+            assert status < 300, raw
 
-    def kill_worker(self, i: int) -> None:
-        os.killpg(self.workers[i].pid, signal.SIGKILL)
+    def kill_worker(self) -> None:
+        os.killpg(self.worker.pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        for w in self.workers:
-            if w is not None:
-                w.stop()
+        if self.worker is not None:
+            self.worker.stop()
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(10)
@@ -342,14 +340,14 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    r = Router(tmp_path_factory.mktemp("router"))
+def router(tmp_path_factory, vllm):
+    r = Router(tmp_path_factory.mktemp("router"), vllm)
     yield r
     r.stop()
 
 
 def router_params(wd: Path, router: Router, **gen) -> None:
-    server = {"url": router.url, "engine": "transformers", "unreachable_deadline": 300}
+    server = {"url": router.url, "unreachable_deadline": 300}  # the router speaks SGLang's API
     gen = {"concurrency": 4, "max_tokens": 16, "request_timeout": ROUTER_TIMEOUT - 10, **gen}
     write_params(wd, server, **gen)
 
@@ -376,7 +374,7 @@ def test_router_stage_waits_for_the_real_model_and_a_killed_worker_loses_nothing
             if done and int(done[-1].split(" done (")[0].split()[-1].split("/")[0]) >= 4:
                 break
             time.sleep(0.1)
-        router.kill_worker(0)  # requests in flight on it come back through the router
+        router.kill_worker()  # requests in flight on it come back through the router
         proc.wait(300)
     finally:
         if proc.poll() is None:
@@ -385,10 +383,9 @@ def test_router_stage_waits_for_the_real_model_and_a_killed_worker_loses_nothing
     out = "".join(lines)
     assert proc.returncode == 0, out[-3000:]
     report = json.loads((tmp_path / "reports/generate.json").read_text())
-    real = servers.resolve_model("demo:tiny-qwen3")
-    assert report["model"] == real, out[-3000:]  # never a placeholder such as "default"
+    assert report["model"] == MODEL, out[-3000:]  # never a placeholder such as "default"
     assert report["completed"] == 16 and report["failed"] == 0, report
-    assert {r["model"] for r in rows(tmp_path / "data/completions/completions.jsonl")} == {real}
+    assert {r["model"] for r in rows(tmp_path / "data/completions/completions.jsonl")} == {MODEL}
 
 
 TOOLS = [{"type": "function", "function": {
@@ -426,8 +423,8 @@ def test_tool_turn_prompts_pass_the_router(router, tmp_path):
     completions = rows(tmp_path / "data/completions/completions.jsonl")
     assert len(completions) == 4
     for row in completions:
-        call, answer = row["messages"][-3], row["messages"][-2]
-        assert answer["tool_call_id"] == call["tool_calls"][0]["id"]
+        calls, result = row["messages"][-3], row["messages"][-2]
+        assert result["tool_call_id"] == calls["tool_calls"][0]["id"]
 
 
 def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, tmp_path):

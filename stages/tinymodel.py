@@ -18,8 +18,10 @@ answers behave like a chat model's at the protocol level:
 
 `demo:tiny-qwen3-vllm` is the same recipe in the shape vLLM's CPU attention accepts
 (it rejects head_dim 16). vLLM splits reasoning from the answer at `</think>` (a
-special token here), so that row points along the shared direction too, more strongly
-than `<|im_end|>`: about half the answers close their thinking, answer and stop.
+special token here), so that token gets a steady chance too, along a second shared
+direction; its embeddings are untied so that, once written, it pulls the state away
+from that direction and an answer follows: about half the answers close their
+thinking, answer and stop.
 """
 
 from __future__ import annotations

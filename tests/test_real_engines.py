@@ -211,6 +211,7 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     through, the next `dvc repro` finishes every stage, and its completions are the
     bytes an uninterrupted run against another vLLM gets."""
     repo = demo_clone(tmp_path)
+    run([sys.executable, "-c", "from stages import demo; demo.setup()"], repo)  # data/base
     servers.resolve_model(MODEL)  # built once in the project's .cache, linked into the clone
     shutil.copytree(ROOT / ".cache/demo-model-vllm", repo / ".cache/demo-model-vllm",
                     copy_function=os.link)  # fmt: skip
@@ -288,8 +289,9 @@ ROUTER_TIMEOUT = 60  # the router's --request-timeout-secs
 class Router:
     """sglang-router on loopback, started before any worker can answer, as on a cluster
     that boots: its one configured worker is a second real vLLM, started when asked;
-    the module's vLLM joins later through the router's POST /workers. (The router adds
-    SGLang-only fields to every request, which `transformers serve` refuses with 422.)"""
+    the module's vLLM joins later through the router's POST /workers (round_robin: its
+    power_of_two refuses to start with one worker). The router adds SGLang-only fields
+    to every request, which `transformers serve` refuses with 422: no such workers."""
 
     def __init__(self, tmp: Path, shared: servers.LaunchedServer):
         self.tmp = tmp
@@ -300,7 +302,7 @@ class Router:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "router.log"
         argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router",
-                "--host", "127.0.0.1", "--port", str(port), "--policy", "power_of_two",
+                "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                 "--request-timeout-secs", str(ROUTER_TIMEOUT),
                 "--worker-urls", f"http://127.0.0.1:{self.port}"]  # fmt: skip
         with open(self.log, "ab") as log:

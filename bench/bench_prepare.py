@@ -105,15 +105,17 @@ def baseline(path: Path, loads) -> tuple[float, float]:
     return n / (time.perf_counter() - wall), n / (time.process_time() - cpu)
 
 
-def run_stage(path: Path, rows: int, num_proc: int) -> dict:
-    """Rows per second (wall and CPU) and peak RSS of `python -m stages.prepare` on `path`."""
-    run_dir = WORK / f"run-{rows}-{num_proc}"
+def run_stage(path: Path, rows: int, num_proc: int, extra: dict | None = None, tag: str = "") -> dict:
+    """Rows per second (wall and CPU) and peak RSS of `python -m stages.prepare` on `path`
+    (`extra`: more prepare params, in a run folder named with `tag`)."""
+    run_dir = WORK / f"run-{rows}-{num_proc}{tag}"
     run_dir.mkdir(parents=True, exist_ok=True)
     params = run_dir / "params.yaml"
     params.write_text(yaml.safe_dump({"prepare": {
         "seed": 0, "max_prompt_chars": 32000, "on_bad_row": "error", "multi_turn": "context",
         "num_proc": num_proc,
         "sources": [{"name": "bench", "path": str(path), "format": "sharegpt"}],
+        **(extra or {}),
     }}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     start = time.perf_counter()
@@ -133,7 +135,7 @@ def run_stage(path: Path, rows: int, num_proc: int) -> dict:
     assert report["totals"]["read"] == rows, report["totals"]
     # with workers, the peak is the stage process's own (the biggest)
     return {"wall": rows / seconds, "cpu": rows / (usage.ru_utime + usage.ru_stime),
-            "rss_mb": outcome(out)[1]}
+            "rss_mb": outcome(out)[1], "report": report}
 
 
 def main(quick: bool | None = None) -> dict:

@@ -48,11 +48,11 @@ def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> 
         cfg = P.load(section, args.params)
         run(cfg)
     except StageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:  # a file the stage could not read or write, not caught nearer
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {section}: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"error: {one_line(f'{section}: {where}{e.strerror or e}')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         how = "terminated" if isinstance(e, Terminated) else "interrupted"
@@ -61,6 +61,20 @@ def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> 
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+MAX_ERROR_CHARS = 2000
+# every character str.splitlines() breaks at, written as its escape
+_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line of bounded length: a name or value quoted in an error
+    may hold line breaks, lone surrogates or megabytes."""
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + "..."
+    text = text.translate(_BREAKS)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def entry(section: str, doc: str, run: Callable[[object], object]) -> None:

@@ -5,18 +5,26 @@ fixed pool of workers (in generate.py) that each take the next prompt as soon as
 their last one finishes: no batch barrier, so one slow reply never holds the others.
 
 Errors are sorted by what a retry can change:
-  permanent  400/413/422 (`bad_request`), a prompt over the context (`context_length`),
-             500 "Out of memory even after retracting" (`oom`): sent once, never again.
+  permanent  400/413/422 (`bad_request`), 500 "Out of memory even after retracting"
+             (`oom`): sent once, never again.
+  too long   the engine's 400 for prompt + max_tokens over the context names both
+             numbers: the request is sent again once with max_tokens clamped to what
+             the context leaves; a prompt that leaves fewer than `min_new_tokens` (or
+             an unreadable context error) is a permanent `context_overflow`.
   transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
-             dropped connections (`connection`), unparsable bodies (`malformed`), a 400
-             "duplicate rid" when a retry races the server's abort (`duplicate_rid`):
-             retried with exponential backoff + jitter up to `max_retries`;
-             other 5xx (`server_error`) up to `max_retries_500`.
+             dropped connections (`connection`), 200 bodies that are not UTF-8 JSON
+             (`malformed`, e.g. cut short), a 400 "duplicate rid" when a retry races the
+             server's abort (`duplicate_rid`), a 200 whose finish_reason is "abort"
+             (`aborted`: an admin abort, a pause or a weight update cut it, the model
+             did not stop): retried with exponential backoff + jitter up to
+             `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
+             well-formed reply (`bad_reply`, stages/replies.py) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).
   down       the server refuses connections: requests wait (not counted as retries)
              until `unreachable_deadline` passes with no answer from any URL.
-The API key only ever lives in a request header; every message that leaves this
-module passes through `redact`.
+The API key only ever lives in a request header, URL credentials only in the URL the
+request goes to; every message that leaves this module, and every reply body that holds
+a secret, passes through `redact` (stages/secrets.py) before it is cut to length.
 """
 
 from __future__ import annotations
@@ -24,18 +32,33 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import aiohttp
 
+from stages import replies
 from stages.errors import StageError
+from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
 CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "exceeds the")
+# (context, prompt tokens) in the engines' context errors, in the order they appear
+CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
+    (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 1, 2),
+    # SGLang: the prompt alone fills the context
+    (re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+)"), 2, 1),
+    # vLLM: "maximum context length is C tokens ... your request has P input tokens" (or
+    # "your prompt contains P input tokens")
+    (re.compile(r"maximum context length is (\d+) tokens.*?(\d+) input tokens", re.S), 1, 2),
+    # vLLM: "... you requested T tokens (P in the messages, O in the completion)"
+    (re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages", re.S), 1, 2),
+)
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
+MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
 
 
 @dataclass(frozen=True)
@@ -227,7 +250,7 @@ def classify(status: int, message: str) -> tuple[str, str]:
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
     if status in (400, 413, 422) or (400 <= status < 500 and status not in (408, 429)):
         if any(h in low for h in CONTEXT_HINTS):
-            return "context_length", "permanent"
+            return "context_overflow", "permanent"
         return "bad_request", "permanent"
     if status in (429, 503):
         return "overloaded", "transient"
@@ -240,7 +263,24 @@ def classify(status: int, message: str) -> tuple[str, str]:
     return "server_error", "t500"
 
 
+def context_numbers(message: str) -> Optional[tuple[int, int]]:
+    """(context length, prompt tokens) from an engine's context error, else None."""
+    for pattern, ctx, prompt in CONTEXT_ERRORS:
+        m = pattern.search(message)
+        if m:
+            return int(m.group(ctx)), int(m.group(prompt))
+    return None
+
+
+def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
+    """The same request asking for at most `max_tokens` (rare: only prompts near the context)."""
+    data = json.loads(body)
+    data["max_tokens"] = max_tokens
+    return json.dumps(data, ensure_ascii=False).encode()
+
+
 def _error_message(raw: bytes) -> str:
+    """The server's message in an error body, whole: the caller redacts, then cuts."""
     try:
         data = json.loads(raw)
         if isinstance(data, dict):
@@ -250,9 +290,21 @@ def _error_message(raw: bytes) -> str:
                     val = val.get("message")
                 if val:
                     return str(val)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
-    return raw[:MAX_MESSAGE].decode("utf-8", "replace")
+    return raw[:MAX_BODY_READ].decode("utf-8", "replace")
+
+
+def read_body(raw: bytes) -> tuple[Any, Optional[tuple[str, str]]]:
+    """(parsed reply, None) for a well-formed 200 body, else (None, (kind, why))."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, ("malformed", "the body is not UTF-8")
+    except (ValueError, RecursionError) as e:
+        return None, ("malformed", f"the body is not JSON ({e})")
+    why = replies.problem(data)
+    return (None, ("bad_reply", why)) if why else (data, None)
 
 
 class ChatClient:
@@ -270,10 +322,13 @@ class ChatClient:
         split_reasoning: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
+        min_new_tokens: int = 1,
     ):
-        self.urls = [u.rstrip("/") for u in urls]
-        self._endpoints = [u + CHAT_PATH for u in self.urls]
+        # shown in messages without credentials; aiohttp sends a URL's own as Basic auth
+        self.urls = [strip_url_credentials(u.rstrip("/")) for u in urls]
+        self._endpoints = [u.rstrip("/") + CHAT_PATH for u in urls]
         self._key = api_key or None
+        self.redact = Redactor([self._key], urls=urls)
         self._headers = {"Content-Type": "application/json"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
@@ -285,6 +340,7 @@ class ChatClient:
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
         self.split = split_reasoning
+        self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
         self.inflight = [0] * len(self.urls)
@@ -293,10 +349,8 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
+        self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
-
-    def redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
 
     async def __aenter__(self) -> "ChatClient":
         connector = aiohttp.TCPConnector(
@@ -337,12 +391,21 @@ class ChatClient:
             await self.gate.wait_ready()
             self.last_contact = time.monotonic()  # a restart is not silence
 
+    def _room(self, message: str, clamped: bool) -> Optional[int]:
+        """max_tokens that fits the context the engine reported, if worth a second try."""
+        numbers = None if clamped else context_numbers(message)
+        if numbers is None:
+            return None
+        room = numbers[0] - numbers[1]
+        return room if room >= self.min_new_tokens else None
+
     async def complete(self, body: bytes) -> Reply:
         """Send one request until it succeeds or gives up.
 
         Raises Failure (this request), Unreachable or Rejected (the whole run).
         """
         attempts = retries = retries_500 = waits = 0
+        clamped = False
         while True:
             await self._wait_gate()
             i = self._pick()
@@ -372,13 +435,16 @@ class ChatClient:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
                 if status == 200:
-                    try:
-                        parsed = parse_reply(json.loads(raw), self.split)
-                        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
-                    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                        why = f"unparsable 200 reply ({type(e).__name__}: {e}): {raw[:120]!r}"
-                        err = _Attempt("malformed", status, why)
-                        cls = "transient"
+                    data, bad = read_body(raw)
+                    if bad is None and data["choices"][0].get("finish_reason") == "abort":
+                        # an admin abort, pause or weight update cut it: not the model's end
+                        bad = ("aborted", "the server aborted the request")
+                    if bad is None:
+                        return self._reply(data, raw, attempts, latency)
+                    kind, why = bad
+                    text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
+                    err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
+                    cls = "t500" if kind == "bad_reply" else "transient"
                 else:
                     message = _error_message(raw)
                     kind, cls = classify(status, message)
@@ -386,11 +452,16 @@ class ChatClient:
                     if cls == "fatal":
                         raise Rejected(
                             f"{self.urls[i]}{CHAT_PATH} answered HTTP {status}: "
-                            f"{self.redact(message)[:200]} (check generate.server.url/model"
+                            f"{self._say(message, 200)} (check generate.server.url/model"
                             f" and the key in generate.server.api_key_env)"
                         )
+                    room = self._room(message, clamped) if kind == "context_overflow" else None
+                    if room is not None:
+                        body, clamped = with_max_tokens(body, room), True
+                        self.clamped += 1
+                        continue  # not a retry: the engine said what fits
                     if cls == "permanent":
-                        text = self.redact(message)[:MAX_MESSAGE]
+                        text = self._say(message, MAX_MESSAGE)
                         raise Failure(kind, status, text, attempts, True)
             elif err.kind == "down":
                 attempts -= 1  # never reached the server: not an attempt
@@ -417,13 +488,25 @@ class ChatClient:
                 retries += 1
                 over = retries > self.retry.max_retries
             if over:
-                text = self.redact(err.message)[:MAX_MESSAGE]
+                text = self._say(err.message, MAX_MESSAGE)
                 raise Failure(err.kind, err.status, text, attempts, False)
             self.retries += 1
             delay = self.retry.delay(retries + retries_500, self._rng)
             if err.retry_after:
                 delay = max(delay, min(err.retry_after, self.retry.backoff_max))
             await asyncio.sleep(delay)
+
+    def _say(self, text: str, limit: int) -> str:
+        """A server's words as written: secrets masked, then cut, then UTF-8 safe (a JSON
+        error body can hold a lone surrogate, which no file can take)."""
+        return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
+
+    def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
+        if self.redact and self.redact.found(raw.decode("utf-8")):
+            data = self.redact.scrub(data)
+            raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
 
 
 def _retry_after(value: Optional[str]) -> float:

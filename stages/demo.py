@@ -133,11 +133,51 @@ def summary(ran: list[str] | None) -> str:
         f" = {mer.get('merged', {}).get('rows', '?')} rows, {mer.get('merged', {}).get('tokens', '?')} tokens"
     )
     lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
+    lines += training_lines(val)
     lines.append(f"merged dataset: {MERGED.resolve()}")
+    card = MERGED / "README.md"
+    if card.exists():
+        lines.append(f"its lineage card (version {mer.get('version', '?')}): {card} "
+                     "(facts for machines: data/merged/lineage.json)")
     lines.append(
-        "load it:  python -c \"import datasets; print(datasets.load_from_disk('data/merged'))\""
+        "load it:  python -c \"from stages.loader import batches; "
+        "print(next(batches('data/merged', 4096, packed=True)))\""
     )
     return "\n".join(lines)
+
+
+def training_lines(val: dict) -> list[str]:
+    """The training check, the token budget and the pictures, from reports/validate.json."""
+    lines = []
+    check, budget = val.get("train_check") or {}, val.get("budget")
+    if "skipped" in check or "failed" in check:
+        lines.append(f"train     {check.get('skipped') or check.get('failed')}")
+    elif check:
+        longest = check.get("longest_batch") or {}
+        lines.append(
+            f"train     {check['batches']} {check['layout']} steps of {check['tokens_per_batch']} "
+            f"tokens on {check['device']} ({check['model']}): loss {check['loss'][-1]:.3f}, "
+            f"{check['tokens_per_second']:.0f} tokens/s, peak {check['peak_memory_mb']:.0f} MB"
+        )
+        if longest:
+            lines.append(f"          longest batch {longest['tokens']} tokens: peak "
+                         f"{longest['peak_memory_mb']:.0f} MB, {longest['seconds']:.1f} s")
+        worst = max(check["max_loss_difference"].values(), default=0.0)
+        lines.append(f"          labels follow loss_mask; packed = padded = alone per token "
+                     f"(max difference {worst:.1g})")
+    if budget:
+        padded, packed = budget["padded"], budget["packed"]
+        lines.append(
+            f"budget    an epoch at {budget['tokens_per_batch']} tokens per batch: "
+            f"{packed['batches']} packed batches ({packed['padding_fraction']:.0%} unused) or "
+            f"{padded['batches']} padded ({padded['padding_fraction']:.0%} padding)"
+        )
+        lines.append(f"          {packed['supervised_tokens_per_step']:.0f} supervised tokens per "
+                     f"packed step (by source: reports/validate.json)")
+    pictures = sorted(str(p) for p in (REPORTS / "plots").glob("*.svg"))
+    if pictures:
+        lines.append(f"pictures  {', '.join(pictures)}")
+    return lines
 
 
 def main(argv=None) -> int:

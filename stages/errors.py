@@ -16,11 +16,15 @@ def json_object(text: bytes | str, where: str) -> dict:
         doc = json.loads(text)
     except ValueError as e:
         raise StageError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise StageError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
-        raise StageError(f"{where}: expected a JSON object, got {_json_type(doc)}")
+        raise StageError(f"{where}: expected a JSON object, got {json_type(doc)}")
     return doc
 
 
-def _json_type(value) -> str:
-    names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+def json_type(value) -> str:
+    """How a JSON value's type reads in an error message."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             type(None): "null"}  # fmt: skip
     return names.get(type(value), "a number")

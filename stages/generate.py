@@ -15,14 +15,23 @@ writes, in prompt order:
 Every reply goes first into a crash-safe request cache (`generate.cache_dir`, default
 .cache/requests, outside the DVC outs). Kill the run at any moment and run it again:
 only the missing requests are sent. Changing a sampling param or the model starts a new
-key space; the old one stays for a rollback. Permanent failures (400, prompt too long,
-OOM after retracting) are cached too and not resent (`generate.retry_failed: true`
-resends them); transient ones (503, 429, timeouts, ...) are retried on the next run.
+key space; the old one stays for a rollback. Permanent failures (400, a prompt that
+leaves fewer than `generate.min_new_tokens` in the context, OOM after retracting) are
+cached too and not resent (`generate.retry_failed: true` resends them); transient ones
+(503, 429, timeouts, bad replies, aborted replies, ...) are retried on the next run. A
+run left with more failures than `generate.max_transient_failures` /
+`generate.max_permanent_failures` allow writes its outputs for inspection and exits 1,
+so DVC records no version and the next `dvc repro` runs it again (see `verdict`).
+
+A URL server is used once /v1/models names its model (a router answers /health with no
+worker behind it); that name keys the cache. One that stops finishing requests without
+proving it generates ends the run after `watchdog_seconds` + `server.hang_timeout`.
 
 `generate.limit: N` runs the first N prompts and prints the first request body.
 Ctrl-C stops cleanly with exit status 130, SIGTERM with 143; the cache keeps every
 finished request. The API key is read from the environment variable named by
-`generate.server.api_key_env` and is never written anywhere.
+`generate.server.api_key_env` and is never written anywhere; neither are credentials
+in a server URL (stages/secrets.py).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages import cli, outputs
+from stages import cli, outputs, replies, secrets
+from stages import messages as contract
 from stages import params as P
 from stages.client import (
     CHAT_PATH,
@@ -55,6 +65,7 @@ from stages.client import (
 )
 from stages.errors import StageError, json_object
 from stages.requestcache import KeyIndex, RequestCache, fingerprint, request_key
+from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
 log = logging.getLogger("stages.generate")
 
@@ -64,8 +75,10 @@ SERVER_LOG = Path(".cache/logs/generate-server.log")
 # This many permanent failures before the first success means the setup is wrong
 # (a param the server rejects, a wrong model): stop instead of caching them all.
 BREAKER = 32
+BAD_BODIES = ("malformed", "bad_reply")  # a 200 whose body is not a chat completion
+# "abort" is retried now (client.py), but caches written before may still hold one
 TRUNCATED_FINISH = ("length", "abort")
-FALLBACK_MODEL = "default"
+ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
 
 
 # ------------------------------------------------------------------------ params
@@ -80,35 +93,44 @@ def check(cfg: P.Generate) -> None:
         )
     if isinstance(s.url, list) and not s.url:
         raise StageError("generate.server.url: empty list (give at least one URL)")
-    for u in [s.url] if isinstance(s.url, str) else (s.url or []):
+    for u in server_urls(s):
         if not u.startswith(("http://", "https://")):
-            raise StageError(f"generate.server.url: {u!r} is not an http(s):// URL")
-    positive = {
-        "generate.concurrency": cfg.concurrency,
-        "generate.max_tokens": cfg.max_tokens,
-        "generate.request_timeout": cfg.request_timeout,
-        "generate.progress_interval": cfg.progress_interval,
-        "generate.backoff_base": cfg.backoff_base,
-        "generate.backoff_max": cfg.backoff_max,
-        "generate.server.unreachable_deadline": s.unreachable_deadline,
-        "generate.server.watchdog_seconds": s.watchdog_seconds,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise StageError(f"{name}: must be > 0, got {value}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise StageError(f"generate.limit: must be >= 1 or null, got {cfg.limit}")
-    retries = {
-        "generate.max_retries": cfg.max_retries,
-        "generate.max_retries_500": cfg.max_retries_500,
-    }
-    for name, value in retries.items():
-        if value < 0:
-            raise StageError(f"{name}: must be >= 0, got {value}")
-    if not 0 <= cfg.temperature:
-        raise StageError(f"generate.temperature: must be >= 0, got {cfg.temperature}")
-    if not 0 < cfg.top_p <= 1:
-        raise StageError(f"generate.top_p: must be in (0, 1], got {cfg.top_p}")
+            shown = strip_url_credentials(u)
+            raise StageError(f"generate.server.url: {shown!r} is not an http(s):// URL")
+        if s.api_key_env and any(url_credentials(u)):
+            raise StageError(
+                "generate.server.url: has credentials (user:password@) and "
+                "generate.server.api_key_env is set too; a request carries one "
+                "Authorization header: use one of them"
+            )
+    P.check_ranges(cfg, "generate")
+    if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
+        raise StageError(router_timeout_advice(cfg.request_timeout, s.router_timeout))
+    for name in ("max_transient_failures", "max_permanent_failures"):
+        limit = getattr(cfg, name)
+        if isinstance(limit, float) and not 0 <= limit <= 1:
+            raise StageError(
+                f"generate.{name}: a fraction must be in [0, 1], got {limit} "
+                "(write a whole number for a count)"
+            )
+        if isinstance(limit, int) and limit < 0:
+            raise StageError(f"generate.{name}: must be >= 0, got {limit}")
+
+
+def server_urls(server: P.Server) -> list[str]:
+    """generate.server.url as a list (empty for a launched server)."""
+    return [server.url] if isinstance(server.url, str) else list(server.url or [])
+
+
+def router_timeout_advice(request_timeout: float, router_timeout: float) -> str:
+    return (
+        f"generate.request_timeout ({request_timeout:g} s) is longer than the router's "
+        f"--request-timeout-secs ({router_timeout:g} s, generate.server.router_timeout): the "
+        "router would cut long generations and they would start over; set "
+        f"generate.request_timeout <= {router_timeout:g} or start the router with "
+        f"--request-timeout-secs {int(request_timeout) + 60} and set "
+        "generate.server.router_timeout to match"
+    )
 
 
 def api_key(server: P.Server) -> Optional[str]:
@@ -166,23 +188,32 @@ class Plan:
         self.off = np.zeros(self.n, dtype=np.int64)
         self.ok = np.zeros(self.n, dtype=bool)
 
-    def locate(self, cache: RequestCache, retry_failed: bool) -> None:
-        """Point every prompt at its cached reply; a completion beats a cached failure."""
+    def locate(self, cache: RequestCache, retry_failed: bool) -> int:
+        """Point every prompt at its cached reply; a completion beats a cached failure.
+
+        Returns how many damaged records were dropped (their requests are sent again).
+        """
         damaged = 0
         for key, seg, off, js in cache.scan():
             idxs = self.index.find(key)
             if not idxs or (self.seg[idxs[0]] >= 0 and self.ok[idxs[0]]):
                 continue
-            try:
-                good = json.loads(js).get("ok") is True
-            except (ValueError, AttributeError):
+            rec = cached_record(js)
+            if rec is None:
                 damaged += 1
                 continue
+            good = rec["ok"]
             if not good and (retry_failed or self.seg[idxs[0]] >= 0):
                 continue
             self.set(idxs, seg, off, good)
+        damaged += cache.damaged
         if damaged:
-            log.warning("request cache: %d damaged entries ignored (they are resent)", damaged)
+            log.warning(
+                "request cache %s: dropped %d damaged record(s); a request left without an "
+                "intact record is sent again",
+                cache.dir, damaged,
+            )  # fmt: skip
+        return damaged
 
     def set(self, idxs: list[int], seg: int, off: int, good: bool) -> None:
         self.seg[idxs] = seg
@@ -209,18 +240,35 @@ class Plan:
         return os.pread(fd, end - start, start)
 
 
+def cached_record(js: bytes) -> Optional[dict]:
+    """A cache record as written by Generation, or None for anything else on disk."""
+    try:
+        rec = json.loads(js)
+    except (ValueError, RecursionError):  # UnicodeDecodeError included
+        return None
+    if not isinstance(rec, dict):
+        return None
+    if rec.get("ok") is True:
+        return rec if replies.problem(rec.get("reply")) is None else None
+    fields = (
+        rec.get("ok") is False
+        and isinstance(rec.get("kind"), str)
+        and isinstance(rec.get("message"), str)
+        and isinstance(rec.get("attempts"), int)
+        and (rec.get("status") is None or isinstance(rec.get("status"), int))
+    )
+    return rec if fields and replies.writable(rec) else None
+
+
 def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     where = f"{path}:{lineno}"
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
-    messages = prompt.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and "role" in m for m in messages
-    ):
-        raise StageError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-    if "tools" in prompt and not isinstance(prompt["tools"], list):
-        raise StageError(f"{where}: 'tools' must be a list")
+    bad = contract.problem(prompt.get("messages"), prompt.get("tools")) or \
+        contract.unicode_problem(line, prompt)
+    if bad:
+        raise StageError(f"{where}: {bad}")
     return prompt
 
 
@@ -230,9 +278,10 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 class Server:
     """What the stage needs from a server: URLs, the model name, restart hooks."""
 
-    def __init__(self, cfg: P.Generate, key: Optional[str]):
+    def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
         self.key = key
+        self.redact = redact
         self.launched = None
         self.urls: list[str] = []
         s = cfg.server
@@ -242,70 +291,47 @@ class Server:
         else:
             from stages.servers import normalize_url
 
-            self.urls = [normalize_url(u) for u in ([s.url] if isinstance(s.url, str) else s.url)]
+            self.urls = [normalize_url(u) for u in server_urls(s)]  # credentials kept: used
             self.engine = s.engine or "sglang"
             self.label = s.model  # None: asked from the server
         self.request_model = s.model
 
     async def resolve_label(self) -> str:
-        """The model name that keys the cache (a URL server without server.model is asked)."""
+        """The model name that keys the cache (a URL server without server.model is asked,
+        once it is ready)."""
         if self.label is None:
-            self.label = self.request_model = await _served_model(self.urls, self.key, self.cfg)
+            served = await self.ready()
+            if served is None:
+                raise StageError(
+                    f"{self.shown_urls()[0]}/v1/models lists no model: set generate.server.model "
+                    "(it is sent with every request and keys the request cache)"
+                )
+            self.request_model = served
+            self.label = self.redact(served)  # written into every row
         return self.label
 
+    async def ready(self) -> Optional[str]:
+        from stages.servers import wait_ready
+
+        return await wait_ready(self.urls, self.cfg.server.unreachable_deadline, self.key)
+
+    def shown_urls(self) -> list[str]:
+        return [strip_url_credentials(u) for u in self.urls]
+
     def info(self) -> dict:
+        launch = self.cfg.server.launch
         if self.launched is not None:
             info = dict(self.launched.info())
+        elif launch is not None:  # every answer came from the cache: nothing was started
+            info = {"engine": self.engine, "model": launch.model, "started": False,
+                    "args": secrets.redact_args(launch.args),
+                    "command": secrets.redact_args(launch.command) if launch.command else None,
+                    "version": None}
         else:
-            info = {"urls": self.urls, "engine": self.engine}
-        return _scrub(info, self.key)
+            info = {"urls": self.shown_urls(), "engine": self.engine}
+        return self.redact.scrub(info)
 
 
-async def _served_model(urls: list[str], key: Optional[str], cfg: P.Generate) -> str:
-    """The model the URL servers serve (GET /v1/models), when generate.server.model is unset."""
-    import aiohttp
-
-    await _any_reachable(urls, cfg.server.unreachable_deadline, key)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    names: set[str] = set()
-    down = ""
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
-        for url in urls:
-            try:
-                async with s.get(url + "/v1/models") as r:
-                    status = r.status
-                    data = await r.json(content_type=None)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-                down = down or f"{url}: {type(e).__name__}"  # the client avoids it while it is down
-                continue
-            except ValueError:
-                data, status = None, -1
-            if status in (401, 403):
-                raise StageError(
-                    f"{url}/v1/models answered HTTP {status}: check the API key "
-                    f"(generate.server.api_key_env={cfg.server.api_key_env})"
-                )
-            try:
-                names.add(str(data["data"][0]["id"]))
-            except (KeyError, IndexError, TypeError):
-                # SGLang and vLLM answer any model name when they serve one model
-                log.warning(
-                    "%s/v1/models gave no model (HTTP %s): sending model %r; set "
-                    "generate.server.model to name it (it also keys the request cache)",
-                    url, status, FALLBACK_MODEL,
-                )  # fmt: skip
-                names.add(FALLBACK_MODEL)
-    if not names:
-        raise StageError(f"cannot read the served model: {down}; set generate.server.model")
-    if len(names) > 1:
-        raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
-    return names.pop()
-
-
-def _scrub(obj: Any, key: Optional[str]) -> Any:
-    if not key:
-        return obj
-    return json.loads(json.dumps(obj).replace(key, "***"))
 
 
 # --------------------------------------------------------------------------- run
@@ -372,6 +398,7 @@ class Generation:
         self.transient: dict[int, dict] = {}
         self.held: list[tuple[int, dict]] = []
         self.any_success = False
+        self.bad_in_a_row = 0  # requests given up on bad bodies since the last success
         self.sent = 0
         self.finished = 0  # requests of this run that completed or gave up
         self.completed = 0
@@ -414,6 +441,15 @@ class Generation:
             }  # fmt: skip
             n = len(self.plan.index.twins(i))
             self.failed += n
+            if f.kind in BAD_BODIES:
+                self.bad_in_a_row += 1
+                if self.bad_in_a_row >= BREAKER:
+                    raise StageError(
+                        f"{BREAKER} requests in a row got no well-formed reply after retries, "
+                        f"e.g. {f.message[:200]!r}: the server at "
+                        f"{', '.join(self.client.urls)} is not answering chat completions; "
+                        "fix it and run again (answered requests are kept)"
+                    ) from None
             if not f.permanent:
                 self.transient[i] = record
                 self.done += n
@@ -431,6 +467,7 @@ class Generation:
             return
         self.finished += 1
         self.completed += 1
+        self.bad_in_a_row = 0
         self.out_tokens += reply.completion_tokens
         self.in_tokens += reply.prompt_tokens
         self.latencies.append(reply.latency)
@@ -543,6 +580,8 @@ def write_outputs(
         "prompt_tokens": 0, "output_tokens": 0,
     }  # fmt: skip
     kinds: dict[str, int] = {}
+    transient_kinds: dict[str, int] = {}
+    by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     with outputs.atomic_dir(OUT) as tmp, open(plan.path, "rb") as src, open(
         tmp / "completions.jsonl", "w", encoding="utf-8", newline="\n"
@@ -553,22 +592,37 @@ def write_outputs(
                 raise StageError(f"{plan.path}: changed while generate was running; run it again")
             prompt = json.loads(line)
             if plan.seg[i] >= 0:
-                rec = cache.read(int(plan.seg[i]), int(plan.off[i]))
+                rec = cached_record(cache.read_json(int(plan.seg[i]), int(plan.off[i])))
+                if rec is None:
+                    raise StageError(
+                        f"{cache.dir}: changed while generate was running; run it again"
+                    )
             else:  # retries spent this run: reported, not cached, resent next run
                 rec = transient[plan.index.twins(i)[0]]
                 counts["failed_transient"] += 1
+                transient_kinds[rec["kind"]] = transient_kinds.get(rec["kind"], 0) + 1
+            mine = by_source.setdefault(str(prompt.get("source")), {
+                "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
                 row = completion_row(prompt, rec["reply"], model, sampling_fp, split)
                 counts["completed"] += 1
                 counts["truncated"] += row["truncated"]
+                mine["completed"] += 1
+                mine["truncated"] += row["truncated"]
                 counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
                 counts["output_tokens"] += row["usage"]["completion_tokens"]
                 comp.write(dumps(row) + "\n")
             else:
                 counts["failed"] += 1
                 kinds[rec["kind"]] = kinds.get(rec["kind"], 0) + 1
+                mine["failed"] += 1
+                mine["failed_by_kind"][rec["kind"]] = mine["failed_by_kind"].get(rec["kind"], 0) + 1
                 fail.write(dumps(failure_row(prompt, rec)) + "\n")
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
+    counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
+    permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
+    counts["failed_permanent_by_kind"] = {k: v for k, v in permanent.items() if v}
+    counts["sources"] = by_source
     return counts
 
 
@@ -615,27 +669,35 @@ def failure_row(prompt: dict, rec: dict) -> dict:
 def run(cfg: P.Generate) -> dict:
     check(cfg)
     key = api_key(cfg.server)
-    try:
-        return asyncio.run(_run(cfg, key))
-    except asyncio.CancelledError:  # our SIGTERM handler cancelled the run (Ctrl-C: asyncio
-        raise cli.Terminated from None  # raises KeyboardInterrupt itself)
+    redact = Redactor([key], urls=server_urls(cfg.server))
+    with redacting_logs(redact):
+        try:
+            return asyncio.run(_run(cfg, key, redact))
+        except asyncio.CancelledError:  # our SIGTERM handler cancelled the run (Ctrl-C:
+            raise cli.Terminated from None  # asyncio raises KeyboardInterrupt itself)
+        except StageError as e:  # any message may quote a URL or a server's words
+            e.args = (redact(str(e)),)
+            raise
 
 
-async def _run(cfg: P.Generate, key: Optional[str]) -> dict:
+async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     try:  # SIGTERM (a killed `dvc repro`) stops like Ctrl-C: cache closed, server stopped
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     except (RuntimeError, ValueError):  # not the main thread
         pass
     t0 = time.monotonic()
-    server = Server(cfg, key)
+    server = Server(cfg, key, redact)
     label = await server.resolve_label()
+    seed_used = await asyncio.to_thread(_seed_used, server, cfg)
+    if server.urls and cfg.server.router_timeout is None:
+        await asyncio.to_thread(_warn_router_timeout, server, cfg)
     sampling = sampling_of(cfg)
     sampling_fp = fingerprint(sampling.as_dict())
     namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
     plan = Plan(PROMPTS, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_fp}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
-        plan.locate(cache, cfg.retry_failed)
+        damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
         log.info(
             "%d prompts: %d answered in the cache %s, %d requests to send",
@@ -654,36 +716,120 @@ async def _run(cfg: P.Generate, key: Optional[str]) -> dict:
         "from_cache": gen.cached if gen else plan.n,
         "sent": gen.sent if gen else 0,
         "retries": gen.client.retries if gen else 0,
+        "clamped": gen.client.clamped if gen else 0,
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,
         "sampling": sampling_fp,
         "sampling_params": sampling.as_dict(),
+        "seed_honoured": seed_used,
         "server": server.info(),
         "cache_dir": str(cache.dir),
+        "cache_damaged": damaged,
     }
-    outputs.write_report("generate", _scrub(report, key))
+    outputs.write_report("generate", server.redact.scrub(report))
     failed = counts["failed"]
     log.info(
         "done: %d completed (%d truncated), %d failed %s -> %s",
         counts["completed"], counts["truncated"], failed, counts["failed_by_kind"] or "", OUT,
     )  # fmt: skip
-    if transient:
+    problem = verdict(counts, plan.n, cfg, transient)
+    if problem:
+        raise StageError(problem)
+    if counts["failed_transient"]:
         log.warning(
-            "%d prompts failed with transient errors (retries spent); they are in "
-            "failures.jsonl and are resent by the next run (dvc repro -f generate)",
-            len(transient),
+            "%d prompts failed with transient errors (retries spent), within "
+            "generate.max_transient_failures: they are in failures.jsonl and are resent "
+            "by the next run (dvc repro -f generate)",
+            counts["failed_transient"],
         )
     return report
+
+
+def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
+    """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
+    when it does not. The seed keys the request cache either way: it is what was asked."""
+    from stages import servers
+
+    if cfg.seed is None:
+        return None
+    launch = cfg.server.launch
+    argv = None if launch is None else list(launch.args) + list(launch.command or [])
+    url = server.urls[0] if server.urls else None
+    used = servers.seed_honoured(server.engine, url, server.key, argv)
+    if used is False:
+        log.warning(
+            "generate.seed=%s is ignored: SGLang uses a request's seed only when started with "
+            "%s; replies are sampled anew on a re-send (the cache keeps them stable)",
+            cfg.seed, servers.DETERMINISTIC_FLAG,
+        )  # fmt: skip
+    return used
+
+
+def _warn_router_timeout(server: Server, cfg: P.Generate) -> None:
+    from stages import servers
+
+    if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
+        return
+    if any(servers.is_router(u, server.key) for u in server.urls):
+        log.warning(
+            "%s is an sglang-router (default --request-timeout-secs %d). %s",
+            ", ".join(server.shown_urls()), ROUTER_DEFAULT_TIMEOUT,
+            router_timeout_advice(cfg.request_timeout, ROUTER_DEFAULT_TIMEOUT),
+        )  # fmt: skip
+
+
+def allowed(limit: int | float, n: int) -> int:
+    """How many failures a tolerance allows: an integer is a count, a float a fraction."""
+    return limit if isinstance(limit, int) else int(limit * n)
+
+
+def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict]) -> Optional[str]:
+    """Why this run is not a finished dataset version (one line), or None when it is.
+
+    Transient failures may pass when sent again: beyond `max_transient_failures` the work
+    is not done. Permanent ones are data, beyond `max_permanent_failures` the setup is
+    suspect. Either way the stage exits 1, DVC records nothing, and the next `dvc repro`
+    runs it again: transient requests are resent, answered ones come from the cache.
+    """
+    n_transient = counts["failed_transient"]
+    limit = cfg.max_transient_failures
+    if n_transient > allowed(limit, n):
+        first = transient[min(transient)]  # the first in prompt order: the same every run
+        status = f"HTTP {first['status']} " if first["status"] else ""
+        return (
+            f"{n_transient} of {n} requests still failing after retries with errors that may "
+            f"pass when sent again ({_kinds(counts['failed_transient_by_kind'])}; e.g. "
+            f"{status}{first['message'][:120]!r}), above the {allowed(limit, n)} that "
+            f"generate.max_transient_failures={limit} allows: the run is not finished and no "
+            "version is recorded; run `dvc repro` again once the server is healthy (only "
+            "unanswered requests are sent)"
+        )
+    n_permanent = counts["failed"] - n_transient
+    limit = cfg.max_permanent_failures
+    if n_permanent > allowed(limit, n):
+        kinds = _kinds(counts["failed_permanent_by_kind"])
+        return (
+            f"{n_permanent} of {n} requests failed permanently ({kinds}), above the "
+            f"{allowed(limit, n)} that generate.max_permanent_failures={limit} allows: see "
+            f"{OUT / 'failures.jsonl'}; fix the prompts or params and set "
+            "generate.retry_failed: true to resend them, or raise the tolerance"
+        )
+    return None
+
+
+def _kinds(by_kind: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {count}" for kind, count in by_kind.items())
 
 
 def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: P.Generate) -> None:
     """The dry run's view: exactly the body sent (or that would be), the key redacted."""
     body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
-    where = server.urls[0] if server.urls else getattr(server.launched, "url", "") or "<launched>"
+    launched = getattr(server.launched, "url", "") or "<launched>"
+    where = server.shown_urls()[0] if server.urls else launched
     auth = f"Bearer <${cfg.server.api_key_env}, redacted>" if cfg.server.api_key_env else "(none)"
     print(f"first request: POST {where}{CHAT_PATH}  Authorization: {auth}")
-    print(json.dumps(body, indent=2, ensure_ascii=False), flush=True)
+    print(server.redact(json.dumps(body, indent=2, ensure_ascii=False)), flush=True)
 
 
 async def _send(
@@ -699,11 +845,12 @@ async def _send(
     retry = RetryPolicy(cfg.max_retries, cfg.max_retries_500, cfg.backoff_base, cfg.backoff_max)
     split = cfg.enable_thinking
     if cfg.server.launch is None:
-        await _any_reachable(server.urls, cfg.server.unreachable_deadline, key)
+        await server.ready()  # a router with no worker answers 503
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
             gen = Generation(cfg, plan, cache, server, client)
             await gen.run(pending, watch=_watch_url)
@@ -719,6 +866,7 @@ async def _send(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
+            min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
 
             async def watch(gen: Generation) -> None:
@@ -735,38 +883,45 @@ async def _send(
         launched.stop()
 
 
-async def _any_reachable(urls: list[str], deadline: float, key: Optional[str]) -> None:
-    """Return once one of the URLs answers (the client avoids the others while they are down)."""
-    from stages import servers
-
-    tasks = [asyncio.ensure_future(servers.wait_reachable(u, deadline, key)) for u in urls]
-    try:
-        for next_done in asyncio.as_completed(tasks):
-            try:
-                return await next_done
-            except StageError:
-                if all(t.done() for t in tasks):
-                    raise
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 async def _watch_url(gen: Generation) -> None:
-    """A URL server cannot be restarted from here: say loudly when it stops making progress."""
-    limit = gen.cfg.server.watchdog_seconds
-    last, since = gen.done, time.monotonic()
+    """A URL server cannot be restarted from here. Requests in flight, none finished for
+    watchdog_seconds, and no URL proving it generates: the server looks hung. Still so
+    after hang_timeout more: the run stops (the cache keeps every answer so far)."""
+    from stages.servers import GenerationProbe
+
+    s = gen.cfg.server
+    model = gen.server.request_model or ""
+    probes = [GenerationProbe(u, gen.server.engine, model, gen.server.key) for u in gen.server.urls]
+    limit, tick = s.watchdog_seconds, min(s.watchdog_seconds / 4, 30.0)
+    last, since, hung_since = gen.done, time.monotonic(), None
     while True:
-        await asyncio.sleep(min(limit / 4, 30.0))
+        await asyncio.sleep(tick)
         if gen.done != last or gen.client.in_flight == 0:
-            last, since = gen.done, time.monotonic()
-        elif time.monotonic() - since >= limit:
+            last, since, hung_since = gen.done, time.monotonic(), None
+            continue
+        quiet = time.monotonic() - since
+        if quiet < limit:
+            continue
+        checks = [asyncio.to_thread(p.generating, min(limit / 2, 30.0)) for p in probes]
+        if any(await asyncio.gather(*checks)):
+            hung_since = None
+            continue
+        if hung_since is None:
+            hung_since = time.monotonic()
             log.warning(
-                "no request finished for %.0f s with %d in flight: the server at %s may be hung "
-                "(generate.server.watchdog_seconds=%g)",
-                time.monotonic() - since, gen.client.in_flight, ", ".join(gen.server.urls), limit,
+                "no request finished for %.0f s with %d in flight and the server at %s shows no "
+                "generation: it may be hung; the run stops in %g s unless it recovers "
+                "(generate.server.watchdog_seconds=%g, hang_timeout=%g)",
+                quiet, gen.client.in_flight, ", ".join(gen.server.shown_urls()), s.hang_timeout,
+                limit, s.hang_timeout,
             )  # fmt: skip
-            since = time.monotonic()
+        elif time.monotonic() - hung_since >= s.hang_timeout:
+            raise StageError(
+                f"server {', '.join(gen.server.shown_urls())} hung: no request finished for {quiet:.0f} s "
+                f"with {gen.client.in_flight} in flight and no sign of generation "
+                f"(generate.server.watchdog_seconds={limit:g} + hang_timeout={s.hang_timeout:g}); "
+                "every answer so far is in the request cache: restart the server and re-run"
+            )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ null, absent or empty for a first version) and data/tokenized, and writes data/m
 every base shard byte-identical (hardlinked when on the same filesystem, else copied;
 `merge.link: false` always copies), then the new rows as the next shards (data-NNNNN-of-
 MMMMM.arrow, linked from data/tokenized when no row is dropped), then state.json,
-dataset_info.json and the new fingerprint.json. The folder is opened with
+dataset_info.json, the new fingerprint.json (its length/supervision limits widened to
+cover the base's), and the lineage card: README.md (a Hugging Face dataset card) and
+lineage.json, with the history carried forward from the base's (stages/lineage.py). The folder is opened with
 `datasets.load_from_disk` before it replaces data/merged (atomically). The base is only
 ever read, never opened for writing. Writes reports/merge.json.
 
@@ -39,7 +41,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, outputs
+from stages import cli, lineage, outputs
 from stages import params as P
 from stages.errors import StageError, json_object
 from stages.schema import (
@@ -83,6 +85,7 @@ def run(cfg: P.Merge) -> dict:
     _check_paths(base)
     new_fp_path = NEW / FINGERPRINT_FILE
     new_fp = _read_fingerprint(new_fp_path, required=True)
+    base_fp = None
     if base is not None and base.is_dir():
         base_fp = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
         if base_fp is None:
@@ -110,34 +113,48 @@ def run(cfg: P.Merge) -> dict:
 
     with outputs.atomic_dir(OUT) as tmp:
         placed = _write(tmp, base_shards, new, cfg.link)
-        shutil.copyfile(new_fp_path, tmp / FINGERPRINT_FILE)
+        fingerprint = _merged_fingerprint(base_fp, new_fp)
+        if fingerprint == new_fp:
+            shutil.copyfile(new_fp_path, tmp / FINGERPRINT_FILE)
+        else:
+            outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint)
         names = [name for name, _, _ in placed if name is not None]
-        write_metadata(tmp, names, _dataset_fingerprint(tmp, names))
-        merged = _totals([shard for _, _, shard in placed])
-        _check_loads(tmp, merged["rows"])
+        content = _dataset_fingerprint(tmp, names)
+        write_metadata(tmp, names, content)
+        report = _report(cfg, base, base_shards, new, placed, duplicates)
+        lin = lineage.build(report, fingerprint, base, content)
+        lineage.write(tmp, lin)
+        _check_loads(tmp, report["merged"]["rows"])
+    report["version"] = lin["version"]
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    outputs.write_report("merge", report)
+    log.info(
+        "merged %d base + %d new rows -> %d rows in %d shards (%s)",
+        report["base"]["rows"], report["new"]["rows"], report["merged"]["rows"],
+        report["merged"]["shards"],
+        ", ".join(f"{k} {v}" for k, v in report["shards"].items() if v),
+    )
+    log.info("lineage card: %s (version %d; %s for machines)", OUT / lineage.CARD_FILE,
+             lin["version"], OUT / lineage.LINEAGE_FILE)
+    return report
 
+
+def _report(cfg: P.Merge, base: Optional[Path], base_shards: list[Shard], new: list[Shard],
+            placed: list, duplicates: dict) -> dict:
     how = {}
     for _, action, _ in placed:
         how[action] = how.get(action, 0) + 1
-    report = {
+    return {
         "base": {"path": cfg.base, "present": bool(base and base.is_dir()),
                  **_totals(base_shards)},
         "new": {"path": str(NEW), **_totals(new)},
-        "merged": merged,
+        "merged": _totals([shard for _, _, shard in placed]),
         "duplicates": duplicates,
         "shards": {key: how.get(key, 0) for key in (
             "base_linked", "base_copied", "base_cast", "base_filtered", "base_emptied",
             "new_linked", "new_copied", "new_filtered")},
         "bytes_written": sum(s.bytes for _, a, s in placed if not a.endswith("linked")),
-        "seconds": round(time.perf_counter() - start, 3),
     }
-    outputs.write_report("merge", report)
-    log.info(
-        "merged %d base + %d new rows -> %d rows in %d shards (%s)",
-        report["base"]["rows"], report["new"]["rows"], merged["rows"], merged["shards"],
-        ", ".join(f"{k} {v}" for k, v in report["shards"].items() if v),
-    )
-    return report
 
 
 # ------------------------------------------------------------------------ checks
@@ -178,6 +195,24 @@ def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict
                 f"fingerprint mismatch: {where} is {_short(a)} in {base_path} but "
                 f"{_short(b)} in {new_path} (the base was tokenized differently)"
             )
+
+
+def _merged_fingerprint(base: Optional[dict], new: dict) -> dict:
+    """The new rows' fingerprint, its length and supervision limits widened to hold the
+    base rows too (validate checks the whole set against them)."""
+    policy, base_policy = new.get("policy"), (base or {}).get("policy")
+    if not isinstance(policy, dict) or not isinstance(base_policy, dict):
+        return new
+    widened = dict(policy)
+    for key, pick in (("max_seq_len", max), ("min_loss_tokens", min)):
+        values = [p.get(key) for p in (policy, base_policy)]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            widened[key] = pick(values)
+    if widened == policy:
+        return new
+    log.info("base limits differ: the merged fingerprint records max_seq_len %s, "
+             "min_loss_tokens %s", widened.get("max_seq_len"), widened.get("min_loss_tokens"))
+    return {**new, "policy": widened}
 
 
 def _first_difference(a: Any, b: Any, where: str):

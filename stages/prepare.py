@@ -17,8 +17,9 @@ byte-identical output and changing one source's limit changes only that source's
 Output, one JSON object per line, sources in params order, rows in source order:
   {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
    "tools": [...]}            (tools only when the source has them)
-`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools:
-the same prompt keeps its id in every run, whatever the row order.
+`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools as
+the source gave them: the same prompt keeps its id in every run, whatever the row order.
+Tool turns are then settled for engines and routers (sources.settle_tool_turns).
 """
 
 from __future__ import annotations
@@ -28,19 +29,20 @@ import logging
 import multiprocessing
 import os
 import shutil
+import tempfile
 import time
 import unicodedata
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import orjson
 import xxhash
 
-from stages import cli, outputs, sources
+from stages import cli, decontam, outputs, sources
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_type
 
 log = logging.getLogger("prepare")
 
@@ -58,12 +60,14 @@ def run(cfg: P.Prepare) -> dict:
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
     workers = _Workers(cfg.num_proc or _auto_workers())
+    evals = _Evals(cfg, workers.n > 1)
     try:
         with outputs.atomic_dir(OUT_DIR) as tmp:
             with open(tmp / OUT_FILE, "wb", buffering=1 << 20) as out:
                 for index, src in enumerate(cfg.sources):
-                    per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers)
+                    per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers, evals)
             report = _report(cfg, per_source, len(seen), time.monotonic() - started)
+            report["decontamination"] = evals.report()
             if report["totals"]["kept"] == 0:
                 outputs.write_report("prepare", report)
                 raise StageError(
@@ -71,6 +75,7 @@ def run(cfg: P.Prepare) -> dict:
                 )
     finally:
         workers.close()
+        evals.close()
     outputs.write_report("prepare", report)
     t = report["totals"]
     log.info(
@@ -83,20 +88,21 @@ def run(cfg: P.Prepare) -> dict:
 def _check(cfg: P.Prepare) -> None:
     if not cfg.sources:
         raise StageError("prepare.sources: at least one source is needed")
-    if cfg.num_proc < 0:
-        raise StageError(f"prepare.num_proc: must be >= 0 (0: one per CPU), got {cfg.num_proc}")
-    if cfg.max_prompt_chars < 1:
-        raise StageError(f"prepare.max_prompt_chars: must be positive, got {cfg.max_prompt_chars}")
+    P.check_ranges(cfg, "prepare")
+    _check_names("prepare.sources", cfg.sources, "source")
+    _check_names("prepare.decontaminate.evals", cfg.decontaminate.evals, "eval set")
+
+
+def _check_names(section: str, entries: list, what: str) -> None:
+    """Names unique and not empty; a layout's fields given for the layout that reads them."""
     names = set()
-    for i, src in enumerate(cfg.sources):
-        where = f"prepare.sources[{i}]"
+    for i, src in enumerate(entries):
+        where = f"{section}[{i}]"
         if not src.name.strip():
             raise StageError(f"{where}.name: must not be empty")
         if src.name in names:
-            raise StageError(f"{where}.name: {src.name!r} is used by an earlier source")
+            raise StageError(f"{where}.name: {src.name!r} is used by an earlier {what}")
         names.add(src.name)
-        if src.limit is not None and src.limit < 0:
-            raise StageError(f"{where}.limit: must be >= 0 or null, got {src.limit}")
         if src.format == "columns":
             if not src.prompt_field:
                 raise StageError(f"{where}.prompt_field: required with format columns")
@@ -128,6 +134,7 @@ class _Spec:
     max_chars: int
     seed: int
     sampled: bool
+    evals: Optional[str]  # key of the decontamination index (decontam.opened)
 
 
 class _RowMaker:
@@ -140,13 +147,27 @@ class _RowMaker:
         self.layout = sources.Layout(spec.src, spec.multi_turn)
         self.id_prefix = spec.src.name.encode() + b"\0"
         self.line_prefix = b'","source":' + orjson.dumps(spec.src.name) + b","
-        self.seed = spec.seed & 0xFFFFFFFFFFFFFFFF  # xxh3 takes an unsigned 64-bit seed
+        self.seed = spec.seed  # in xxh3's range: params.Prepare.seed
+        self.evals = decontam.opened(spec.evals) if spec.evals else None
 
     def make_all(self, items: list) -> list:
         make = self.make
-        return [make(item) for item in items]
+        if self.evals is None:
+            return [make(item) for item in items]
+        texts: list[str] = []
+        counts: list[int] = []
+        results = [make(item, texts, counts) for item in items]
+        hits = self.evals.check(texts, counts)  # one per candidate, in order
+        if hits.count(None) == len(hits):
+            return results
+        at = [i for i, res in enumerate(results) if type(res) is tuple]
+        for i, hit in zip(at, hits):
+            if hit is not None:
+                pid = results[i][1][7:39].decode()  # the line starts {"id":"<32 hex>"
+                results[i] = decontam.Match(pid, *self.evals.where(hit[0]), hit[1])
+        return results
 
-    def make(self, item):
+    def make(self, item, texts: Optional[list] = None, counts: Optional[list] = None):
         if type(item) is bytes:
             try:
                 item = orjson.loads(item)
@@ -155,7 +176,7 @@ class _RowMaker:
         if type(item) is not dict:
             if item is None or type(item) is sources.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {sources.json_type(item)}")
+            return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
         if type(res) is str:
             return res
@@ -173,9 +194,17 @@ class _RowMaker:
         canon = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) if structured else body
         key = None if spec.dedup == "off" else dedup_key(messages, tools, spec.dedup)
         pid = xxhash.xxh3_128_hexdigest(self.id_prefix + canon).encode()
+        # after the id and dedup key: adding tool_call_ids and unwrapping <tool_response>
+        # keeps the ids prompts had before, and depends only on the conversation
+        if sources.settle_tool_turns(messages):
+            body = orjson.dumps(payload)
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
         multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
+        if texts is not None:  # what decontamination checks: all but the answers kept as context
+            asked = [m["content"] for m in messages if m["role"] != "assistant"]
+            texts.extend(asked)
+            counts.append(len(asked))
         return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
 
 
@@ -246,14 +275,15 @@ def _chunks(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Work
 
 
 def _one_source(
-    index: int, src: P.Source, cfg: P.Prepare, seen: dict, out, tmp: Path, workers: _Workers
+    index: int, src: P.Source, cfg: P.Prepare, seen: dict, out, tmp: Path, workers: _Workers,
+    evals: "_Evals",
 ) -> dict:
     token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
     spec = _Spec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars, cfg.seed,
-                 src.limit is not None)
+                 src.limit is not None, evals.key)
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
-    reader = sources.Reader(src, layout.columns(), probe.check_schema)
+    reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
     dropped = dict.fromkeys(sources.REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
@@ -276,6 +306,10 @@ def _one_source(
             kind = type(res)
             if kind is str:
                 dropped[res] += 1
+                continue
+            if kind is decontam.Match:
+                dropped["contaminated"] += 1
+                evals.count(src.name, res)
                 continue
             if kind is sources.BadRow:
                 if not skip_bad:
@@ -339,6 +373,53 @@ def _one_source(
     if unknown_roles:
         stats["unknown_roles"] = dict(unknown_roles.most_common(20))
     return stats
+
+
+class _Evals:
+    """The decontamination index of this run (none without evaluation sets), where
+    worker processes find it, and the count of prompts it drops."""
+
+    def __init__(self, cfg: P.Prepare, workers: bool):
+        self.key: Optional[str] = None
+        self.folder: Optional[str] = None
+        policy = cfg.decontaminate
+        self.policy = policy
+        self.stats: dict[str, dict] = {}
+        self.examples: list[dict] = []
+        if not policy.evals:
+            return
+        self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
+        for st in self.stats.values():
+            st.update(contaminated=0, by_source={})
+        if workers:  # saved once; workers memory-map it
+            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.index.save(Path(self.folder))
+            self.key = self.folder
+        else:
+            self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
+        decontam.register(self.key, self.index)
+
+    def count(self, source: str, match: "decontam.Match") -> None:
+        st = self.stats[match.eval_set]
+        st["contaminated"] += 1
+        st["by_source"][source] = st["by_source"].get(source, 0) + 1
+        if st["contaminated"] <= 3 and len(self.examples) < 20:
+            self.examples.append(match.example(source))
+
+    def report(self) -> dict:
+        p = self.policy
+        out = {"ngram": p.ngram, "min_overlap": p.min_overlap, "short_exact": p.short_exact,
+               "evals": self.stats, "examples": self.examples}
+        if self.key is not None:
+            out["index_ngrams"] = len(self.index.hashes)
+            out["index_mb"] = round(self.index.nbytes() / 2**20, 1)
+        return out
+
+    def close(self) -> None:
+        if self.key is not None:
+            decontam.forget(self.key)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _auto_workers() -> int:

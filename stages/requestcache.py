@@ -62,6 +62,18 @@ def request_key(namespace: str, messages: Any, tools: Any) -> bytes:
     return h.digest()
 
 
+def _key_of(line: bytes) -> Optional[bytes]:
+    """The key of a `<64 hex> {...}\\n` cache line, or None for anything else."""
+    if len(line) < KEY_HEX + 4 or line[KEY_HEX : KEY_HEX + 2] != b" {":
+        return None
+    if not line.endswith(b"}\n"):
+        return None
+    try:
+        return bytes.fromhex(line[:KEY_HEX].decode("ascii"))
+    except ValueError:  # UnicodeDecodeError included
+        return None
+
+
 class KeyIndex:
     """Maps a 32-byte key to the prompt positions that carry it, in ~13 bytes/prompt.
 
@@ -127,11 +139,17 @@ class RequestCache:
         self._pos = 0
         self._last_sync = time.monotonic()
         self._dirty = False
+        self.damaged = 0  # lines scan() skipped as damaged
 
     # ------------------------------------------------------------------ reading
 
     def scan(self) -> Iterator[tuple[bytes, int, int, bytes]]:
-        """Yield (key, segment number, offset, JSON bytes) for every intact line."""
+        """Yield (key, segment number, offset, JSON bytes) for every intact line.
+
+        Any bytes at all may be on disk: a line that is not `<hex key> {...}` is skipped
+        and counted in `self.damaged` (a torn last line, what a killed run leaves, is
+        expected and only logged). Whether the JSON inside parses is the caller's check.
+        """
         for seg_no, path in enumerate(self.segments):
             torn = 0
             with open(path, "rb") as f:
@@ -139,30 +157,28 @@ class RequestCache:
                 for line in f:
                     start = offset
                     offset += len(line)
-                    if (
-                        len(line) < KEY_HEX + 4
-                        or not line.endswith(b"}\n")
-                        or line[KEY_HEX : KEY_HEX + 2] != b" {"
-                    ):
+                    if not line.endswith(b"\n"):
                         torn += 1
                         continue
-                    try:
-                        key = bytes.fromhex(line[:KEY_HEX].decode("ascii"))
-                    except ValueError:
-                        torn += 1
+                    key = _key_of(line)
+                    if key is None:
+                        self.damaged += 1
                         continue
                     yield key, seg_no, start, line[KEY_HEX + 1 : -1]
             if torn:
-                log.info("%s: skipped %d torn or damaged line(s) (a killed run)", path, torn)
+                log.info("%s: skipped a torn last line (a killed run)", path)
 
     def read(self, seg_no: int, offset: int) -> dict:
         """The record at a location found by scan() or returned by append()."""
+        return json.loads(self.read_json(seg_no, offset))
+
+    def read_json(self, seg_no: int, offset: int) -> bytes:
+        """The JSON bytes of the record at a location (unparsed: the caller checks them)."""
         f = self._readers.get(seg_no)
         if f is None:
             f = self._readers[seg_no] = open(self.segments[seg_no], "rb")
         f.seek(offset)
-        line = f.readline()
-        return json.loads(line[KEY_HEX + 1 :])
+        return f.readline()[KEY_HEX + 1 : -1]
 
     # ------------------------------------------------------------------ writing
 

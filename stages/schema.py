@@ -63,6 +63,10 @@ def list_shards(folder: str | Path) -> list[Path]:
             raise StageError(f"{state_path}: cannot read ({e.strerror})") from None
         except (ValueError, KeyError, TypeError) as e:
             raise StageError(f"{state_path}: not a datasets state file ({e!r})") from None
+        for name in names:
+            if not _plain_file_name(name):  # never read a file outside the folder
+                raise StageError(f"{state_path}: lists {str(name)[:100]!r}, which is not a file "
+                                 "name in this folder")
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise StageError(f"{state_path}: lists {', '.join(map(str, twice))} more than once")
@@ -83,6 +87,11 @@ def list_shards(folder: str | Path) -> list[Path]:
                 "expected a datasets save_to_disk folder or a folder of .arrow shards"
             )
     return shards
+
+
+def _plain_file_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0"))
 
 
 def _natural(name: str) -> list:

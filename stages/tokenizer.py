@@ -71,7 +71,11 @@ def load_tokenizer(
         path = Path(chat_template)
         if not path.is_file():
             raise StageError(f"chat_template {chat_template!r}: file not found")
-        tok.chat_template = path.read_text(encoding="utf-8")
+        try:
+            tok.chat_template = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise StageError(
+                f"chat_template {chat_template!r}: not UTF-8 text (byte {e.start})") from None
     if not tok.chat_template:
         raise StageError(
             f"tokenizer {spec!r} has no chat template; name a template file in "

@@ -14,8 +14,10 @@ offending ids per check, rows/tokens per source) and the plots under reports/plo
 (token-length and supervised-fraction histograms, one CSV per source). Any failed check
 exits with status 1 after writing them, so `dvc repro` stops here.
 
-The vocabulary size is `validate.vocab_size`, else tokenizer.vocab_size in
-data/merged/fingerprint.json.
+The vocabulary size, the length limit and the supervision floor are `validate.vocab_size`,
+`max_seq_len` and `min_loss_tokens`; each one left null is what tokenize recorded with the
+data (tokenizer.vocab_size, policy.max_seq_len, policy.min_loss_tokens in
+data/merged/fingerprint.json). The report says which was used (`limits_from`).
 
 Memory does not grow with the dataset: shards are read through memory maps whose pages
 are dropped behind the reader, summaries (one shard's at a time) are checked in chunks of
@@ -26,6 +28,7 @@ files past a bound (stages/idhashes.py).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +47,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, outputs
+from stages import charts, cli, loader, outputs, traincheck
 from stages import params as P
 from stages.errors import StageError
 from stages.idhashes import IdHashes
@@ -64,7 +67,7 @@ log = logging.getLogger("validate")
 
 DATA = Path("data/merged")
 MERGE_REPORT = Path("reports/merge.json")
-PLOTS = Path("reports/plots")
+PLOTS = charts.PLOTS
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
 CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
@@ -77,7 +80,12 @@ class Findings:
 
     def __init__(self, names: list[str], max_examples: int):
         self.max_examples = max_examples
-        self.checks = {name: {"passed": True, "failures": 0, "examples": []} for name in names}
+        self.checks: dict[str, dict] = {}
+        for name in names:
+            self.expect(name)
+
+    def expect(self, name: str) -> None:
+        self.checks[name] = {"passed": True, "failures": 0, "examples": []}
 
     def add(self, name: str, count: int, examples: list[str]) -> None:
         check = self.checks[name]
@@ -93,23 +101,13 @@ class Findings:
 
 def run(cfg: P.Validate) -> dict:
     start = time.perf_counter()
-    P.at_least("validate", cfg, {"max_seq_len": 1, "min_loss_tokens": 0, "max_examples": 0,
-                                 "vocab_size": 1, "threads": 0})
+    P.check_ranges(cfg, "validate")
     if not DATA.is_dir():
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     fingerprint = _fingerprint(findings) or {}
-    tokenizer = fingerprint.get("tokenizer") if isinstance(fingerprint, dict) else None
-    recorded = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
-    vocab = cfg.vocab_size or recorded
-    if cfg.vocab_size and recorded and cfg.vocab_size != recorded:
-        log.warning("validate.vocab_size %d overrides %d from %s", cfg.vocab_size, recorded,
-                    DATA / FINGERPRINT_FILE)
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-        raise StageError(
-            f"validate: vocabulary size unknown: {DATA / FINGERPRINT_FILE} has no "
-            "tokenizer.vocab_size; set validate.vocab_size"
-        )
+    cfg, used = _limits(cfg, fingerprint)
+    vocab = cfg.vocab_size
     try:
         shards = list_shards(DATA)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
@@ -137,6 +135,7 @@ def run(cfg: P.Validate) -> dict:
         scan.check_unique_ids(shards)
         _check_loads(findings, loads.result(), scan.rows)
     expected = _check_row_count(findings, scan.rows)
+    budget, train_check = _training(cfg, findings)
 
     _write_plots(scan.stats, scan.width)
     sources = {
@@ -154,9 +153,12 @@ def run(cfg: P.Validate) -> dict:
         "vocab_size": vocab,
         "max_seq_len": cfg.max_seq_len,
         "min_loss_tokens": cfg.min_loss_tokens,
+        "limits_from": used,
         "failed_checks": len(failed),
         "checks": findings.checks,
         "sources": sources,
+        "budget": budget,
+        "train_check": train_check,
         "seconds": round(time.perf_counter() - start, 3),
     }
     outputs.write_report("validate", report)
@@ -175,6 +177,36 @@ def run(cfg: P.Validate) -> dict:
     return report
 
 
+# validate param -> where tokenize recorded it in fingerprint.json
+RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
+            "max_seq_len": ("policy", "max_seq_len"),
+            "min_loss_tokens": ("policy", "min_loss_tokens")}
+
+
+def _limits(cfg: P.Validate, fingerprint: dict) -> tuple[P.Validate, dict]:
+    """`cfg` with each null limit taken from the data's fingerprint, and where each came
+    from ("params" or the fingerprint's path and key)."""
+    path = DATA / FINGERPRINT_FILE
+    values, used = {}, {}
+    for name, (section, key) in RECORDED.items():
+        part = fingerprint.get(section)
+        recorded = part.get(key) if isinstance(part, dict) else None
+        if not isinstance(recorded, int) or isinstance(recorded, bool):
+            recorded = None
+        value = getattr(cfg, name)
+        if value is not None:
+            if recorded is not None and value != recorded:
+                log.warning("validate.%s %d overrides %d from %s", name, value, recorded, path)
+            values[name], used[name] = value, "params"
+        elif recorded is None:
+            raise StageError(f"validate.{name}: null, and {path} has no {section}.{key}; "
+                             f"set validate.{name}")
+        else:
+            values[name], used[name] = recorded, f"{path}: {section}.{key}"
+    log.info("limits: %s", ", ".join(f"{k} {values[k]} ({used[k]})" for k in values))
+    return dataclasses.replace(cfg, **values), used
+
+
 def _idle_cpus() -> int:
     """Threads for `validate.threads: 0`: CPUs not already busy (1-minute load), 1 to 4.
 
@@ -187,6 +219,34 @@ def _idle_cpus() -> int:
 
 
 # ---------------------------------------------------------------- dataset checks
+
+
+def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict]:
+    """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
+    on data that passed every other check: a trainer would stop at a broken row first."""
+    tc = cfg.train_check
+    if findings.failed():
+        return None, {"skipped": "other checks failed"}
+    budget = loader.budget(DATA, tc.tokens_per_batch, tc.batches_per_step)
+    if not tc.enabled:
+        return budget, {"skipped": "validate.train_check.enabled is false"}
+    missing = traincheck.missing_torch()
+    if missing:
+        log.warning("training check skipped: %s", missing)
+        return budget, {"skipped": missing}
+    findings.expect("train_step")
+    try:
+        result = traincheck.run(tc, DATA, cfg.max_seq_len)
+    except traincheck.TrainCheckFailed as e:
+        findings.add("train_step", 1, [str(e)])
+        return budget, {"failed": str(e)}
+    longest = result["longest_batch"] or {}
+    log.info("training check: %d steps of %s batches on %s, %.0f tokens/s, peak %.0f MB; "
+             "longest batch %s tokens, peak %s MB", result["batches"], result["layout"],
+             result["device"], result["tokens_per_second"], result["peak_memory_mb"],
+             longest.get("tokens", "-"), longest.get("peak_memory_mb", "-"))
+    return budget, result
+
 
 
 def _fingerprint(findings: Findings) -> Optional[dict]:
@@ -592,7 +652,8 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
 
 
 def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
-    """One CSV per source and plot, under reports/plots/ (declared as DVC plots).
+    """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
+    one SVG per plot beside them, all rows then each source (stages/charts.py).
 
     token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
     edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows
@@ -606,6 +667,7 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
         ("token_length", "tokens", lengths, slice(3, 3 + lb)),
         ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
     ):
+        _write_svg(folder, [0] + edges, {s: stats[s][part].tolist() for s in sorted(stats)})
         with outputs.atomic_dir(PLOTS / folder) as tmp:
             for source, file in names.items():
                 counts = stats[source][part].tolist()
@@ -615,6 +677,19 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
                     w = csv.writer(f, lineterminator="\n")
                     w.writerow([column, "rows"])
                     w.writerows(zip(edges, counts))
+
+
+def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
+    """reports/plots/NAME.svg: a panel for all rows, then one per source."""
+    overall = [sum(column) for column in zip(*counts.values())]
+    if name == "token_length":  # up to the longest rows, not max_seq_len: readable bars
+        keep = max([8] + [b + 1 for b, n in enumerate(overall) if n])
+        overall, edges = overall[:keep], edges[: keep + 1]
+        counts = {s: c[:keep] for s, c in counts.items()}
+    panels = [("all sources", overall)] + list(counts.items())
+    title, x_label = charts.PICTURES[name]
+    with outputs.atomic_file(charts.picture(name)) as f:
+        f.write(charts.histogram_svg(title, x_label, edges, panels))
 
 
 def _file_names(sources: list[str]) -> dict[str, str]:

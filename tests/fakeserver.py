@@ -10,8 +10,9 @@ It answers POST /v1/chat/completions (non-streaming) like SGLang: `choices[0].me
 with `content` and `reasoning_content` (`reasoning` in vLLM mode), `finish_reason`,
 `usage`, and `id` = the request's `rid`. The reply text is a pure function of the
 request's messages, tools and sampling params, so a re-run gets identical replies.
-Also: GET /health, /health_generate, /v1/models, /get_model_info, /stats (per-request
-attempts, arrival times and outcomes) and POST /admin/reset, /admin/stall.
+Also: GET /health, /health_generate, /v1/models, /get_model_info, /get_server_info,
+/metrics (`sglang:generation_tokens_total`, rising while requests decode), /stats
+(per-request attempts, arrival times and outcomes) and POST /admin/reset, /admin/stall.
 
 Fault spec: a JSON object, every key optional.
 
@@ -26,10 +27,19 @@ Fault spec: a JSON object, every key optional.
                                    reasoning -> content null, finish_reason "length"
   latency           number | {"min": a, "max": b} | {"median": m, "sigma": s}
                                    seconds before each reply (uniform / lognormal)
-  max_context       int     null   prompt_tokens + max_tokens above it -> 400
+  max_context       int     null   prompt_tokens + max_tokens above it -> SGLang's 400
+                                   (its exact text); also /v1/models max_model_len
   api_key           str     null   require "Authorization: Bearer <key>" (else 401)
   not_ready_for     number  0      chat answers 503 "loading" for this many seconds
                                    after start while /health already says 200
+  no_worker_for     number  0      chat and /v1/models answer 503 for this many seconds
+                                   while /health says 200 (sglang-router before a worker
+                                   is healthy)
+  require_tool_call_id bool false  400 for a role:tool message without tool_call_id
+                                   (sglang-router's request schema)
+  router            bool    false  GET /workers lists this server (as sglang-router does)
+  deterministic     bool    false  /get_server_info enable_deterministic_inference
+                                   (SGLang honours `seed` only then)
   exit_after        int     null   the process exits (code 3) right after reply K
   stall_after       int     null   after reply K generation hangs: chat requests never
                                    answer, /health stays 200, /health_generate hangs
@@ -44,12 +54,23 @@ Fault spec: a JSON object, every key optional.
 
 Fault kinds: queue_full (503), rate_limit (429), timeout (408), error (500, or
 "status"/"message"), oom (500 "Out of memory even after retracting"), context_length
-(400), bad_request (400), hang (never answers; "seconds" to give up after S and
+(400, SGLang's "input longer than the context" text: the prompt alone fills it),
+bad_request (400), hang (never answers; "seconds" to give up after S and
 answer), slow (answer after "seconds"), malformed (200 with a cut JSON body),
 no_choices (200, valid JSON without choices), drop (connection closed, no response),
 exit (the process exits at once), stall (stall from now on), length (finish_reason
 "length", content cut short), unclosed_think (reasoning only, content null,
 "length"), abort (finish_reason "abort").
+
+Hostile replies (a 200 that must never be cached): content_dict, content_number,
+reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
+(completion_tokens "many"), surrogate (content holds an escaped lone surrogate
+\\ud800), utf16 (a valid reply encoded as UTF-16), echo (a text/plain body: "message",
+status "status", default 200), say (a valid reply whose content is "message").
+
+A rule's "message" may quote the secret the request carried (the Bearer key, or the
+password of Basic auth): {key} whole, {key_json} JSON-escaped, {key_url} URL-encoded,
+each optionally sliced like {key[:9]} or {key_url[3:]}.
 
 A request without `rid` is tracked under "sha:" + a hash of its messages.
 """
@@ -92,10 +113,17 @@ ERRORS: dict[str, tuple[int, str, str]] = {
     "bad_request": (400, "BadRequestError", "Invalid request."),
     "context_length": (400, "BadRequestError", ""),  # message built per request
 }
-KINDS = set(ERRORS) | {
+HOSTILE = {
+    "content_dict", "content_number", "reasoning_number", "tool_calls_string", "bad_usage",
+    "surrogate", "utf16", "echo", "say",
+}  # fmt: skip
+KINDS = set(ERRORS) | HOSTILE | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
     "length", "unclosed_think", "abort",
 }  # fmt: skip
+NO_WORKER = "No models available - no workers registered"  # sglang-router's words
+DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
+SECRET_REF = re.compile(r"\{key(_json|_url)?(?:\[(-?\d*):(-?\d*)\])?\}")
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": "fake-model",
@@ -107,6 +135,10 @@ DEFAULTS: dict[str, Any] = {
     "max_context": None,
     "api_key": None,
     "not_ready_for": 0,
+    "no_worker_for": 0,
+    "require_tool_call_id": False,
+    "router": False,
+    "deterministic": False,
     "exit_after": None,
     "stall_after": None,
     "stall_health": "hang",
@@ -173,6 +205,9 @@ class _State:
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
+        self.tokens_done = 0  # generation tokens of finished replies (for /metrics)
+        self.decoding: dict[int, float] = {}  # request -> when its decode started
+        self.frozen_tokens: int | None = None  # /metrics while stalled
 
     def fire_once(self) -> bool:
         """True when a one-shot fault (exit/stall) may fire now; records that it did."""
@@ -190,6 +225,66 @@ class _State:
 def _error(status: int, kind: str, message: str) -> web.Response:
     body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
     return web.json_response(body, status=status)
+
+
+def request_secret(request: web.Request) -> str:
+    """The secret a request carried: a Bearer key or a Basic-auth password ("" if none)."""
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer ") :]
+    if auth.startswith("Basic "):
+        import base64
+
+        return base64.b64decode(auth[len("Basic ") :]).decode("utf-8").partition(":")[2]
+    return ""
+
+
+def render(message: str, secret: str) -> str:
+    """A rule's message with {key...} references to the request's secret filled in."""
+    from urllib.parse import quote
+
+    def one(m: re.Match) -> str:
+        form = {None: secret, "_json": json.dumps(secret)[1:-1], "_url": quote(secret, safe="")}
+        text = form[m.group(1)]
+        if m.group(2) is not None or m.group(3) is not None:
+            lo = int(m.group(2)) if m.group(2) else None
+            hi = int(m.group(3)) if m.group(3) else None
+            text = text[lo:hi]
+        return text
+
+    return SECRET_REF.sub(one, message)
+
+
+def secret_pieces(secret: str, n: int = 8) -> set[str]:
+    """Every n-character piece of every form `render` can echo the secret in (for greps)."""
+    forms = {render(f"{{{ref}}}", secret) for ref in ("key", "key_json", "key_url")}
+    return {f[i : i + n] for f in forms for i in range(len(f) - n + 1)}
+
+
+def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
+    """A 200 that is not a well-formed chat completion (or one echoing `message`)."""
+    if fault == "echo":
+        return web.Response(text=message, content_type="text/plain")
+    reply = reply_for(body, spec)
+    msg = reply["choices"][0]["message"]
+    if fault == "content_dict":
+        msg["content"] = {"text": msg["content"]}
+    elif fault == "content_number":
+        msg["content"] = 42
+    elif fault == "reasoning_number":
+        msg["reasoning_content"] = 7
+    elif fault == "tool_calls_string":
+        msg["tool_calls"] = "lookup(city='Paris')"
+    elif fault == "bad_usage":
+        reply["usage"]["completion_tokens"] = "many"
+    elif fault == "surrogate":
+        msg["content"] = "broken \ud800 text"
+    elif fault == "say":
+        msg["content"] = message
+    text = json.dumps(reply)  # ASCII: a lone surrogate travels as the escape \ud800
+    if fault == "utf16":
+        return web.Response(body=text.encode("utf-16"), content_type="application/json")
+    return web.Response(text=text, content_type="application/json")
 
 
 def _pick_rule(spec: dict, rid: str, attempt: int) -> dict | None:
@@ -336,6 +431,13 @@ def build_app(spec: dict, die) -> web.Application:
             await forever()
         if time.monotonic() - state.started < spec["not_ready_for"]:
             return _error(503, "ServiceUnavailableError", "The server is still loading."), "loading"
+        if time.monotonic() - state.started < spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER), "no_worker"
+        if spec["require_tool_call_id"]:
+            for k, m in enumerate(body["messages"]):
+                if isinstance(m, dict) and m.get("role") == "tool" and "tool_call_id" not in m:
+                    msg = f"Invalid JSON data: messages[{k}]: missing field `tool_call_id`"
+                    return _error(400, "invalid_request_error", msg), "no_tool_call_id"
         if spec["check_model"] and body.get("model") not in (None, spec["model"]):
             msg = f"The model `{body.get('model')}` does not exist."
             return _error(404, "NotFoundError", msg), "not_found"
@@ -346,14 +448,21 @@ def build_app(spec: dict, die) -> web.Application:
         if fault in ERRORS:
             status, kind, message = ERRORS[fault]
             if fault == "context_length":
-                message = _too_long(body, spec.get("max_context") or 32768)
-            return _error(rule.get("status", status), kind, rule.get("message", message)), fault
+                prompt = _count(body.get("messages") or [])
+                message = _too_long(prompt, 0, spec.get("max_context") or prompt)
+            message = render(rule.get("message", message), request_secret(request))
+            return _error(rule.get("status", status), kind, message), fault
+        if fault in HOSTILE:
+            message = render(rule.get("message", ""), request_secret(request))
+            response = hostile(body, spec, fault, message)
+            response.set_status(rule.get("status", 200))
+            return response, fault
         if fault == "hang":
             if "seconds" not in rule:
                 await forever()
             await asyncio.sleep(rule["seconds"])
         elif fault == "slow":
-            await asyncio.sleep(rule.get("seconds", 1.0))
+            await decode(rule.get("seconds", 1.0))
         elif fault == "drop":
             request.transport.abort()
             await forever()
@@ -366,11 +475,12 @@ def build_app(spec: dict, die) -> web.Application:
             await forever()
         max_context = spec["max_context"]
         if max_context is not None:
-            if _count(body["messages"]) + int(body.get("max_tokens") or 0) > max_context:
-                return _error(400, "BadRequestError", _too_long(body, max_context)), "too_long"
+            prompt, extra = _count(body["messages"]), int(body.get("max_tokens") or 0)
+            if prompt >= max_context or prompt + extra > max_context:
+                return _error(400, "BadRequestError", _too_long(prompt, extra, max_context)), "too_long"
         delay = _latency(spec, rid, attempt)
         if delay > 0:
-            await asyncio.sleep(delay)
+            await decode(delay)
         if state.dying or state.stalled:
             await forever()
         if fault == "malformed":
@@ -380,6 +490,7 @@ def build_app(spec: dict, die) -> web.Application:
             return web.json_response({"object": "chat.completion", "id": rid}), fault
         reply = reply_for(body, spec, fault)
         state.completed += 1
+        state.tokens_done += reply["usage"]["completion_tokens"]
         response = web.json_response(reply)
         done = state.completed
         if spec["exit_after"] is not None and done >= spec["exit_after"] and state.fire_once():
@@ -390,6 +501,45 @@ def build_app(spec: dict, die) -> web.Application:
         elif spec["stall_after"] is not None and done >= spec["stall_after"]:
             stall_now()
         return response, fault or "ok"
+
+    async def decode(seconds: float) -> None:
+        """Sleep like a decoding request: /metrics counts its tokens as they come."""
+        token = id(asyncio.current_task())
+        state.decoding[token] = time.monotonic()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            state.decoding.pop(token, None)
+
+    def generation_tokens() -> int:
+        now = time.monotonic()
+        live = state.tokens_done + int(DECODE_RATE * sum(now - t for t in state.decoding.values()))
+        if state.stalled or state.dying:
+            if state.frozen_tokens is None:
+                state.frozen_tokens = live
+            return state.frozen_tokens
+        return live
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = (
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE sglang:generation_tokens_total counter\n"
+            f'sglang:generation_tokens_total{{model_name="{state.spec["model"]}"}} '
+            f"{float(generation_tokens())}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": state.spec["model"],
+             "enable_deterministic_inference": state.spec["deterministic"]}
+        )  # fmt: skip
+
+    async def workers(request: web.Request) -> web.Response:
+        if not state.spec["router"]:
+            return _error(404, "NotFoundError", "Not Found")
+        url = f"http://{request.host}"
+        return web.json_response({"workers": [{"url": url, "model_id": state.spec["model"]}]})
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -404,6 +554,8 @@ def build_app(spec: dict, die) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         if not authorized(request):
             return _error(401, "AuthenticationError", "Invalid API key.")
+        if time.monotonic() - state.started < state.spec["no_worker_for"]:
+            return _error(503, "ServiceUnavailableError", NO_WORKER)
         name = state.spec["model"]
         card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
         if state.spec["max_context"]:
@@ -441,19 +593,27 @@ def build_app(spec: dict, die) -> web.Application:
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", workers)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/reset", admin_reset)
     app.router.add_post("/admin/stall", admin_stall)
     return app
 
 
-def _too_long(body: dict, max_context: int) -> str:
-    prompt = _count(body.get("messages") or [])
-    extra = int(body.get("max_tokens") or 0)
+def _too_long(prompt: int, extra: int, max_context: int) -> str:
+    """SGLang 0.5.23's texts (TokenizerManager._validate_one_request), word for word."""
+    if prompt >= max_context:
+        return (
+            f"The input ({prompt} tokens) is longer than the model's context length "
+            f"({max_context} tokens)."
+        )
     return (
         f"Requested token count exceeds the model's maximum context length of {max_context} "
         f"tokens. You requested a total of {prompt + extra} tokens: {prompt} tokens from the "
-        f"input messages and {extra} tokens for the completion."
+        f"input messages and {extra} tokens for the completion. Please reduce the number of "
+        f"tokens in the input messages or the completion to fit within the limit."
     )
 
 

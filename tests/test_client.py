@@ -16,9 +16,10 @@ from stages.client import (
     Unreachable,
     build_body,
     classify,
+    context_numbers,
     split_think,
 )
-from tests.fakeserver import FakeServer, free_port
+from tests.fakeserver import FakeServer, free_port, secret_pieces
 
 SAMPLING = Sampling(
     max_tokens=64, temperature=0.6, top_p=0.95, top_k=20, seed=7,
@@ -110,7 +111,7 @@ def test_the_fast_encoder_gives_the_same_bytes_as_json_dumps():
 def test_error_classes():
     assert classify(400, "Invalid request.") == ("bad_request", "permanent")
     too_long = "This model's maximum context length is 4096 tokens."
-    assert classify(400, too_long) == ("context_length", "permanent")
+    assert classify(400, too_long) == ("context_overflow", "permanent")
     assert classify(422, "Unexpected fields") == ("bad_request", "permanent")
     assert classify(503, "The request queue is full.") == ("overloaded", "transient")
     assert classify(429, "") == ("overloaded", "transient")
@@ -139,10 +140,63 @@ def test_replies_are_parsed_and_vllm_reasoning_field_is_read(fake):
 
 
 def test_truncations_come_back_as_replies(fake):
-    s = fake({"rules": [{"fault": "unclosed_think", "match": "p1$"}, {"fault": "abort", "match": "p2$"}]})
-    r1, r2 = run(send(client(s.url), body(1), body(2)))
+    s = fake({"rules": [{"fault": "unclosed_think", "match": "p1$"}]})
+    (r1,) = run(send(client(s.url), body(1)))
     assert r1.content is None and r1.reasoning and r1.finish_reason == "length"
-    assert r2.finish_reason == "abort"
+
+
+def test_an_aborted_reply_is_retried_never_returned(fake):
+    # SGLang answers 200 with finish_reason "abort" when an admin abort, a pause or a
+    # weight update cuts a request: the model did not stop, so the request is sent again
+    s = fake({"rules": [{"fault": "abort", "match": "p1$", "first": 2}, {"fault": "abort", "match": "p2$"}]})
+    r1, f2 = run(send(client(s.url), body(1), body(2)))
+    assert r1.finish_reason == "stop" and r1.attempts == 3 == s.attempts("p1")
+    assert (f2.kind, f2.status, f2.permanent, f2.attempts) == ("aborted", 200, False, 5)
+
+
+# SGLang 0.5.23's own texts (TokenizerManager) and vLLM's
+SGLANG_TOO_LONG = (
+    "Requested token count exceeds the model's maximum context length of 40960 tokens. You "
+    "requested a total of 50000 tokens: 17232 tokens from the input messages and 32768 tokens "
+    "for the completion. Please reduce the number of tokens in the input messages or the "
+    "completion to fit within the limit."
+)
+
+
+def test_context_numbers_are_read_from_each_engines_error():
+    assert context_numbers(SGLANG_TOO_LONG) == (40960, 17232)
+    sglang_input = "The input (41000 tokens) is longer than the model's context length (40960 tokens)."
+    assert context_numbers(sglang_input) == (40960, 41000)
+    vllm = ("'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum "
+            "context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).")  # fmt: skip
+    assert context_numbers(vllm) == (4096, 2778)
+    for text in (
+        "This model's maximum context length is 4096 tokens. However, you requested 8000 output "
+        "tokens and your prompt contains 2778 input tokens, for a total of 10778 tokens.",
+        "This model's maximum context length is 4096 tokens. However, you requested 10778 tokens "
+        "(2778 in the messages, 8000 in the completion). Please reduce the length.",
+    ):
+        assert context_numbers(text) == (4096, 2778), text
+    assert context_numbers("This model's maximum context length is 4096 tokens.") is None
+
+
+def test_a_prompt_near_the_context_is_resent_once_with_max_tokens_clamped(fake):
+    # the fake counts 4 + words per message: "q 1" is 6 prompt tokens, 64 asked, context 40
+    s = fake({"max_context": 40, "record_bodies": True})
+    (reply,) = run(send(client(s.url, min_new_tokens=8), body(1)))
+    assert reply.attempts == 2 == s.attempts("p1")
+    assert s.stats()["requests"]["p1"]["body"]["max_tokens"] == 40 - 6
+    assert reply.finish_reason == "length" and reply.completion_tokens == 34
+
+
+def test_a_prompt_leaving_less_than_min_new_tokens_is_a_context_overflow(fake):
+    s = fake({"max_context": 40})
+    (f,) = run(send(client(s.url, min_new_tokens=35), body(1)))
+    assert (f.kind, f.status, f.permanent, f.attempts) == ("context_overflow", 400, True, 1)
+    assert "maximum context length of 40 tokens" in f.message and s.attempts("p1") == 1
+    s.reset({"max_context": 6})  # the prompt alone fills the context
+    (f,) = run(send(client(s.url, min_new_tokens=1), body(1)))
+    assert (f.kind, f.attempts) == ("context_overflow", 1) and "is longer than" in f.message
 
 
 def test_permanent_failures_are_sent_once(fake):
@@ -154,7 +208,7 @@ def test_permanent_failures_are_sent_once(fake):
     out = run(send(client(s.url), body(1), body(2), body(3)))
     assert [(f.kind, f.status, f.permanent, f.attempts) for f in out] == [
         ("bad_request", 400, True, 1),
-        ("context_length", 400, True, 1),
+        ("context_overflow", 400, True, 1),
         ("oom", 500, True, 1),
     ]
     assert [s.attempts(f"p{i}") for i in (1, 2, 3)] == [1, 1, 1]
@@ -162,12 +216,13 @@ def test_permanent_failures_are_sent_once(fake):
 
 def test_transient_errors_are_retried_then_succeed(fake):
     kinds = ["queue_full", "rate_limit", "timeout", "malformed", "no_choices", "drop", "error"]
-    rules = [{"fault": k, "match": f"p{i}$", "first": 1 if k == "error" else 2} for i, k in enumerate(kinds)]
+    once = ("error", "no_choices")  # 500s and bad replies: max_retries_500 (1 here)
+    rules = [{"fault": k, "match": f"p{i}$", "first": 1 if k in once else 2} for i, k in enumerate(kinds)]
     s = fake({"rules": rules})
     out = run(send(client(s.url), *(body(i) for i in range(len(kinds)))))
     for i, reply in enumerate(out):
         assert not isinstance(reply, BaseException), (kinds[i], reply)
-        expected = 2 if kinds[i] == "error" else 3
+        expected = 2 if kinds[i] in once else 3
         assert reply.attempts == expected == s.attempts(f"p{i}"), kinds[i]
 
 
@@ -263,3 +318,73 @@ def test_least_in_flight_spreads_requests_over_urls(fake):
     n_slow, n_quick = slow.stats()["completed"], quick.stats()["completed"]
     assert n_slow + n_quick == 60
     assert n_slow >= 1 and n_quick > 3 * n_slow
+
+
+# ------------------------------------------------------------- hostile servers
+
+BAD_BODIES = {
+    "content_dict": "bad_reply", "content_number": "bad_reply", "reasoning_number": "bad_reply",
+    "tool_calls_string": "bad_reply", "bad_usage": "bad_reply", "surrogate": "bad_reply",
+    "no_choices": "bad_reply", "utf16": "malformed", "malformed": "malformed", "echo": "malformed",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_BODIES))
+def test_a_bad_reply_is_a_counted_failure_retried_a_bounded_number_of_times(fake, fault):
+    s = fake({"rules": [{"fault": fault, "match": "p1$", "message": "not json"}]})
+    (f,) = run(send(client(s.url), body(1)))
+    assert isinstance(f, Failure) and not f.permanent, f
+    assert (f.kind, f.status) == (BAD_BODIES[fault], 200)
+    retries = FAST.max_retries if f.kind == "malformed" else FAST.max_retries_500
+    assert f.attempts == s.attempts("p1") == retries + 1
+    # retryable: a server that recovers answers on the next attempt
+    s2 = fake({"rules": [{"fault": fault, "match": "p1$", "first": 1, "message": "x"}]})
+    (reply,) = run(send(client(s2.url), body(1)))
+    assert reply.attempts == 2 and isinstance(reply.content, str)
+
+
+# what a real key looks like, and one whose JSON and URL forms differ from it
+KEYS = ["sk-live-5f0c1e9a77b24d3c8e61aa02b9d4f3e7", 'sk/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7']
+KEY = KEYS[0]
+
+
+def echoes() -> list[str]:
+    """A key in every form and position a server can echo it, cut or whole."""
+    refs = ["{key}", "{key_json}", "{key_url}", "{key[:20]}", "{key[9:]}", "{key[5:-5]}"]
+    out = []
+    for ref in refs:
+        for pad in (0, 1, 470, 487, 495, 499, 5000):  # the message is cut at 500 characters
+            out.append("x" * pad + "invalid key " + ref + " end")
+    return out
+
+
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("status, fault", [(400, "bad_request"), (503, "queue_full"), (400, "echo"), (503, "echo"), (200, "echo")])
+def test_a_key_echoed_in_an_error_body_is_masked_in_every_form_and_position(fake, status, fault, key):
+    messages = echoes()
+    rules = [{"fault": fault, "status": status, "match": f"p{i}$", "message": m} for i, m in enumerate(messages)]
+    s = fake({"api_key": key, "rules": rules})
+    out = run(send(client(s.url, api_key=key), *(body(i) for i in range(len(messages)))))
+    pieces = secret_pieces(key)
+    for m, f in zip(messages, out):
+        assert isinstance(f, Failure), f
+        assert not any(p in f.message for p in pieces), f.message
+        assert "***" in f.message or len(m) > 490  # masked, unless the cut fell before it
+
+
+def test_a_key_echoed_inside_a_valid_reply_is_masked_before_it_is_cached(fake):
+    rules = [{"fault": "say", "match": "p1$", "message": "your key is {key} ({key_url[:12]})"}]
+    s = fake({"api_key": KEY, "rules": rules})
+    (reply,) = run(send(client(s.url, api_key=KEY), body(1)))
+    assert reply.content == "your key is *** (***)"
+    assert not any(p.encode() in reply.raw for p in secret_pieces(KEY))
+
+
+def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
+    s = fake({"rules": [{"fault": "bad_request", "match": "p2$", "message": "who is {key}?"}]})
+    url = s.url.replace("http://", "http://alice:pa55-w0rd-secret@")
+    c = client(url)
+    assert c.urls == [s.url]
+    ok, bad = run(send(c, body(1), body(2)))
+    assert isinstance(ok.content, str)
+    assert bad.message == "who is ***?"

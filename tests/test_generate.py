@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from stages import generate
 from stages import params as P
 from stages.errors import StageError
 from tests.fakeserver import command as fake_command
-from tests.fakeserver import free_port, spawn
+from tests.fakeserver import free_port, secret_pieces, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
@@ -166,7 +167,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
             {"fault": "oom", "match": "p00021$"},
             {"fault": "unclosed_think", "match": "p0003[0-4]$"},
             {"fault": "length", "match": "p0004[0-4]$"},
-            {"fault": "abort", "match": "p00050$"},
+            {"fault": "abort", "match": "p00050$", "first": 1},
             {"fault": "queue_full", "first": 2, "prob": 0.3},
             {"fault": "rate_limit", "first": 1, "prob": 0.1},
             {"fault": "error", "first": 1, "prob": 0.1},
@@ -176,12 +177,12 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
         ]
     }
     with spawn(spec) as fake:
-        write_params(tmp_path, server=url_server(fake.url))
+        write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=5)
         r = here(tmp_path)
         completions, failures = outputs(tmp_path)
         permanent = ["p00010", "p00011", "p00012", "p00020", "p00021"]
         assert [f["id"] for f in failures] == permanent
-        assert [f["kind"] for f in failures] == ["context_length"] * 3 + ["bad_request", "oom"]
+        assert [f["kind"] for f in failures] == ["context_overflow"] * 3 + ["bad_request", "oom"]
         assert all(f["attempts"] == 1 and f["status"] in (400, 500) for f in failures)
         stats = fake.stats()["requests"]
         assert [stats[i]["attempts"] for i in permanent] == [1] * 5
@@ -206,14 +207,15 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
             assert c["messages"][-1]["content"] is None and c["messages"][-1]["reasoning_content"]
         for i in range(40, 45):
             assert by_id[f"p{i:05d}"]["truncated"] and by_id[f"p{i:05d}"]["messages"][-1]["content"]
-        assert by_id["p00050"]["truncated"] and by_id["p00050"]["finish_reason"] == "abort"
-        assert sum(c["truncated"] for c in completions) == 11
+        # an aborted reply is not the model's end: sent again, never cached as an answer
+        assert by_id["p00050"]["finish_reason"] == "stop" and fake.attempts("p00050") >= 2
+        assert sum(c["truncated"] for c in completions) == 10
         assert not by_id["p00001"]["truncated"]
 
         assert r == report(tmp_path)
         assert r["requests"] == 150 and r["completed"] == 145 and r["failed"] == 5
-        assert r["failed_by_kind"] == {"bad_request": 1, "context_length": 3, "oom": 1}
-        assert r["truncated"] == 11 and r["retries"] > 0
+        assert r["failed_by_kind"] == {"bad_request": 1, "context_overflow": 3, "oom": 1}
+        assert r["truncated"] == 10 and r["retries"] > 0
         assert r["output_tokens"] == sum(c["usage"]["completion_tokens"] for c in completions)
         assert r["request_throughput"] > 0 and r["median_e2e_latency_ms"] > 0
         assert r["p99_e2e_latency_ms"] >= r["p90_e2e_latency_ms"] >= r["median_e2e_latency_ms"]
@@ -228,7 +230,7 @@ def test_every_prompt_is_accounted_for_and_permanent_failures_are_sent_once(tmp_
 
         # retry_failed resends exactly the cached permanent failures
         fake.reset({})
-        write_params(tmp_path, server=url_server(fake.url), retry_failed=True)
+        write_params(tmp_path, server=url_server(fake.url), retry_failed=True, max_permanent_failures=5)
         assert here(tmp_path)["sent"] == 5
         completions, failures = outputs(tmp_path)
         assert len(completions) == 150 and failures == []
@@ -330,7 +332,7 @@ def test_vllm_reasoning_field_is_read(tmp_path):
 def test_the_api_key_is_never_written_anywhere(tmp_path):
     make_prompts(tmp_path, 30)
     with spawn({"api_key": KEY, "rules": [{"fault": "bad_request", "match": "p00003$", "message": "bad"}]}) as fake:  # fmt: skip
-        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), limit=30)
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), limit=30, max_permanent_failures=1)
         proc = stage(tmp_path, FAKE_KEY=KEY)
         text = ok(proc)
         assert "first request" in text and "$FAKE_KEY" in text
@@ -435,9 +437,9 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"concurrency": 0}, "generate.concurrency"),
         ({"request_timeout": -1}, "generate.request_timeout"),
     ]:
-        cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra}, "generate")
-        with pytest.raises(StageError, match=message):
-            generate.run(cfg)
+        with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
+            generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
+                                 "generate"))
     cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
         generate.run(cfg)
@@ -445,6 +447,17 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
         generate.run(cfg)
+    user = [{"role": "user", "content": "q"}]
+    for row, message in [
+        ({"messages": user, "tools": [1, "f"]}, "'tools' must be a list of objects"),
+        ({"messages": [{"role": ["user"], "content": "q"}]}, r"messages\[0\] must be an object"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         r"messages\[0\].content\[0\]"),
+        ({"messages": [{"role": "user", "content": "q \udfff"}]}, "text that is not valid Unicode"),
+    ]:
+        (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
+        with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):
+            generate.run(cfg)
 
 
 @pytest.mark.slow
@@ -511,7 +524,7 @@ def test_the_same_request_twice_is_sent_once_and_answers_both(tmp_path):
 def test_transient_failures_are_reported_and_retried_by_the_next_run(tmp_path):
     make_prompts(tmp_path, 20)
     with spawn({"rules": [{"fault": "queue_full", "match": "p0000[0-1]$"}]}) as fake:
-        write_params(tmp_path, server=url_server(fake.url), max_retries=2)
+        write_params(tmp_path, server=url_server(fake.url), max_retries=2, max_transient_failures=0.1)
         r = here(tmp_path)
         assert r["failed"] == r["failed_transient"] == 2 and r["completed"] == 18
         _, failures = outputs(tmp_path)
@@ -522,3 +535,375 @@ def test_transient_failures_are_reported_and_retried_by_the_next_run(tmp_path):
         fake.reset({})
         r = here(tmp_path)
     assert r["sent"] == 2 and r["completed"] == 20 and outputs(tmp_path)[1] == []
+
+
+# ------------------------------------------------- unfinished runs, bad replies, secrets
+
+
+def cache_records(wd: Path) -> list[dict]:
+    recs = []
+    for seg in sorted((wd / ".cache/requests").glob("*/seg-*.log")):
+        for line in seg.read_bytes().splitlines():
+            recs.append(json.loads(line[65:]))
+    return recs
+
+
+def test_total_transient_failure_exits_1_and_the_next_run_sends_only_what_failed(tmp_path):
+    rows = make_prompts(tmp_path, 40)
+    failing = {"rules": [{"fault": kind, "match": f"p0000[{digits}]$"}
+                         for kind, digits in (("queue_full", "0-4"), ("rate_limit", "5-6"),
+                                              ("error", "7"), ("malformed", "8-9"))]}  # fmt: skip
+    with spawn(failing) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries=1, max_retries_500=0)
+        proc = stage(tmp_path)
+        assert proc.returncode == 1
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith("error: 10 of 40 requests still failing after retries")
+        assert "(malformed 2, overloaded 7, server_error 1; e.g. HTTP 503 " in line
+        assert "generate.max_transient_failures=0" in line and "dvc repro" in line
+        assert "Traceback" not in proc.stderr
+        # the outputs are there to inspect, the 30 answers are cached, nothing failed is
+        assert report(tmp_path)["failed_transient"] == 10
+        assert len(cache_entries(tmp_path)) == 30 and all(r["ok"] for r in cache_records(tmp_path))
+        # a tolerance lets the same run finish
+        write_params(tmp_path, server=url_server(fake.url), max_retries=0, max_retries_500=0,
+                     max_transient_failures=0.25)  # fmt: skip
+        assert here(tmp_path)["failed_transient"] == 10
+        fake.reset({})
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        assert fake.stats()["received"] == 10
+    assert r["sent"] == 10 and r["completed"] == 40 and r["failed"] == 0
+    assert [c["id"] for c in outputs(tmp_path)[0]] == [row["id"] for row in rows]
+
+
+def test_permanent_failures_have_their_own_tolerance(tmp_path):
+    make_prompts(tmp_path, 40)
+    rules = [{"fault": "context_length", "match": "p0000[0-1]$"},
+             {"fault": "context_length", "match": "p00002$", "message": "too long \ud800"}]  # fmt: skip
+    with spawn({"rules": rules}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))  # default: 1% of 40 = 0 allowed
+        with pytest.raises(StageError) as err:
+            here(tmp_path)
+        msg = str(err.value)
+        assert msg.startswith("3 of 40 requests failed permanently (context_overflow 3)")
+        assert "above the 0 that generate.max_permanent_failures=0.01 allows" in msg
+        assert "failures.jsonl" in msg
+        failures = outputs(tmp_path)[1]  # written, for the user to look at
+        assert len(failures) == 3 and failures[2]["message"] == "too long ?"
+        for limit in (3, 0.075):
+            write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=limit)
+            assert here(tmp_path)["sent"] == 0  # cached: data, never resent on its own
+        write_params(tmp_path, server=url_server(fake.url), max_permanent_failures=2)
+        with pytest.raises(StageError, match="above the 2 that generate.max_permanent_failures=2"):
+            here(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [{"max_transient_failures": 1.5}, {"max_permanent_failures": -1},
+                                 {"max_transient_failures": True}])  # fmt: skip
+def test_tolerance_params_are_checked(tmp_path, monkeypatch, bad):
+    monkeypatch.chdir(tmp_path)
+    name = next(iter(bad))
+    with pytest.raises(StageError, match=f"generate.{name}"):
+        generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"))
+
+
+HOSTILE = ["content_dict", "content_number", "reasoning_number", "tool_calls_string",
+           "bad_usage", "surrogate", "utf16", "no_choices", "malformed", "echo"]  # fmt: skip
+
+
+def test_every_bad_reply_is_a_counted_failure_never_cached(tmp_path):
+    rows = make_prompts(tmp_path, 30)
+    rules = [{"fault": f, "match": f"p{i:05d}$", "message": "<html>oops"} for i, f in enumerate(HOSTILE)]
+    with spawn({"rules": rules}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries=1, max_retries_500=1,
+                     max_transient_failures=len(HOSTILE))  # fmt: skip
+        r = here(tmp_path)
+        assert r["completed"] == 20 and r["failed_transient"] == len(HOSTILE)
+        assert r["failed_by_kind"] == {"bad_reply": 7, "malformed": 3}
+        _, failures = outputs(tmp_path)
+        assert [f["id"] for f in failures] == [f"p{i:05d}" for i in range(len(HOSTILE))]
+        assert all(f["status"] == 200 and f["attempts"] == 2 for f in failures)
+        assert "message.content is a number" in failures[1]["message"]
+        assert "lone surrogate" in failures[5]["message"] and "not UTF-8" in failures[6]["message"]
+        assert len(cache_entries(tmp_path)) == 20 and all(r["ok"] for r in cache_records(tmp_path))
+        fake.reset({})
+        r = here(tmp_path)
+        assert fake.stats()["received"] == len(HOSTILE)
+    assert r["completed"] == 30 and [c["id"] for c in outputs(tmp_path)[0]] == [x["id"] for x in rows]
+
+
+def test_a_server_that_always_answers_garbage_stops_the_run_in_one_line(tmp_path):
+    make_prompts(tmp_path, 80)
+    with spawn({"rules": [{"fault": "reasoning_number", "match": "[13579]$"}]}) as fake:
+        with spawn({"rules": [{"fault": "tool_calls_string"}]}) as garbage:
+            write_params(tmp_path, server=url_server(garbage.url), max_retries_500=1)
+            proc = stage(tmp_path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert "32 requests in a row got no well-formed reply" in line and "tool_calls" in line
+        assert cache_entries(tmp_path) == []
+        # garbage now and then is not a broken server: the run goes on
+        write_params(tmp_path, server=url_server(fake.url), max_retries_500=0,
+                     max_transient_failures=0.5, concurrency=4)  # fmt: skip
+        r = here(tmp_path)
+        assert r["completed"] == 40 and r["failed_by_kind"] == {"bad_reply": 40}
+
+
+def damage(seg: Path) -> None:
+    """Replace the first 9 records of a cache segment with 8 kinds of damage and a torn
+    last line (what a killed run leaves)."""
+    lines = seg.read_bytes().splitlines(keepends=True)
+    key = lambda ln: ln[:65]  # noqa: E731
+    bad = [
+        key(lines[0]) + '{"ok":true,"reply":{"choices":[]}}'.encode("utf-16") + b"\n",
+        key(lines[1]) + b'{"ok":true,"reply":5}\n',
+        key(lines[2]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":{"a":1}}}]}}\n',
+        key(lines[3]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":"\\ud800"}}]}}\n',
+        key(lines[4]) + b'{"ok":false,"kind":3}\n',
+        key(lines[5]) + b"[1, 2, 3]}\n",
+        key(lines[6]) + b'{"ok":true,"reply":{"choices":[{"message":{"content":"cut',
+        bytes(random.Random(7).randrange(256) for _ in range(300)).replace(b"\n", b"") + b"\n",
+        b"\xff\xfe" + b"7" * 64 + b" {}\n",
+    ]
+    seg.write_bytes(b"".join(bad[:6]) + bad[7] + bad[8] + b"".join(lines[9:]) + bad[6])
+
+
+def test_the_cache_reader_survives_any_bytes_and_resends_the_damaged_records(tmp_path):
+    rows = make_prompts(tmp_path, 30)
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url), concurrency=1)
+        here(tmp_path)
+        before = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+        (seg,) = (tmp_path / ".cache/requests").glob("*/seg-*.log")
+        damage(seg)
+        fake.reset({})
+        proc = stage(tmp_path)
+        out = ok(proc)
+        assert "Traceback" not in out
+        assert fake.stats()["received"] == 9  # lines 0-8 were replaced; each request resent once
+    assert "dropped 8 damaged record(s)" in out  # + a torn last line, which a kill leaves
+    assert report(tmp_path)["cache_damaged"] == 8
+    assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == before
+    assert len(outputs(tmp_path)[0]) == len(rows)
+
+
+SECRET_KEY = 'sk-live/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7'  # JSON and URL forms differ
+PASSWORD = "hunter2-correct-horse-battery"
+
+
+def echo_rules(n_good_between: int = 1) -> list[dict]:
+    """Rules for every other prompt: the secret in each form and position a server can put
+    it, in every kind of reply (JSON and text errors, permanent and transient, a non-JSON
+    200, a valid answer)."""
+    refs = ["{key}", "{key_json}", "{key_url}", "{key[:20]}", "{key[9:]}", "{key[5:-5]}"]
+    kinds = [("bad_request", 400), ("queue_full", 503), ("echo", 400), ("echo", 503),
+             ("echo", 200), ("say", 200)]  # fmt: skip
+    rules = []
+    for ref in refs:
+        for pad in (0, 487, 499, 5000):  # messages are cut at 500 characters
+            for fault, status in kinds:
+                message = "x" * pad + "bad key " + ref + " !"
+                i = 2 * len(rules)
+                rules.append({"fault": fault, "status": status, "match": f"p{i:05d}$", "message": message})  # fmt: skip
+    return rules
+
+
+def test_a_secret_echoed_everywhere_is_written_nowhere(tmp_path):
+    rules = echo_rules()
+    make_prompts(tmp_path, 2 * len(rules))
+    lenient = dict(max_retries=0, max_retries_500=0, max_transient_failures=1.0,
+                   max_permanent_failures=1.0)  # fmt: skip
+    seen = []
+    # the key, also served as the model name (server.model unset: asked from the server)
+    with spawn() as fake:  # the rules are too long for a command line: sent after start
+        fake.reset({"api_key": SECRET_KEY, "model": f"org/{SECRET_KEY}", "rules": rules})
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        seen.append(ok(proc))
+        r = report(tmp_path)
+        assert r["failed"] == 5 * len(rules) // 6 and r["model"] == "org/***"
+        fake.reset({"api_key": SECRET_KEY, "rules": [{"fault": "echo", "status": 403, "message": "{key} is not allowed"}]})  # fmt: skip
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY", model="m"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "HTTP 403: *** is not allowed" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    # URL credentials: the password is the secret the server echoes
+    with spawn() as fake:
+        fake.reset({"rules": rules})
+        url = fake.url.replace("http://", f"http://alice:{PASSWORD}@")
+        write_params(tmp_path, server=url_server(url, model="m2"), limit=7, **lenient)
+        proc = stage(tmp_path)
+        seen.append(ok(proc))
+        assert report(tmp_path)["server"]["urls"] == [fake.url]
+        write_params(tmp_path, server=url_server(url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=SECRET_KEY)
+        assert proc.returncode == 1 and "use one of them" in proc.stderr
+        seen.append(proc.stdout + proc.stderr)
+    pieces = secret_pieces(SECRET_KEY) | secret_pieces(PASSWORD)
+    # everything but the params file, where the user wrote the URL with its password
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "params.yaml"]
+    assert any(p.name == "failures.jsonl" for p in written) and any(".log" in p.name for p in written)
+    for path in written:
+        data = path.read_bytes()
+        assert not [x for x in pieces if x.encode() in data], path
+    for text in seen:
+        assert "Traceback" not in text and not [x for x in pieces if x in text]
+
+
+def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
+    """The real dvc CLI: a run left with transient failures fails the stage, dvc.lock keeps
+    no generate entry, and a plain `dvc repro` (no -f) later sends only what failed."""
+    import re
+
+    from tests.repo import demo_clone, run
+
+    repo = demo_clone(tmp_path)
+    with spawn({"rules": [{"fault": "queue_full", "prob": 0.5}]}) as fake:
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params["generate"].update(
+            server={"url": fake.url, "unreachable_deadline": 10}, max_retries=0,
+            concurrency=4, backoff_base=0.02, backoff_max=0.1,
+        )  # fmt: skip
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = run(["dvc", "repro", "generate"], repo, check=False, timeout=300)
+        failed = re.search(r"error: (\d+) of (\d+) requests still failing after retries", out)
+        assert failed, out[-3000:]
+        n_failed, n = int(failed.group(1)), int(failed.group(2))
+        assert 0 < n_failed < n and "Traceback" not in out
+        lock = yaml.safe_load((repo / "dvc.lock").read_text()) if (repo / "dvc.lock").exists() else {}
+        assert "prepare" in lock["stages"] and "generate" not in lock["stages"]
+        fake.reset({})
+        out = run(["dvc", "repro", "generate"], repo, timeout=300)
+        assert "Running stage 'generate'" in out
+        assert fake.stats()["received"] == n_failed  # answered requests came from the cache
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert "generate" in lock["stages"]
+    assert len(outputs(repo)[0]) == n
+    assert "up to date" in run(["dvc", "status", "generate"], repo)
+
+
+# ------------------------------------------------------ real-engine behaviours (issue 11)
+
+
+def test_the_stage_waits_for_a_worker_and_keys_the_cache_with_the_real_model(tmp_path):
+    # sglang-router answers /health 200 with no worker and /v1/models 503 until one is up:
+    # the model name that keys the cache must be the served one, never a placeholder
+    rows = make_prompts(tmp_path, 20)
+    with spawn({"model": "served-name", "no_worker_for": 2.5}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        r = here(tmp_path)
+        assert fake.stats()["outcomes"].get("no_worker", 0) == 0  # nothing sent before it was up
+    assert r["model"] == "served-name" and r["completed"] == len(rows)
+    completions, _ = outputs(tmp_path)
+    assert {c["model"] for c in completions} == {"served-name"}
+    meta = [json.loads(p.read_text()) for p in (tmp_path / ".cache/requests").glob("*/meta.json")]
+    assert [m["model"] for m in meta] == ["served-name"]
+
+
+def test_no_worker_within_the_deadline_is_one_line(tmp_path):
+    make_prompts(tmp_path, 5)
+    with spawn({"no_worker_for": 120}) as fake:
+        write_params(tmp_path, server=url_server(fake.url, unreachable_deadline=1.5))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "no model ready" in err and "unreachable_deadline" in err and "HTTP 503" in err
+    assert cache_entries(tmp_path) == []
+
+
+def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tmp_path):
+    # the fake counts 4 + words per message and answers over max_context with SGLang's
+    # exact 400 text; 64 new tokens asked, context 96
+    rows = make_prompts(tmp_path, 30)
+    rows[3]["messages"] = [{"role": "user", "content": "w " * 40}]  # 44 tokens: clamped to 52
+    rows[7]["messages"] = [{"role": "user", "content": "w " * 80}]  # 84: leaves 12 < 16
+    rows[9]["messages"] = [{"role": "user", "content": "w " * 100}]  # 104: over the context
+    (tmp_path / "data/prompts/prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copytree(tmp_path / "data", ref / "data")
+    with spawn({"max_context": 96, "record_bodies": True}) as fake, spawn({}) as roomy:
+        write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16, max_permanent_failures=2)
+        write_params(ref, server=url_server(roomy.url), min_new_tokens=16)
+        r = here(tmp_path)
+        here(ref)
+        reqs = fake.stats()["requests"]
+    assert reqs["p00003"]["attempts"] == 2 and reqs["p00003"]["body"]["max_tokens"] == 52
+    assert reqs["p00007"]["attempts"] == 1 and reqs["p00009"]["attempts"] == 1
+    assert all(reqs[r["id"]]["attempts"] == 1 for i, r in enumerate(rows) if i not in (3, 7, 9))
+    assert all(reqs[r["id"]]["body"]["max_tokens"] == 64 for i, r in enumerate(rows) if i != 3)
+    completions, failures = outputs(tmp_path)
+    assert [(f["id"], f["kind"], f["status"]) for f in failures] == [
+        ("p00007", "context_overflow", 400), ("p00009", "context_overflow", 400),
+    ]  # fmt: skip
+    assert "maximum context length of 96 tokens" in failures[0]["message"]
+    assert r["failed_by_kind"] == {"context_overflow": 2} and len(completions) == 28
+    assert r["clamped"] == 1
+    # a clamp is per request: every prompt keeps the key it has without one
+    assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
+
+
+def test_a_healthy_engine_busy_with_long_decodes_is_not_restarted(tmp_path):
+    # one request decodes for 6 s; nothing completes meanwhile, but /metrics shows
+    # tokens coming and /health_generate answers: the watchdog must not restart it
+    make_prompts(tmp_path, 12)
+    spec = {"latency": 0.01, "rules": [{"fault": "slow", "match": "p00011$", "seconds": 6}]}
+    write_params(tmp_path, server=launch_server(tmp_path, spec, watchdog_seconds=1.5), concurrency=4)
+    out = ok(stage(tmp_path))
+    completions, failures = outputs(tmp_path)
+    assert len(completions) == 12 and failures == []
+    assert report(tmp_path)["server"]["restarts"] == 0, out
+    assert "the engine is generating: not restarting" in out
+
+
+def test_a_hung_url_server_ends_the_run_in_bounded_time_keeping_its_answers(tmp_path):
+    rows = make_prompts(tmp_path, 60)
+    with spawn({"stall_after": 20, "latency": 0.01, "stall_health": "fail"}) as fake:
+        server = url_server(fake.url, watchdog_seconds=1, hang_timeout=1.5)
+        write_params(tmp_path, server=server, concurrency=4)
+        t0 = time.monotonic()
+        proc = stage(tmp_path, timeout=60)
+        took = time.monotonic() - t0
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "hung" in err and "hang_timeout=1.5" in err and "re-run" in err
+    assert took < 30
+    kept = len(cache_entries(tmp_path))
+    assert kept >= 20
+    with spawn({"latency": 0.005}) as fake:
+        write_params(tmp_path, server=url_server(fake.url))
+        assert to_send(ok(stage(tmp_path))) == len(rows) - kept
+
+
+def test_the_report_says_whether_the_seed_is_honoured(tmp_path):
+    make_prompts(tmp_path, 4)
+    write_params(tmp_path, server=launch_server(tmp_path, {}), seed=5)
+    out = ok(stage(tmp_path))
+    assert report(tmp_path)["seed_honoured"] is False  # SGLang without the flag
+    assert "--enable-deterministic-inference" in out
+    for spec, engine, expected in [({"deterministic": True}, "sglang", True), ({}, "vllm", True)]:
+        with spawn(spec) as fake:
+            write_params(tmp_path, server=url_server(fake.url, engine=engine), seed=5)
+            assert here(tmp_path)["seed_honoured"] is expected
+    write_params(tmp_path, server=launch_server(tmp_path, {}), seed=None)
+    assert here(tmp_path)["seed_honoured"] is None
+
+
+def test_a_request_timeout_longer_than_the_routers_is_refused_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    server = {"url": "http://127.0.0.1:1", "router_timeout": 1800}
+    cfg = P.build(P.Generate, {"server": server, "request_timeout": 3600}, "generate")
+    with pytest.raises(StageError, match=r"--request-timeout-secs 3660"):
+        generate.run(cfg)
+
+
+def test_a_router_with_its_default_timeout_gets_a_warning_with_the_fix(tmp_path):
+    make_prompts(tmp_path, 3)
+    with spawn({"router": True}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        out = ok(stage(tmp_path))
+    assert "is an sglang-router" in out and "--request-timeout-secs 3660" in out
+    with spawn({}) as fake:  # an engine: no warning
+        write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
+        assert "sglang-router" not in ok(stage(tmp_path))

@@ -18,6 +18,7 @@ from stages import merge
 from stages import params as P
 from stages.errors import StageError
 from stages.schema import ARROW_SCHEMA, FEATURES
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = {
@@ -357,6 +358,35 @@ def test_unusable_bases_are_refused_clearly(repo):
 
     with pytest.raises(StageError, match="must not be data/tokenized"):
         merge.run(cfg(base="data/tokenized"))
+
+
+@pytest.mark.parametrize("name", ["../tokenized/data-00000-of-00001.arrow", "/etc/hostname",
+                                  "sub/x.arrow", "..", "", 5, {"a": 1}])
+def test_a_state_json_entry_outside_the_base_folder_is_refused(repo, name):
+    save(repo / "data/tokenized", rows(ids("n", 2)))
+    save(repo / "data/base", rows(ids("b", 2)))
+    state_path = repo / "data/base/state.json"
+    state = json.loads(state_path.read_text())
+    state["_data_files"].append({"filename": name})
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(StageError) as e:
+        merge.run(cfg())
+    assert str(e.value) == (f"data/base/state.json: lists {str(name)[:100]!r}, which is not a "
+                            "file name in this folder")
+    assert not (repo / "data/merged").exists()
+
+
+def test_cli_refuses_a_state_json_escape_in_one_line(repo):
+    save(repo / "data/tokenized", rows(ids("n", 2)))
+    save(repo / "data/base", rows(ids("b", 2)))
+    state_path = repo / "data/base/state.json"
+    state = json.loads(state_path.read_text())
+    state["_data_files"] = [{"filename": str(repo / "data/tokenized/data-00000-of-00001.arrow")}]
+    state_path.write_text(json.dumps(state))
+    (repo / "params.yaml").write_text("merge:\n  base: data/base\n")
+    line, _ = stagecli.fail("merge", repo)
+    assert line.startswith("error: data/base/state.json: lists '/") and "not a file name" in line
+    assert not (repo / "data/merged").exists()
 
 
 def test_new_rows_must_match_the_contract(repo):

@@ -39,6 +39,9 @@ def test_demo_runs_every_stage_then_nothing(clone):
     assert len(merged) == len(base) + len(tokenized) == report["merged"]["rows"]
     assert len(tokenized) > 0
     assert json.loads((clone / "reports/validate.json").read_text())["passed"] is True
+    assert "its lineage card (version 1): data/merged/README.md" in out
+    lin = json.loads((clone / "data/merged/lineage.json").read_text())
+    assert lin["rows"] == len(merged) and lin["model"]["engine"] == "transformers"
 
     again = run([sys.executable, "-m", "stages.demo"], clone)
     assert "Running stage" not in again
@@ -51,5 +54,6 @@ def test_dvc_dag_shows_the_chain(clone):
     dag = run(["dvc", "dag", "--dot"], clone)
     edges = {tuple(x.strip('"') for x in line.rstrip(";").split(" -> "))
              for line in dag.splitlines() if " -> " in line}
+    # merge also reads the prepare and generate reports, for the lineage card
     assert edges == {("prepare", "generate"), ("generate", "tokenize"), ("tokenize", "merge"),
-                     ("merge", "validate")}
+                     ("merge", "validate"), ("prepare", "merge"), ("generate", "merge")}

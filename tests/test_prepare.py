@@ -145,6 +145,7 @@ def test_six_reference_layouts(tmp_path):
     h1, h2 = by["hermes_fc"]
     assert [m["role"] for m in h1["messages"]] == ["system", "user", "assistant", "tool"]
     assert h1["messages"][0]["content"] == HERMES_SYSTEM and "tools" not in h1
+    assert h1["messages"][3]["tool_call_id"] == "call_3"
     assert [m["role"] for m in h2["messages"]] == ["system", "user"]
     assert by["agent"][0]["messages"][-1]["content"] == "The output of the OS:\npasswd hosts"
     assert by["metamath"][0]["messages"] == [
@@ -153,6 +154,78 @@ def test_six_reference_layouts(tmp_path):
     assert report["totals"]["kept"] == len(rows) == 11
     assert all(len(r["id"]) == 32 for r in rows) and len({r["id"] for r in rows}) == len(rows)
     assert list(rows[0]) == ["id", "source", "messages"]
+
+
+def test_tool_turns_get_ids_and_one_wrapper_and_keep_their_prompt_ids(tmp_path):
+    import xxhash
+
+    d = tmp_path / "src"
+    call = {"type": "function", "function": {"name": "get_stock_price", "arguments": "{}"}}
+    openai = [
+        # calls and results without ids: both synthesized, results matched in order
+        {"messages": [{"role": "user", "content": "NVDA and AAPL?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                      {"role": "tool", "content": "131.2"}, {"role": "tool", "content": "227.5"}]},
+        # ids given by the source: kept as they are
+        {"messages": [{"role": "user", "content": "MSFT?"},
+                      {"role": "assistant", "content": "", "tool_calls": [{"id": "c9", **call}]},
+                      {"role": "tool", "content": "400", "tool_call_id": "c9"}]},
+    ]  # fmt: skip
+    write_jsonl(d / "openai.jsonl", openai)
+    hermes = hermes_rows()[:1]
+    two = '<tool_response>\n{"price": 1}\n</tool_response>\n<tool_response>\n{"price": 2}\n</tool_response>'
+    hermes.append({**hermes[0], "conversations": hermes[0]["conversations"][:3] + [{"from": "tool", "value": two}]})
+    write_jsonl(d / "hermes.jsonl", hermes)
+    _, rows, _ = run(tmp_path, [
+        {"name": "oa", "path": str(d / "openai.jsonl"), "format": "messages"},
+        {"name": "hermes", "path": str(d / "hermes.jsonl"), "format": "sharegpt"},
+    ])  # fmt: skip
+    o1, o2, h1, h2 = rows
+    calls = o1["messages"][1]["tool_calls"]
+    assert [c["id"] for c in calls] == ["call_1_0", "call_1_1"]
+    assert [m["tool_call_id"] for m in o1["messages"][2:]] == ["call_1_0", "call_1_1"]
+    assert o2["messages"] == openai[1]["messages"]
+    # Hermes results lose the wrapper the template adds again; text calls give call_<turn>
+    assert h1["messages"][3] == {
+        "role": "tool", "content": '{"name": "get_stock_price", "content": {"price": 131.2}}',
+        "tool_call_id": "call_3",
+    }  # fmt: skip
+    assert [(m["content"], m["tool_call_id"]) for m in h2["messages"][3:]] == [
+        ('{"price": 1}', "call_3"), ('{"price": 2}', "call_4")]
+    # the prompt id hashes the conversation as the source gave it: ids from before stay
+    source_h1 = [{"role": r, "content": t["value"]} for r, t in zip(
+        ["system", "user", "assistant", "tool"], hermes[0]["conversations"])]  # fmt: skip
+    canon = json.dumps({"messages": source_h1}, separators=(",", ":"), ensure_ascii=False)
+    assert h1["id"] == xxhash.xxh3_128_hexdigest(b"hermes\0" + canon.encode())
+    # a rerun writes the same bytes
+    before = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
+    run(tmp_path, [
+        {"name": "oa", "path": str(d / "openai.jsonl"), "format": "messages"},
+        {"name": "hermes", "path": str(d / "hermes.jsonl"), "format": "sharegpt"},
+    ])  # fmt: skip
+    assert (tmp_path / "data/prompts/prompts.jsonl").read_bytes() == before
+
+
+def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_path):
+    # the fake server speaks sglang-router's schema here: a tool message without a
+    # tool_call_id is a 400 "missing field `tool_call_id`"
+    from urllib.error import HTTPError
+
+    from stages import generate
+    from tests.fakeserver import post_json, spawn
+
+    d = tmp_path / "src"
+    (d / "func-calling.json").parent.mkdir(parents=True)
+    (d / "func-calling.json").write_text(json.dumps(hermes_rows()))
+    run(tmp_path, [{"name": "hermes_fc", "path": str(d / "func-calling.json"), "format": "sharegpt"}])
+    with spawn({"require_tool_call_id": True}) as fake:
+        cfg = P.build(P.Generate, {"server": {"url": fake.url}, "concurrency": 2}, "generate")
+        r = generate.run(cfg)
+        assert r["completed"] == 2 and r["failed"] == 0
+        bare = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
+        with pytest.raises(HTTPError) as e:  # what today's prompts got from the router
+            post_json(fake.url + "/v1/chat/completions", bare)
+        assert e.value.code == 400 and "missing field `tool_call_id`" in e.value.read().decode()
 
 
 def test_tools_field_is_passed_on(tmp_path):
@@ -443,9 +516,12 @@ def test_cli_runs_the_stage(tmp_path):
 def test_shipped_demo_sources(tmp_path):
     cfg = P.load("prepare", ROOT / "params.yaml")
     os.chdir(tmp_path)
-    for src in cfg.sources:
+    for src in cfg.sources + cfg.decontaminate.evals:
         src.path = str(ROOT / src.path)
     report = prepare.run(cfg)
+    # the eval sample holds two demo prompts the limit would not have drawn
+    assert report["totals"]["dropped_by_reason"]["contaminated"] == 2
+    assert report["decontamination"]["evals"]["eval_sample"]["by_source"] == {"qa_sample": 2}
     for src in cfg.sources:  # the demo's limits bind: the sample is a real mix
         stats = report["sources"][src.name]
         assert stats["kept"] == min(src.limit or stats["cleaned"], stats["cleaned"])
@@ -455,3 +531,127 @@ def test_shipped_demo_sources(tmp_path):
     roles = [[m["role"] for m in r["messages"]] for r in rows]
     assert any(r[-1] == "tool" for r in roles) and any(r.count("user") > 1 for r in roles)
     assert any("<tools>" in r["messages"][0]["content"] for r in rows)
+
+
+# ------------------------------------------------------------------ decontamination
+
+from tests.test_decontam import GSM, INTL, TRIVIA, evals as eval_sets  # noqa: E402
+
+
+def planted_mix(tmp_path: Path) -> tuple[list[dict], dict[str, tuple[str, int]]]:
+    """Sources seeded with evaluation items in disguise, and clean prompts around them;
+    returns the sources and, per planted prompt text, the (eval set, item) it copies."""
+    planted = {
+        GSM[0]: ("gsm", 0),  # verbatim
+        "  natalia SOLD clips to 48 of her friends in April ... and then she sold HALF as many "
+        "clips in May.How many clips did natalia sell altogether in april & may ?!": ("gsm", 0),
+        "What is 7 TIMES 8": ("gsm", 2),  # a short item, whole message
+        "Please solve the following problem and explain each step carefully. " + GSM[1]
+        + " Give the final answer on its own line.": ("gsm", 1),
+        "Trivia time! " + TRIVIA[1].replace(" ", "\n") + " (one sentence)": ("trivia", 1),
+        INTL[0].lower(): ("intl", 0),
+        "请回答：" + INTL[1] + "写出过程。": ("intl", 1),
+    }
+    clean = [
+        "In April Natalia sold clips to 48 friends; in May she sold half that many. "
+        "What is the total number of clips she sold over the two months?",  # a paraphrase
+        "What is 7 times 9?",
+        "Explain, in two sentences, why the sky looks blue during the day.",
+        "Сколько будет семь умножить на восемь?",
+        "区块链是什么？请用三句话解释。",
+        "Who wrote Moby-Dick?",
+    ]
+    texts = list(planted)
+    chat = write_jsonl(tmp_path / "src/chat.jsonl", [
+        {"conversations": [{"from": "system", "value": "Be helpful."}, {"from": "human", "value": t},
+                           {"from": "gpt", "value": "..."}]}
+        for t in texts[:4] + clean[:3]])
+    qa = write_jsonl(tmp_path / "src/qa.jsonl", [{"q": t} for t in texts[4:] + clean[3:]])
+    sources = [{"name": "chat", "path": str(chat), "format": "sharegpt"},
+               {"name": "qa", "path": str(qa), "format": "columns", "prompt_field": "q"}]
+    return sources, planted
+
+
+def test_planted_eval_items_are_dropped_and_attributed(tmp_path):
+    sources, planted = planted_mix(tmp_path)
+    _, plain, plain_bytes = run(tmp_path, sources)
+    report, rows, data = run(tmp_path, sources, decontaminate={"evals": eval_sets(tmp_path)})
+    user = [r["messages"][-1]["content"] for r in rows]
+    assert not set(user) & set(planted)
+    assert len(rows) == len(plain) - len(planted)
+    # clean prompts are written exactly as without decontamination
+    kept_lines = [line for line in plain_bytes.splitlines(keepends=True)
+                  if json.loads(line)["messages"][-1]["content"] not in planted]
+    assert data == b"".join(kept_lines)
+
+    assert report["sources"]["chat"]["dropped_by_reason"]["contaminated"] == 4
+    assert report["sources"]["qa"]["dropped_by_reason"]["contaminated"] == 3
+    assert report["totals"]["dropped_by_reason"]["contaminated"] == 7
+    dc = report["decontamination"]
+    assert {name: (s["contaminated"], s["by_source"]) for name, s in dc["evals"].items()} == {
+        "gsm": (4, {"chat": 4}), "trivia": (1, {"qa": 1}), "intl": (2, {"qa": 2})}
+    assert dc["evals"]["gsm"]["items"] == 3 and dc["evals"]["gsm"]["short"] == 1
+    ids = {r["id"]: r["messages"][-1]["content"] for r in plain}
+    assert len(dc["examples"]) == 3 + 1 + 2  # at most 3 per eval set
+    for ex in dc["examples"]:
+        assert planted[ids[ex["prompt_id"]]] == (ex["eval_set"], ex["eval_item"])
+        assert ex["ngram"] in " ".join(decontam_words(ids[ex["prompt_id"]]))
+
+
+def decontam_words(text: str) -> list[str]:
+    from stages import decontam
+
+    return decontam.words(text)
+
+
+def test_contaminated_prompts_leave_before_the_limit(tmp_path):
+    rows = [{"q": GSM[0]}, {"q": TRIVIA[0]}] + [{"q": f"Clean question number {i}?"} for i in range(30)]
+    path = write_jsonl(tmp_path / "src/a.jsonl", rows)
+    src = [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q", "limit": 30}]
+    report, kept, _ = run(tmp_path, src, decontaminate={"evals": eval_sets(tmp_path)})
+    assert len(kept) == 30 and all(r["messages"][0]["content"].startswith("Clean") for r in kept)
+    assert report["sources"]["a"]["dropped_by_reason"]["contaminated"] == 2
+    assert report["sources"]["a"]["dropped_by_reason"]["over_limit"] == 0
+
+
+def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, monkeypatch):
+    sources, planted = planted_mix(tmp_path)
+    big = write_jsonl(tmp_path / "src/big.jsonl",
+                      [{"q": f"Question {i}: " + (GSM[0] if i % 100 == 7 else "is this clean?")}
+                       for i in range(800)])
+    sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
+    dc = {"evals": eval_sets(tmp_path)}
+    one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    report, _, two = run(tmp_path, sources, num_proc=2, decontaminate=dc)
+    assert one == two
+    assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 8
+    assert report["decontamination"]["evals"] == one_report["decontamination"]["evals"]
+
+
+sources_mod = sources
+
+
+def test_decontamination_param_errors(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"q": "Q"}])
+    one = [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}]
+    ev = eval_sets(tmp_path)
+    with pytest.raises(StageError, match=r"prepare.decontaminate.min_overlap: must be > 0 and <= 1, got"):
+        run(tmp_path, one, decontaminate={"evals": ev, "min_overlap": 1.5})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.ngram: must be >= 1 and .*, got int 0"):
+        run(tmp_path, one, decontaminate={"evals": ev, "ngram": 0})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.evals\[1\].name: 'gsm' is used by an earlier eval set"):
+        run(tmp_path, one, decontaminate={"evals": [ev[0], ev[0]]})
+    with pytest.raises(StageError, match=r"prepare.decontaminate.evals\[0\].prompt_field: required with format columns"):
+        run(tmp_path, one, decontaminate={"evals": [{**ev[0], "prompt_field": None}]})
+    with pytest.raises(P.ParamError, match=r"prepare.decontaminate.evals\[0\].limit: unknown key"):
+        run(tmp_path, one, decontaminate={"evals": [{**ev[0], "limit": 3}]})
+
+
+def test_eval_files_are_dvc_deps_of_prepare():
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
+    assert "stages/decontam.py" in stage["deps"]
+    shipped = P.load("prepare", ROOT / "params.yaml").decontaminate
+    for ev in shipped.evals:
+        assert any(Path(ev.path).is_relative_to(dep) for dep in stage["deps"]), ev.path

@@ -45,7 +45,27 @@ def test_torn_and_damaged_lines_are_skipped(tmp_path):
     seg.write_bytes(data + b"\0" * 40 + b"\n" + b"zz" * 40 + b' {"ok":true}\n' + torn)
     with RequestCache(tmp_path, "ns", {}) as c:
         keys = [k for k, *_ in c.scan()]
+        assert c.damaged == 2  # the torn last line is what a kill leaves: not counted
     assert keys == [digest(1), digest(2)]
+
+
+@pytest.mark.parametrize("blob", [
+    "a whole segment in UTF-16\n".encode("utf-16") * 3,
+    bytes(range(256)) * 40,
+    b"\n" * 10 + b"\xff" * 5000,
+    (("f" * 64) + " {\u00e9}\n").encode("utf-32"),
+    b"",
+], ids=["utf16", "random", "blank-then-binary", "utf32", "empty"])  # fmt: skip
+def test_a_segment_of_any_bytes_is_read_without_error(tmp_path, blob):
+    """Whatever a disk, a tool or a person left in a segment: scan skips it, never raises;
+    intact lines of the same segment are still found."""
+    with RequestCache(tmp_path, "ns", {}) as c:
+        c.append(digest(1), {"ok": True})
+        seg = c.segments[0]
+    seg.write_bytes(blob + b"\n" + seg.read_bytes() + blob)
+    with RequestCache(tmp_path, "ns", {}) as c:
+        found = [(k, c.read_json(s, o)) for k, s, o, _ in c.scan()]
+    assert found == [(digest(1), b'{"ok":true}')]
 
 
 def test_a_second_run_on_the_same_key_space_is_refused(tmp_path):

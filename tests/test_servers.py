@@ -261,6 +261,34 @@ def test_a_group_ignoring_sigterm_is_killed_after_the_grace():
     assert proc.returncode == -signal.SIGKILL
 
 
+def test_a_stop_waits_for_the_whole_group_not_just_the_leader(tmp_path):
+    # an engine's leader can exit on SIGTERM while its schedulers still shut down (and
+    # hold GPU memory): the stop, and so a restart, waits for every member of the group
+    marker = tmp_path / "child-done"
+    child = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print(1, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    leader = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE)\n"
+        "c.stdout.readline()\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, process_group=0)
+    child_pid = int(proc.stdout.readline())
+    servers._kill_group(proc, grace=10.0)
+    assert marker.exists()  # the child finished its own shutdown: it was not SIGKILLed
+    assert wait_gone([child_pid], 0.5)
+
+
 PARENT = """
 import json, sys, time
 from pathlib import Path
@@ -392,11 +420,11 @@ def test_watchdog_probes_an_idle_server_and_restarts_it(tmp_path):
 
 
 def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
-    # Every client request hangs (the readiness probe has no rid and still works).
-    spec = {"rules": [{"fault": "hang", "match": "^client-"}]}
+    # Every start stalls after its readiness probe: generation hangs, health generation fails.
+    spec = {"stall_after": 1, "stall_health": "fail"}  # stalls right after the readiness probe
     with servers.LaunchedServer(fake_launch(spec), tmp_path / "e.log") as server:
         watchdog = servers.Watchdog(server, seconds=0.8, max_restarts=1)
-        with pytest.raises(StageError, match=r"giving up after 1 restart\(s\) in a row .*max_restarts.*no request completed"):  # fmt: skip
+        with pytest.raises(StageError, match=r"giving up after 1 restart\(s\) in a row .*max_restarts.*last problem"):  # fmt: skip
             asyncio.run(drive(server, watchdog, 4, workers=2))
         assert server.restarts == 1
 
@@ -404,31 +432,34 @@ def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
 # ----------------------------------------------------------------------- URL servers
 
 
-def test_wait_reachable_waits_for_a_late_server_and_gives_up_on_a_dead_one():
+def test_wait_ready_waits_for_a_late_server_and_gives_up_on_a_dead_one():
     port = free_port()
     late = FakeServer(port=port)
 
-    async def run() -> float:
+    async def run() -> tuple[float, str]:
         loop = asyncio.get_running_loop()
         loop.call_later(0.7, late.start)
         t0 = time.monotonic()
-        await servers.wait_reachable([f"http://127.0.0.1:{port}/v1"], deadline=10)
-        return time.monotonic() - t0
+        name = await servers.wait_ready([f"http://127.0.0.1:{port}"], deadline=10)
+        return time.monotonic() - t0, name
 
     try:
-        assert 0.6 < asyncio.run(run()) < 5
+        took, name = asyncio.run(run())
+        assert 0.6 < took < 5 and name == "fake-model"
     finally:
         late.stop()
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    with pytest.raises(StageError, match=rf"server {dead} unreachable for 0.6 s .*unreachable_deadline"):  # fmt: skip
-        asyncio.run(servers.wait_reachable(dead, deadline=0.6))
+    with pytest.raises(StageError, match=rf"no model ready at {dead} within 0.6 s .*unreachable_deadline"):  # fmt: skip
+        asyncio.run(servers.wait_ready([dead], deadline=0.6))
     assert time.monotonic() - t0 < 3
 
 
-def test_wait_reachable_accepts_a_server_that_wants_a_key(fake_server):
+def test_wait_ready_stops_at_once_on_a_wrong_key(fake_server):
     server = fake_server({"api_key": "k"})
-    asyncio.run(servers.wait_reachable([server.url], deadline=2))  # 401 still means "up"
+    assert asyncio.run(servers.wait_ready([server.url], deadline=2, api_key="k")) == "fake-model"
+    with pytest.raises(StageError, match="HTTP 401: check the API key"):
+        asyncio.run(servers.wait_ready([server.url], deadline=20, api_key="wrong"))
 
 
 # ----------------------------------------------------------- the fake server itself
@@ -479,7 +510,7 @@ def test_fake_faults_follow_the_spec_and_are_counted(fake_server):
     assert [chat(server.url, "busy-1")[0] for _ in range(3)] == [503, 503, 200]
     status, err = chat(server.url, "long-1")
     assert status == 400 and err["object"] == "error" and err["code"] == 400
-    assert "maximum context length" in err["message"]
+    assert "longer than the model's context length" in err["message"]
     status, reply = chat(server.url, "think-1")
     assert reply["choices"][0]["finish_reason"] == "length"
     assert reply["choices"][0]["message"]["content"] is None

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import os
+import re
 import subprocess
 import sys
+import time
+import zlib
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from stages import messages as contract
 from stages import params as P
 from stages import sources
 from stages.errors import StageError
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,8 +33,8 @@ def src(path, fmt="columns", **kw) -> P.Source:
     return P.Source(name=kw.pop("name", "s"), path=str(path), format=fmt, **kw)
 
 
-def rows_of(source: P.Source, columns=("q",), check=None) -> list:
-    reader = sources.Reader(source, list(columns), check or (lambda names, where: None))
+def rows_of(source: P.Source, columns=("q",), check=None, **kw) -> list:
+    reader = sources.Reader(source, list(columns), check or (lambda names, where: None), **kw)
     return [(pos, sources.parse_line(item) if type(item) is bytes else item) for pos, item in reader]
 
 
@@ -251,6 +258,18 @@ def test_messages_layout_keeps_tool_calls_and_parts():
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert layout("messages").convert(image) == "non_text_content"
     assert layout("messages", tools_field="tools").convert({**row, "tools": "{oops"}) == "bad_value"
+    # tools and tool calls that are not objects break the prompt contract (stages/messages.py)
+    assert layout("messages", tools_field="tools").convert({**row, "tools": [1, "f"]}) == "bad_value"
+    bad_calls = {"messages": [row["messages"][0], {"role": "assistant", "tool_calls": ["f"]},
+                              *row["messages"][2:]]}
+    assert layout("messages").convert(bad_calls) == "bad_value"
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    assert layout("messages", tools_field="tools").convert({**row, "tools": [{"a": deep}]}) == "bad_value"
+    # surrogate pairs are text; only a lone surrogate is refused
+    assert contract.unicode_problem(b'"\\ud83d\\ude00"', {"c": "\U0001f600"}) is None
+    assert "not valid Unicode" in contract.unicode_problem(b'"\\ud83d"', {"c": "\ud83d"})
 
 
 def test_columns_layout_with_system_field():
@@ -277,3 +296,133 @@ def test_text_is_kept_exactly():
     text = "  <|im_end|>\n<think>x</think>\r\n\u00e9\u0301 \t "
     messages, _, _, _ = layout().convert(conv(("human", text)))
     assert messages[0]["content"] == text
+
+
+# ------------------------------------------------------------------ damaged and hostile files
+
+ROWS = b"".join(b'{"q": "row %d"}\n' % i for i in range(20000))
+PACK = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+
+
+def damaged_files(folder: Path) -> dict[str, bytes]:
+    """name -> bytes of every kind of damaged compressed source."""
+    files = {"plain.jsonl.gz": ROWS,  # not gzip at all
+             "array.json.gz": gzip.compress(b"[" + ROWS.replace(b"\n", b",") + b"{}]")[:-4000]}
+    for ext, pack in PACK.items():
+        whole = pack(ROWS)
+        files[f"truncated.jsonl{ext}"] = whole[: len(whole) // 2]
+        mid = len(whole) // 2
+        files[f"corrupt.jsonl{ext}"] = whole[:mid] + b"\0" * 64 + whole[mid + 64:]
+    return files
+
+
+@pytest.mark.parametrize("name", list(damaged_files(Path())))
+def test_a_damaged_compressed_file_is_one_error_naming_it(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(damaged_files(tmp_path)[name])
+    with pytest.raises(StageError) as e:
+        rows_of(src(path))
+    text = str(e.value)
+    assert text.startswith(f"{path}:") and "cannot read (" in text and "\n" not in text
+    if name.startswith("truncated"):
+        assert "ends early" in text
+
+
+def bomb(path: Path, megabytes: int) -> Path:
+    """A .gz of one `megabytes`-long line without a newline: a few hundred KiB on disk."""
+    pack = zlib.compressobj(1, zlib.DEFLATED, 31)  # 31: the gzip container
+    block = b"x" * (1 << 20)
+    with open(path, "wb") as f:
+        f.write(pack.compress(b'{"q": "'))
+        for _ in range(megabytes):
+            f.write(pack.compress(block))
+        f.write(pack.flush())
+    return path
+
+
+def test_one_endless_line_stops_at_max_record_bytes(tmp_path):
+    path = bomb(tmp_path / "bomb.jsonl.gz", 8)
+    with pytest.raises(StageError, match=rf"^{path}:1: a line longer than "
+                                         r"prepare.max_record_bytes \(1048576 bytes\)"):
+        rows_of(src(path), max_record_bytes=1 << 20)
+    long_line = tmp_path / "long.jsonl"
+    long_line.write_bytes(b'{"q": "a"}\n' * 3 + b'{"q": "' + b"y" * (3 << 20) + b'"}\n{"q": "b"}\n')
+    with pytest.raises(StageError, match=rf"^{long_line}:4: a line longer"):
+        rows_of(src(long_line), max_record_bytes=1 << 20)
+    assert len(rows_of(src(long_line), max_record_bytes=4 << 20)) == 5  # under the cap: read
+    array = tmp_path / "long.json"
+    array.write_bytes(b'[{"q": "a"},\n{"q": "' + b"y" * (3 << 20) + b'"}]')
+    with pytest.raises(StageError, match=rf"^{array}:2: a JSON array element longer"):
+        rows_of(src(array), max_record_bytes=1 << 20)
+
+
+def test_lines_split_across_reads_are_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_LINES_BYTES", 7)  # every line spans several reads
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"q": "one"}\n\n{"q": "two"}\r\n{"q": "three"}')
+    got = [(p, r) for p, r in rows_of(src(path)) if r is not None]
+    assert got == [(1, {"q": "one"}), (3, {"q": "two"}), (4, {"q": "three"})]
+
+
+def test_a_decompression_bomb_stops_early_with_flat_memory(tmp_path):
+    """prepare on a 256 MiB one-line .gz stops at max_record_bytes, and its peak RSS is
+    that of a run on a tiny file plus about the cap, not the line's size."""
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small/a.jsonl").write_bytes(b'{"q": 5}\n')  # bad_value: no prompt, exit 1
+    bomb(tmp_path / "bomb.jsonl.gz", 256)
+    for name, path in (("small", "small/a.jsonl"), ("bomb", "bomb.jsonl.gz")):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"prepare:\n  max_record_bytes: 4194304\n  num_proc: 1\n"
+            f"  sources:\n    - {{name: s, path: {path}, format: columns, prompt_field: q}}\n")
+    started = time.monotonic()
+    line, bomb_kib = stagecli.fail("prepare", tmp_path, "bomb.yaml")
+    seconds = time.monotonic() - started
+    assert line == ("error: bomb.jsonl.gz:1: a line longer than prepare.max_record_bytes "
+                    "(4194304 bytes); raise it if such records are real")
+    assert not (tmp_path / "data/prompts").exists()
+    _, small_kib = stagecli.fail("prepare", tmp_path, "small.yaml")
+    print(f"peak RSS: tiny source {small_kib} KiB, 256 MiB bomb {bomb_kib} KiB; "
+          f"bomb run {seconds:.1f}s")
+    assert bomb_kib - small_kib < 32 * 1024  # a 4 MiB cap, never the 256 MiB line
+
+
+def test_links_fifos_and_bad_dataset_dicts_are_one_line(tmp_path):
+    (tmp_path / "loop.jsonl").symlink_to("loop.jsonl")
+    with pytest.raises(StageError, match=r"path '.*loop.jsonl' is a link that leads nowhere"):
+        rows_of(src(tmp_path / "loop.jsonl"))
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(StageError, match=r"path '.*fifo.jsonl' is neither a file nor a folder"):
+        rows_of(src(tmp_path / "fifo.jsonl"))
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd/dataset_dict.json").write_text('{"splits": "train"}')
+    with pytest.raises(StageError, match=r"dd/dataset_dict.json: 'splits' must be a list of names"):
+        rows_of(src(tmp_path / "dd"))
+    (tmp_path / "dd/dataset_dict.json").write_text('{"splits": ["train"')
+    with pytest.raises(StageError, match=r"dd/dataset_dict.json: not valid JSON"):
+        rows_of(src(tmp_path / "dd"))
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved/state.json").write_text('{"_data_files": [{"filename": "../x.arrow"}]}')
+    with pytest.raises(StageError, match=r"saved/state.json: lists '../x.arrow', which is not a file"):
+        rows_of(src(tmp_path / "saved"))
+
+
+def test_cli_damaged_source_is_one_line_and_writes_nothing(tmp_path):
+    whole = gzip.compress(ROWS)
+    (tmp_path / "a.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "params.yaml").write_text(
+        "prepare:\n  sources:\n    - {name: s, path: a.jsonl.gz, format: columns, prompt_field: q}\n")
+    line, _ = stagecli.fail("prepare", tmp_path)
+    reached = re.fullmatch(r"error: a\.jsonl\.gz:(\d+): cannot read \(the compressed data ends "
+                           r"early; is the file truncated\?\)", line)
+    assert reached and 2000 < int(reached[1]) < 20000  # the line it was reading, mid-file
+    assert not (tmp_path / "data/prompts").exists() and not (tmp_path / "reports").exists()
+
+
+def test_a_one_row_parquet_bomb_is_refused_from_its_footer(tmp_path):
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"q": ["x" * (8 << 20)], "other": [1]}), path, compression="zstd")
+    assert path.stat().st_size < 100_000
+    with pytest.raises(StageError, match=rf"^{path}: row group 0: column q holds \d+ bytes for 1 "
+                                         r"rows, over prepare.max_record_bytes \(1048576 bytes\)"):
+        rows_of(src(path), max_record_bytes=1 << 20)
+    assert len(rows_of(src(path), max_record_bytes=16 << 20)) == 1

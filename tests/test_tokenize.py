@@ -18,6 +18,7 @@ from stages.chat import ChatEncoder
 from stages.errors import StageError
 from stages.params import ParamError, Tokenize
 from stages.schema import FEATURES
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END = 248046
@@ -197,11 +198,28 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ("{not json\n", "not valid JSON"),
     ("[1, 2]\n", "expected a JSON object"),
+    ('{"id": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "not valid JSON (nested too deeply)"),
     (json.dumps({"source": "s", "messages": qa("q", "a")}) + "\n", "'id' must be"),
     (json.dumps(completion(9, "s", [{"role": "user", "content": "q"}])) + "\n",
      "last message must be the assistant"),
     (json.dumps(completion(9, "s", [{"role": "bot", "content": "q"}])) + "\n", "role"),
     (json.dumps(completion(9, "s", qa("q", 5))) + "\n", "content must be"),
+    (json.dumps(completion(9, "s", qa([{"type": "text", "text": 5}], "a"))) + "\n",
+     "messages[0].content[0] must be a string or"),
+    (json.dumps(completion(9, "s", [{"role": ["user"], "content": "q"},
+                                    {"role": "assistant", "content": "a"}])) + "\n",
+     "messages[0] must be an object with role"),
+    (json.dumps(completion(9, "s", [{"role": {"user": 1}, "content": "q"},
+                                    {"role": "assistant", "content": "a"}])) + "\n",
+     "messages[0] must be an object with role"),
+    (json.dumps(completion(9, "s", qa("q", "a"), tools=[1, "f"])) + "\n",
+     "'tools' must be a list of objects"),
+    (json.dumps(completion(9, "s", [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "", "tool_calls": ["f"]}]))
+     + "\n", "messages[1].tool_calls must be a list of objects"),
+    (json.dumps(completion(9, "s", qa("q", "a\ud800"))) + "\n", "not valid Unicode"),
+    (json.dumps(completion(9, "s", qa("q", "a"), tools=[{"f": json.loads("[" * 70 + "]" * 70)}]))
+     + "\n", "'tools' nest deeper than 64 levels"),
 ])
 def test_bad_line_is_one_error_naming_file_and_line(tmp_path, line, message):
     src = write(tmp_path / "c.jsonl", [ROWS[0], "\n", line])
@@ -286,4 +304,15 @@ def test_cli_bad_input_exits_1_with_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and errors[0].startswith(
         "error: data/completions/completions.jsonl:2: not valid JSON")
+    assert not (tmp_path / "data/tokenized").exists()
+
+
+@pytest.mark.slow
+def test_cli_row_breaking_the_contract_is_one_line(tmp_path):
+    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    write(tmp_path / "data/completions/completions.jsonl",
+          [ROWS[0], completion(9, "s", qa("q", "a"), tools=[1, "f"])])
+    (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 1\n")
+    line, _ = stagecli.fail("tokenize", tmp_path)
+    assert line == "error: data/completions/completions.jsonl:2: 'tools' must be a list of objects"
     assert not (tmp_path / "data/tokenized").exists()

@@ -327,6 +327,11 @@ def test_local_folder_and_template_override(tmp_path):
         T.load_tokenizer(str(folder))
     with pytest.raises(StageError, match="not found"):
         T.load_tokenizer(str(folder), chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9 {{ messages }}")
+    with pytest.raises(StageError, match=r"latin1.jinja': not UTF-8 text \(byte 3\)"):
+        T.load_tokenizer(str(folder), chat_template=str(tmp_path / "latin1.jinja"))
+    with pytest.raises(StageError, match="file not found"):  # not a regular file: never read
+        T.load_tokenizer(str(folder), chat_template="/dev/zero")
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}", encoding="utf-8")
     loaded = T.load_tokenizer(str(folder), chat_template=str(tpl))

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
 FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": VOCAB,
                     "special_tokens": {}},
-      "chat_template_sha256": "c" * 64, "policy": {}, "versions": {}}
+      "chat_template_sha256": "c" * 64, "policy": {"max_seq_len": 64, "min_loss_tokens": 1},
+      "versions": {}}
 
 
 def row(rid: str, source: str = "alpha", prompt: int = 3, answer: int = 4) -> dict:
@@ -64,7 +65,9 @@ def write(root: Path, parts: list[list[dict]], schemas=None, report_rows: int | 
 
 
 def cfg(**kw) -> P.Validate:
-    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, **kw})
+    """Params for these tests; the training check only where a test turns it on."""
+    off = P.TrainCheck(enabled=False)
+    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, "train_check": off, **kw})
 
 
 def failures(**kw) -> dict:
@@ -101,6 +104,24 @@ def test_clean_data_passes_with_counts_and_plots(repo):
         with open(repo / "reports/plots" / plot / "beta.csv") as f:
             table = list(csv.DictReader(f))
         assert sum(int(r["rows"]) for r in table) == report["sources"]["beta"]["rows"]
+        assert_svg(repo / "reports/plots" / f"{plot}.svg", report)
+
+
+def assert_svg(path: Path, report: dict) -> None:
+    """Well-formed, self-contained, a panel for all rows then each source, bars that add up."""
+    import xml.etree.ElementTree as ET
+
+    text = path.read_text()
+    assert "http" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "<script" not in text and "href" not in text
+    root = ET.fromstring(text)
+    ns = "{http://www.w3.org/2000/svg}"
+    labels = [t.text for t in root.iter(f"{ns}text")]
+    panels = [("all sources", report["rows"])] + [
+        (name, s["rows"]) for name, s in sorted(report["sources"].items())]
+    assert [x for x in labels if x.endswith(" rows)")] == [f"{n} ({r:,} rows)" for n, r in panels]
+    bars = [int(t.text.rsplit(": ", 1)[1].replace(",", "")) for t in root.iter(f"{ns}title")]
+    assert sum(bars) == 2 * report["rows"]  # every row once overall, once in its source
 
 
 # Each corruption: (how to damage the data, the one check that must fail). The damaged
@@ -301,7 +322,8 @@ def test_null_input_ids_row(repo):
 
 def test_missing_fingerprint_fails_unless_vocab_given(repo):
     write(repo, shards(), fingerprint=None)
-    with pytest.raises(StageError, match="vocabulary size unknown"):
+    with pytest.raises(StageError, match=r"validate\.vocab_size: null, and "
+                       r"data/merged/fingerprint\.json has no tokenizer\.vocab_size"):
         validate.run(cfg())
     assert failures(vocab_size=VOCAB) == {"fingerprint": ["data/merged/fingerprint.json is missing"]}
 
@@ -310,6 +332,27 @@ def test_vocab_size_param_overrides_the_fingerprint(repo):
     write(repo, shards())
     found = failures(vocab_size=10)
     assert "token_id_range" in found and len(found["token_id_range"]) == 10  # max_examples
+
+
+def test_limits_come_from_the_data_unless_params_set_them(repo):
+    parts = shards()  # rows of 5 to 10 tokens, 3 or 4 supervised
+    write(repo, parts, fingerprint={**FP, "policy": {"max_seq_len": 8, "min_loss_tokens": 4}})
+    found = failures(max_seq_len=None, min_loss_tokens=None)
+    rows = [r for p in parts for r in p]
+    assert found["max_seq_len"] == [r["id"] for r in rows if r["num_tokens"] > 8]
+    assert found["min_loss_tokens"] == [r["id"] for r in rows if r["num_loss_tokens"] < 4]
+    report = json.loads(Path("reports/validate.json").read_text())
+    assert (report["max_seq_len"], report["min_loss_tokens"]) == (8, 4)
+    assert report["limits_from"] == {
+        "vocab_size": "data/merged/fingerprint.json: tokenizer.vocab_size",
+        "max_seq_len": "data/merged/fingerprint.json: policy.max_seq_len",
+        "min_loss_tokens": "data/merged/fingerprint.json: policy.min_loss_tokens"}
+
+    report = validate.run(cfg(max_seq_len=64, min_loss_tokens=1))
+    assert report["passed"] and (report["max_seq_len"], report["min_loss_tokens"]) == (64, 1)
+    assert report["limits_from"] == {
+        "vocab_size": "data/merged/fingerprint.json: tokenizer.vocab_size",
+        "max_seq_len": "params", "min_loss_tokens": "params"}
 
 
 def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
@@ -376,8 +419,120 @@ def test_dvc_plots_show_renders_the_declared_plots(repo):
     run(["git", "init", "-q"], repo)
     run(["dvc", "init", "-q"], repo)
     shown = json.loads(run(["dvc", "plots", "show", "--json"], repo))["data"]
-    assert sorted(shown) == [f"reports/plots/{plot}/{source}.csv"
-                             for plot in ("supervised_fraction", "token_length")
-                             for source in ("alpha", "beta")]
+    assert sorted(shown) == sorted(
+        [f"reports/plots/{plot}/{source}.csv" for plot in ("supervised_fraction", "token_length")
+         for source in ("alpha", "beta")]
+        + ["reports/plots/supervised_fraction.svg", "reports/plots/token_length.svg"])
+    svg = shown["reports/plots/token_length.svg"][0]
+    assert svg["type"] == "image" and svg["url"].endswith("token_length.svg")
     values = shown["reports/plots/token_length/alpha.csv"][0]["content"]["data"]["values"]
     assert sum(int(v["rows"]) for v in values) == report["sources"]["alpha"]["rows"] == 4
+
+
+# ------------------------------------------------------------ the training check
+
+
+def train_cfg(**kw) -> P.Validate:
+    check = {"tokens_per_batch": 40, "batches": 2, "longest_batch_tokens": 64, **kw}
+    return cfg(train_check=P.TrainCheck(**check))
+
+
+@pytest.fixture
+def demo_model_cache(repo):
+    """The demo model built once under the project's .cache, seen from the test repo."""
+    (repo / ".cache").symlink_to(ROOT / ".cache")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_training_check_passes_on_the_demo_model(repo, demo_model_cache, packed):
+    write(repo, shards(3, 8))
+    report = validate.run(train_cfg(packed=packed))
+    assert report["passed"] and report["checks"]["train_step"]["passed"]
+    check = report["train_check"]
+    assert check["batches"] == 2 and check["layout"] == ("packed" if packed else "padded")
+    assert all(np.isfinite(check["loss"])) and check["tokens_per_second"] > 0
+    assert check["peak_memory_mb"] > 0 and check["longest_batch"]["tokens"] == 64
+    for difference in check["max_loss_difference"].values():
+        assert difference <= check["tolerance"]
+    assert report["budget"]["tokens_per_batch"] == 40
+    assert report["budget"]["packed"]["tokens"] == report["tokens"]
+
+
+def mask_forgotten(ids, mask, starts):
+    return ids.astype(np.int64)
+
+
+def shifted_twice(ids, mask, starts):  # pre-shifted, and the model shifts again
+    return np.roll(np.where(mask == 1, ids, -100), -1).astype(np.int64)
+
+
+@pytest.mark.parametrize("broken, says", [
+    (mask_forgotten, "the loss sees tokens outside loss_mask"),
+    (shifted_twice, "the labels do not follow loss_mask"),
+])
+def test_broken_label_construction_fails_in_one_line(repo, demo_model_cache, monkeypatch,
+                                                     broken, says):
+    from stages import loader
+
+    monkeypatch.setattr(loader, "labels", broken)
+    write(repo, shards(3, 8))
+    found = failures(train_check=train_cfg().train_check)
+    assert list(found) == ["train_step"]
+    assert says in found["train_step"][0]
+
+
+def test_rows_attending_across_a_pack_are_caught(repo, demo_model_cache, monkeypatch):
+    from stages import loader
+
+    real = loader.collate_packed
+
+    def no_restart(batch):  # positions run on: the model sees one long row
+        out = real(batch)
+        out["position_ids"] = np.arange(out["input_ids"].shape[1])[None]
+        return out
+
+    monkeypatch.setattr(loader, "collate_packed", no_restart)
+    write(repo, shards(3, 8))
+    found = failures(train_check=train_cfg().train_check)
+    assert list(found) == ["train_step"]
+    assert "rows attend across their boundaries" in found["train_step"][0]
+
+
+def test_without_torch_the_check_says_so_and_validate_passes(repo):
+    write(repo, shards())
+    (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
+    blocked = ("import sys; sys.modules['torch'] = None; from stages import cli, validate; "
+               "sys.exit(cli.main('validate', '', validate.run, []))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "training check" in line]
+    assert len(said) == 1 and said[0].endswith("training check skipped: torch is not installed")
+    report = json.loads((repo / "reports/validate.json").read_text())
+    assert report["passed"] and report["train_check"] == {"skipped": "torch is not installed"}
+    assert "train_step" not in report["checks"] and report["budget"]["rows"] == 10
+
+
+def test_an_empty_set_is_not_ready_to_train_on(repo, demo_model_cache):
+    write(repo, [[]])
+    found = failures(train_check=train_cfg().train_check)
+    assert found == {"train_step": ["train step: data/merged has no rows to train on"]}
+
+
+@pytest.mark.parametrize("model, says", [
+    ("/nonexistent/model", "/nonexistent/model is not a local model folder"),
+    ("demo:nope", "unknown demo model 'demo:nope'"),
+])
+def test_a_model_that_cannot_be_used_is_named(repo, model, says):
+    write(repo, shards())
+    with pytest.raises(StageError, match=f"validate.train_check.model: {says}"):
+        validate.run(train_cfg(model=model))
+
+
+@pytest.mark.parametrize("key, value", [("batches", 0), ("tokens_per_batch", 0),
+                                        ("batches_per_step", 0), ("longest_batch_tokens", -1)])
+def test_out_of_range_train_check_params_are_named(repo, key, value):
+    write(repo, shards())
+    with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
+        validate.run(train_cfg(**{key: value}))

@@ -1,0 +1,496 @@
+"""The lineage of a dataset version, written by merge beside its shards.
+
+data/merged/lineage.json holds the facts; data/merged/README.md is the same facts as a
+Hugging Face dataset card (a YAML header `huggingface_hub.DatasetCard.load` reads, then
+text a person reads): rows and tokens, what each source lost at each stage and why, the
+target model as served, sampling, tokenizer and chat-template fingerprints, the code
+commit, the DVC hashes of the upstream outs, and the history of every version this one
+extends. The history is carried forward from the base's own lineage.json (or the YAML
+header of its card), so a set merged five times lists five versions.
+
+The upstream facts come from reports/{prepare,generate,tokenize}.json (merge depends on
+them in dvc.yaml); a report that is missing leaves its part of the card empty. Nothing
+secret is written: URL credentials and the values of secret flags are removed first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from stages import charts, outputs, secrets
+from stages.errors import StageError, json_object
+from stages.schema import STATE_FILE
+
+log = logging.getLogger("merge")
+
+CARD_FILE = "README.md"
+LINEAGE_FILE = "lineage.json"
+FORMAT = 1
+REPORTS = Path("reports")
+LOCK = Path("dvc.lock")
+# the stages whose outs made the new rows, and those outs
+UPSTREAM = {"prepare": "data/prompts", "generate": "data/completions",
+            "tokenize": "data/tokenized"}
+SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
+                   (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
+                   (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B")]
+
+
+# ------------------------------------------------------------------------ facts
+
+
+def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
+          dataset_fingerprint: str) -> dict:
+    """The lineage of the version merge is writing (a JSON-ready dict, secrets removed)."""
+    reports = {stage: read_report(stage) for stage in UPSTREAM}
+    generate = reports["generate"]
+    merged = merge_report["merged"]
+    earlier = base_history(base, merge_report["base"])
+    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    commit, dirty = git_commit()
+    version = {
+        "version": (earlier[-1]["version"] + 1) if earlier else 1,
+        "created": created.isoformat().replace("+00:00", "Z"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "rows": merged["rows"],
+        "base_rows": merge_report["base"]["rows"] - merge_report["duplicates"]["dropped_base_rows"],
+        "new_rows": merge_report["new"]["rows"] - merge_report["duplicates"]["dropped_new_rows"],
+        "tokens": merged["tokens"],
+        "model": generate.get("model"),
+        "dataset_fingerprint": dataset_fingerprint,
+    }
+    lineage = {
+        "format": FORMAT,
+        **{k: version[k] for k in ("version", "created", "git_commit", "git_dirty")},
+        "rows": merged["rows"],
+        "tokens": merged["tokens"],
+        "supervised_tokens": merged["loss_tokens"],
+        "shards": merged["shards"],
+        "dataset_fingerprint": dataset_fingerprint,
+        "base": {**merge_report["base"], "lineage": bool(earlier),
+                 "dataset_fingerprint": _state_fingerprint(base)},
+        "new": merge_report["new"],
+        "duplicates": merge_report["duplicates"],
+        "sources": sources(reports),
+        "model": served_model(generate),
+        "sampling": {"params": generate.get("sampling_params"),
+                     "fingerprint": generate.get("sampling")},
+        "tokenizer": {
+            "tokenizer": fingerprint.get("tokenizer"),
+            "chat_template_sha256": fingerprint.get("chat_template_sha256"),
+            "policy": fingerprint.get("policy"),
+            "versions": fingerprint.get("versions"),
+        },
+        "dvc": dvc_hashes(),
+        "history": earlier + [version],
+    }
+    return secrets.scrub(lineage)
+
+
+def read_report(stage: str) -> dict:
+    path = REPORTS / f"{stage}.json"
+    try:
+        return json_object(path.read_bytes(), str(path))
+    except FileNotFoundError:
+        log.warning("%s not found: the card says nothing about the %s stage", path, stage)
+        return {}
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def sources(reports: dict) -> dict:
+    """Per source: read/kept/dropped at prepare, outcomes at generate, rows at tokenize."""
+    prepare, generate, tokenize = (_mapping(reports[stage].get("sources"))
+                                   for stage in ("prepare", "generate", "tokenize"))
+    table = {}
+    for name in list(dict.fromkeys([*prepare, *generate, *tokenize])):
+        p, g, t = (_mapping(part.get(name)) for part in (prepare, generate, tokenize))
+        table[name] = {
+            "prepare": {"read": p.get("read"), "kept": p.get("kept"),
+                        "dropped": _nonzero(p.get("dropped_by_reason"))} if p else None,
+            "generate": {"completed": g.get("completed"), "truncated": g.get("truncated"),
+                         "failed": g.get("failed"),
+                         "failed_by_kind": _nonzero(g.get("failed_by_kind"))} if g else None,
+            "tokenize": {"conversations": t.get("conversations"), "rows": t.get("rows"),
+                         "tokens": t.get("tokens"), "loss_tokens": t.get("loss_tokens"),
+                         "dropped": _nonzero(t.get("dropped"))} if t else None,
+        }
+    return table
+
+
+def _mapping(value: Any) -> dict:
+    """`value` if it is a mapping, else {}: a report of another shape adds nothing."""
+    return value if isinstance(value, dict) else {}
+
+
+def _nonzero(counts: Any) -> dict:
+    return {k: v for k, v in counts.items() if v} if isinstance(counts, dict) else {}
+
+
+def served_model(generate: dict) -> dict:
+    """The target model as it was served: name, engine, version, launch args (no secrets)."""
+    server = _mapping(generate.get("server"))
+    args = server.get("args")
+    command = server.get("command")
+    return {
+        "name": generate.get("model"),
+        "engine": server.get("engine"),
+        "engine_version": server.get("version"),
+        "launched": "args" in server,
+        # false: every answer came from the request cache, no engine was started this run
+        "started": server.get("started", "args" in server),
+        "launch_model": server.get("model"),
+        "launch_args": secrets.redact_args(args) if isinstance(args, list) else None,
+        "launch_command": secrets.redact_args(command) if isinstance(command, list) else None,
+        # a URL server's report lists `urls`, a launched one its `url`
+        "urls": [secrets.strip_url_credentials(u)
+                 for u in server.get("urls") or [server.get("url")] if u],
+        "requests": generate.get("requests"),
+        "completed": generate.get("completed"),
+        "truncated": generate.get("truncated"),
+        "failed": generate.get("failed"),
+        "failed_by_kind": generate.get("failed_by_kind"),
+        "output_tokens": generate.get("output_tokens"),
+    }
+
+
+# what "the code" is for git_dirty: not params.yaml, reports or dvc.lock, which every run
+# rewrites before its version is committed
+CODE = ("stages", "dvc.yaml", "pyproject.toml")
+
+
+def git_commit() -> tuple[Optional[str], Optional[bool]]:
+    """HEAD, and whether the code differs from it (uncommitted edits under CODE)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=60)
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no",
+                                 "--", *CODE],
+                                capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+
+
+# ------------------------------------------------------------------- DVC hashes
+
+
+def dvc_hashes() -> dict:
+    """{out: {md5, from}} for each upstream out: dvc.lock's entry when it describes the
+    folder on disk (same file count and size), else computed the way DVC does."""
+    locked = _lock_outs()
+    hashes = {}
+    for stage, out in UPSTREAM.items():
+        folder = Path(out)
+        if not folder.is_dir():
+            hashes[out] = None
+            continue
+        entry = locked.get(out)
+        files = [p for p in folder.rglob("*") if p.is_file()]
+        if (entry and entry.get("nfiles") == len(files)
+                and entry.get("size") == sum(p.stat().st_size for p in files)):
+            hashes[out] = {"stage": stage, "md5": entry.get("md5"), "from": str(LOCK)}
+        else:
+            hashes[out] = {"stage": stage, "md5": dir_md5(folder), "from": "computed"}
+    return hashes
+
+
+def _lock_outs() -> dict:
+    try:
+        doc = yaml.safe_load(LOCK.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    found = {}
+    for stage in (doc or {}).get("stages", {}).values() if isinstance(doc, dict) else []:
+        for out in (stage or {}).get("outs") or []:
+            if isinstance(out, dict) and "path" in out:
+                found[out["path"]] = out
+    return found
+
+
+def dir_md5(folder: Path) -> str:
+    """DVC 3's hash of a directory: md5 of its sorted [{md5, relpath}] listing, + '.dir'."""
+    listing = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h = hashlib.md5()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        listing.append({"md5": h.hexdigest(), "relpath": path.relative_to(folder).as_posix()})
+    listing.sort(key=lambda e: e["relpath"])
+    return hashlib.md5(json.dumps(listing, sort_keys=True).encode()).hexdigest() + ".dir"
+
+
+# ---------------------------------------------------------------------- history
+
+
+def base_history(base: Optional[Path], base_totals: dict) -> list[dict]:
+    """The versions the base already lists; a base without a lineage is version 0."""
+    if base is None or not base_totals.get("present"):
+        return []
+    earlier = _read_history(base)
+    if earlier is not None:
+        return earlier
+    if not base_totals.get("rows"):
+        return []
+    return [{"version": 0, "created": None, "git_commit": None, "rows": base_totals["rows"],
+             "base_rows": None, "new_rows": None, "tokens": base_totals.get("tokens"),
+             "model": None, "dataset_fingerprint": _state_fingerprint(base),
+             "note": f"base {base} had no lineage card"}]
+
+
+def _read_history(base: Path) -> Optional[list[dict]]:
+    """The history in base/lineage.json, else in the YAML header of base/README.md."""
+    path = base / LINEAGE_FILE
+    if path.is_file():
+        history = json_object(path.read_bytes(), str(path)).get("history")
+        return _checked(history, path)
+    card = base / CARD_FILE
+    if card.is_file():
+        header = _front_matter(card.read_text(encoding="utf-8", errors="replace"))
+        history = (header.get("distill_data") or {}).get("history")
+        if history is not None:
+            return _checked(history, card)
+    return None
+
+
+def _checked(history: Any, path: Path) -> list[dict]:
+    ok = isinstance(history, list) and all(
+        isinstance(v, dict) and isinstance(v.get("version"), int) for v in history)
+    if not ok:
+        raise StageError(f"{path}: history is not a list of versions (merge.base's lineage)")
+    return history
+
+
+def _front_matter(text: str) -> dict:
+    if not text.startswith("---\n"):
+        return {}
+    end = text.find("\n---", 4)
+    try:
+        doc = yaml.safe_load(text[4:end]) if end > 0 else None
+    except yaml.YAMLError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _state_fingerprint(folder: Optional[Path]) -> Optional[str]:
+    try:
+        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    except (TypeError, OSError, ValueError):
+        return None
+    value = state.get("_fingerprint") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
+# ------------------------------------------------------------------------ write
+
+
+def write(folder: Path, lineage: dict) -> None:
+    """lineage.json and README.md into `folder` (merge's temporary output folder)."""
+    (folder / LINEAGE_FILE).write_text(
+        json.dumps(lineage, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (folder / CARD_FILE).write_text(card(lineage), encoding="utf-8")
+
+
+def card(lin: dict) -> str:
+    header = {
+        "pretty_name": f"distill-data training set, version {lin['version']}",
+        "size_categories": [_size_category(lin["rows"])],
+        "task_categories": ["text-generation"],
+        "tags": ["distillation", "synthetic", "tokenized", "dvc"],
+        "distill_data": {
+            "version": lin["version"],
+            "rows": lin["rows"],
+            "tokens": lin["tokens"],
+            "supervised_tokens": lin["supervised_tokens"],
+            "model": lin["model"]["name"],
+            "git_commit": lin["git_commit"],
+            "history": lin["history"],
+        },
+    }
+    parts = [
+        "---\n" + yaml.safe_dump(header, sort_keys=False, allow_unicode=True) + "---\n",
+        _intro(lin), _contents(lin), _sources_table(lin["sources"]), _model(lin),
+        _tokenizer(lin["tokenizer"]), _training(), _provenance(lin), _history(lin["history"]),
+        _older_versions(),
+    ]
+    return "\n".join(parts)
+
+
+def _size_category(rows: int) -> str:
+    return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>1B")
+
+
+def _n(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else (
+        "–" if value is None else str(value))
+
+
+def _cell(text: str) -> str:
+    """`text` safe inside a markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _reasons(counts: Optional[dict]) -> str:
+    return ", ".join(f"{_cell(k)} {_n(v)}" for k, v in _mapping(counts).items()) or "–"
+
+
+def _intro(lin: dict) -> str:
+    commit = lin["git_commit"] or "unknown"
+    if lin["git_dirty"]:
+        commit += " plus uncommitted edits to the code"
+    return (
+        f"# distill-data training set, version {lin['version']}\n\n"
+        f"Written by the merge stage on {lin['created']} from code at git commit {commit}. "
+        "Open it with `datasets.load_from_disk(\"data/merged\")`; the same facts are in "
+        f"`{LINEAGE_FILE}` beside this card.\n"
+    )
+
+
+def _contents(lin: dict) -> str:
+    base, new, dup = lin["base"], lin["new"], lin["duplicates"]
+    rows = [("this version", lin["rows"], lin["tokens"], lin["supervised_tokens"],
+             lin["shards"]),
+            (f"base (`{base['path']}`)", base["rows"], base["tokens"], base["loss_tokens"],
+             base["shards"]),
+            (f"new (`{new['path']}`)", new["rows"], new["tokens"], new["loss_tokens"],
+             new["shards"])]
+    lines = ["## Contents\n", "| | rows | tokens | supervised tokens | shards |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {a} | {_n(b)} | {_n(c)} | {_n(d)} | {_n(e)} |" for a, b, c, d, e in rows]
+    lines.append(
+        f"\nIds in both base and new: {_n(dup['ids'])} (policy `{dup['policy']}`; dropped "
+        f"{_n(dup['dropped_base_rows'])} base rows, {_n(dup['dropped_new_rows'])} new rows).\n")
+    return "\n".join(lines)
+
+
+def _sources_table(table: dict) -> str:
+    lines = ["## Sources of the new rows\n",
+             "| source | read | kept | dropped at prepare | answered | truncated | failed "
+             "| rows | dropped at tokenize |",
+             "|---|---:|---:|---|---:|---:|---|---:|---|"]
+    for name, s in table.items():
+        p, g, t = s["prepare"] or {}, s["generate"] or {}, s["tokenize"] or {}
+        failed = _n(g.get("failed"))
+        if g.get("failed_by_kind"):
+            failed += f" ({_reasons(g['failed_by_kind'])})"
+        lines.append(
+            f"| {_cell(name)} | {_n(p.get('read'))} | {_n(p.get('kept'))} | "
+            f"{_reasons(p.get('dropped'))} | {_n(g.get('completed'))} | "
+            f"{_n(g.get('truncated'))} | {failed} | {_n(t.get('rows'))} | "
+            f"{_reasons(t.get('dropped'))} |")
+    if not table:
+        lines.append("| (no stage reports were found) | | | | | | | | |")
+    lines.append("\nread/kept/dropped: prepare; answered/truncated/failed: generate "
+                 "(truncated answers are kept there and dropped at tokenize unless "
+                 "`tokenize.keep_truncated`); rows/dropped: tokenize.\n")
+    return "\n".join(lines)
+
+
+def _model(lin: dict) -> str:
+    m, sampling = lin["model"], lin["sampling"]
+    engine = m["engine"] or "unknown engine"
+    if m["engine_version"]:
+        engine += f" {m['engine_version']}"
+    lines = ["## Target model\n", f"- model: `{m['name']}`", f"- engine: {engine}"]
+    if m["launched"]:
+        lines.append(f"- launched by the generate stage: `{m['launch_model']}` with args "
+                     f"`{' '.join(m['launch_args'] or []) or '(none)'}`")
+        if not m["started"]:
+            lines.append("- not started by the last generate run: every answer came from "
+                         "the request cache")
+        if m["launch_command"]:
+            lines.append(f"- launch command: `{' '.join(m['launch_command'])}`")
+    elif m["urls"]:
+        lines.append(f"- served at: {', '.join(m['urls'])} (not launched by this pipeline)")
+    kinds = f" ({_reasons(m['failed_by_kind'])})" if m["failed_by_kind"] else ""
+    lines.append(f"- requests {_n(m['requests'])}: answered {_n(m['completed'])} "
+                 f"(truncated {_n(m['truncated'])}), failed {_n(m['failed'])}{kinds}")
+    lines.append(f"- output tokens: {_n(m['output_tokens'])}")
+    params = sampling["params"] or {}
+    lines.append(f"- sampling: {', '.join(f'{k} {v}' for k, v in params.items()) or 'unknown'}"
+                 f" (fingerprint `{sampling['fingerprint']}`)\n")
+    return "\n".join(lines)
+
+
+def _tokenizer(tok: dict) -> str:
+    t = tok["tokenizer"] or {}
+    policy = tok["policy"] or {}
+    keys = ("multi_turn", "max_seq_len", "on_too_long", "keep_truncated", "min_loss_tokens",
+            "enable_thinking")
+    lines = ["## Tokenizer\n",
+             f"- tokenizer: `{t.get('name')}`, vocabulary {_n(t.get('vocab_size'))} "
+             f"(sha256 `{t.get('vocab_sha256')}`)",
+             f"- chat template sha256: `{tok['chat_template_sha256']}`",
+             "- policy: " + (", ".join(f"{k} {policy[k]}" for k in keys if k in policy) or "–"),
+             "- libraries: " + ", ".join(f"{k} {v}" for k, v in (tok["versions"] or {}).items())
+             + "\n"]
+    return "\n".join(lines)
+
+
+FROM_CARD = Path("../..")  # the card is data/merged/README.md; links lead to the repo root
+
+
+def _training() -> str:
+    """Where validate's verdict on this version is: it runs after merge and never writes
+    into data/merged, so the card links its reports (same git commit as this version)."""
+    report = FROM_CARD / outputs.REPORTS / "validate.json"
+    pictures = [f"![{title}]({FROM_CARD / charts.picture(name)})"
+                for name, (title, _) in charts.PICTURES.items()]
+    return (
+        "## Ready to train\n\n"
+        f"The validate stage checks this version after merge writes it. [{report.name}]"
+        f"({report}) holds every check, a real training step on it (loss, tokens/s, peak "
+        "memory, the longest batch) and the token budget of an epoch (batches, optimizer "
+        "steps, padding padded vs packed, supervised tokens per step by source).\n\n"
+        + "\n\n".join(pictures) + "\n\n"
+        "Training batches (padded or packed, labels masked): "
+        "`from stages.loader import batches`.\n"
+    )
+
+
+def _provenance(lin: dict) -> str:
+    lines = ["## Provenance\n", f"- git commit: `{lin['git_commit'] or 'unknown'}`",
+             f"- dataset fingerprint (state.json): `{lin['dataset_fingerprint']}`; base: "
+             f"`{lin['base']['dataset_fingerprint']}`", "",
+             "| stage | out | DVC md5 | from |", "|---|---|---|---|"]
+    for out, h in lin["dvc"].items():
+        if h:
+            lines.append(f"| {h['stage']} | `{out}` | `{h['md5']}` | {h['from']} |")
+        else:
+            lines.append(f"| | `{out}` | (not on disk) | |")
+    return "\n".join(lines) + "\n"
+
+
+def _history(history: list[dict]) -> str:
+    lines = ["## History\n", "Every version this one extends, oldest first.\n",
+             "| version | created | git commit | rows | base rows | new rows | model |",
+             "|---:|---|---|---:|---:|---:|---|"]
+    for v in history:
+        commit = (v.get("git_commit") or "–")[:12]
+        lines.append(f"| {v['version']} | {v.get('created') or '–'} | {commit} | "
+                     f"{_n(v.get('rows'))} | {_n(v.get('base_rows'))} | "
+                     f"{_n(v.get('new_rows'))} | {v.get('model') or v.get('note') or '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _older_versions() -> str:
+    return (
+        "## Lineage of an older version\n\n"
+        "The card is part of the data: check out the version and read it.\n\n"
+        "```bash\ngit checkout <commit> && dvc checkout data/merged\n"
+        "cat data/merged/README.md\n"
+        "# or, without touching the workspace:\n"
+        "dvc get --rev <commit> <repo-url-or-path> data/merged/README.md -o card.md\n```\n"
+    )

@@ -1,0 +1,187 @@
+"""Keeping secrets out of everything the pipeline writes.
+
+Secrets reach the pipeline as an API key (read from the environment), credentials inside
+a server URL (`http://user:password@host`) and values of secret flags in a launch command
+(`--api-key sk-...`). None may reach a file, a log line, a report, a card or an error
+message, whole or in part. Writers pass text through one `Redactor` (or `scrub`), URLs
+shown to a person through `strip_url_credentials`, argv through `redact_args`.
+
+A server can echo a secret in forms other than the one sent: JSON-escaped,
+URL-encoded, or cut by its own length limit. The redactor therefore masks every run of
+at least `MIN_PIECE` characters of any of those forms, wherever it appears; a secret
+shorter than that is masked only whole. Redact first, then truncate: a cut made after
+redaction can only shorten the mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from typing import Any, Iterable, Iterator, Optional
+from urllib.parse import quote, quote_plus, unquote, urlsplit
+
+MASK = "***"
+MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it is
+# scheme://user:password@ or scheme://token@: up to the last @ before the host's end
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"']+@")
+# flags whose next argument (or `=value`) is a secret
+_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9-]*(api-key|apikey|token|password|secret)$", re.I)
+
+
+def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
+    """(user, password) written in a URL, each None when absent."""
+    try:
+        parts = urlsplit(url)
+        user, password = parts.username, parts.password
+    except ValueError:  # an unparsable port or bracket: no credentials can be read
+        return None, None
+    return (unquote(user) if user else None), (unquote(password) if password else None)
+
+
+def strip_url_credentials(text: str) -> str:
+    """`text` (a URL, or any text holding URLs) without the `user:password@` of each URL."""
+    return _URL_CREDENTIALS.sub(r"\g<scheme>", text)
+
+
+def redact_args(argv: Iterable[str]) -> list[str]:
+    """A command line with the values of --api-key/--token/--password-like flags masked
+    and URL credentials stripped."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                out.append(f"{flag}={MASK}")
+                continue
+            hide_next = True
+        out.append(strip_url_credentials(arg))
+    return out
+
+
+def scrub(value: Any, keys: Iterable[Optional[str]] = ()) -> Any:
+    """A JSON value with URL credentials stripped and every secret in `keys` masked."""
+    return Redactor(keys).scrub(value)
+
+
+def _forms(secret: str) -> set[str]:
+    """The ways a secret can be spelled in a body a server sends back."""
+    return {
+        secret,
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        json.dumps(secret, ensure_ascii=True)[1:-1],
+        quote(secret, safe=""),
+        quote_plus(secret, safe=""),
+    }
+
+
+class Redactor:
+    """Masks known secret values in text, JSON values and log records.
+
+    Build it from the secret values (None and empty strings are ignored) and from URLs
+    whose passwords are secrets: `Redactor([key], urls=[...])`.
+    """
+
+    def __init__(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()):
+        values = {s for s in secrets if s}
+        for url in urls:
+            user, password = url_credentials(url)
+            if password:
+                values.add(password)
+                if user:
+                    values.add(f"{user}:{password}")
+        forms = set().union(*(_forms(v) for v in values)) if values else set()
+        self._whole = sorted(forms, key=len, reverse=True)  # longest first: no half masks
+        self._long = [f for f in self._whole if len(f) >= MIN_PIECE]
+        self._windows = {
+            f[i : i + MIN_PIECE] for f in self._long for i in range(len(f) - MIN_PIECE + 1)
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self._whole)
+
+    def found(self, text: str) -> bool:
+        """True when `text` holds a secret (whole) or a piece long enough to mask."""
+        return any(w in text for w in self._whole) or any(w in text for w in self._windows)
+
+    def __call__(self, text: str) -> str:
+        """`text` with secrets masked and URL credentials stripped."""
+        if "@" in text:
+            text = strip_url_credentials(text)
+        if not self._whole:
+            return text
+        for form in self._whole:
+            if form in text:
+                text = text.replace(form, MASK)
+        if any(w in text for w in self._windows):
+            text = self._mask_pieces(text)
+        return text
+
+    def _mask_pieces(self, text: str) -> str:
+        """Mask each maximal run of text that is a substring (>= MIN_PIECE) of a form."""
+        spans: list[tuple[int, int]] = []
+        for form in self._long:
+            for i in range(len(form) - MIN_PIECE + 1):
+                window = form[i : i + MIN_PIECE]
+                at = text.find(window)
+                while at >= 0:
+                    lo, hi, a, b = at, at + MIN_PIECE, i, i + MIN_PIECE
+                    while lo > 0 and a > 0 and text[lo - 1] == form[a - 1]:
+                        lo, a = lo - 1, a - 1
+                    while hi < len(text) and b < len(form) and text[hi] == form[b]:
+                        hi, b = hi + 1, b + 1
+                    spans.append((lo, hi))
+                    at = text.find(window, at + 1)
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        out, pos = [], 0
+        for lo, hi in merged:
+            out += [text[pos:lo], MASK]
+            pos = hi
+        out.append(text[pos:])
+        return "".join(out)
+
+    def scrub(self, value: Any) -> Any:
+        """A JSON value with every string (keys included) redacted."""
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, dict):
+            return {self(str(k)): self.scrub(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.scrub(v) for v in value]
+        return value
+
+
+@contextlib.contextmanager
+def redacting_logs(redactor: Redactor) -> Iterator[None]:
+    """Every log record created inside the block is redacted, whatever logger or handler
+    (a tqdm redirect included) ends up writing it."""
+    if not redactor:
+        yield
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a bad format string: logging reports it later
+            return record
+        record.msg, record.args = redactor(message), ()
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(previous)

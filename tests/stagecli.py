@@ -1,0 +1,41 @@
+"""Run a stage's command line as a user would, and read how it failed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# `python -m stages.<stage>` that also writes its own peak RSS (VmHWM, KiB) on the way
+# out: the rusage of a child counts the forking parent's RSS, this does not
+_RUN = """
+import atexit, os, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["PEAK_RSS_FILE"], "w") as out:
+        out.write(kib)
+atexit.register(_peak)
+stage = sys.argv.pop(1)
+runpy.run_module("stages." + stage, run_name="__main__", alter_sys=True)
+"""
+
+
+def fail(stage: str, cwd: Path, params: str | Path = "params.yaml",
+         timeout: float = 300) -> tuple[str, int]:
+    """Run `python -m stages.<stage>` in `cwd`; it must exit 1 with exactly one `error:`
+    line and no traceback. Returns that line and the run's peak RSS in KiB."""
+    peak = Path(cwd) / ".peak-rss"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PEAK_RSS_FILE=str(peak))
+    proc = subprocess.run([sys.executable, "-c", _RUN, stage, "--params", str(params)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    kib = int(peak.read_text())
+    peak.unlink()
+    return errors[0], kib

@@ -1,0 +1,67 @@
+"""What a reply must be before it is cached (stages/replies.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from stages.replies import problem
+from tests.fakeserver import DEFAULTS, reply_for
+
+GOOD = reply_for({"messages": [{"role": "user", "content": "hi"}]}, DEFAULTS)
+CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}
+
+
+def changed(path: str, value) -> dict:
+    reply = copy.deepcopy(GOOD)
+    *parents, last = path.split(".")
+    node = reply
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node[p]
+    node[last] = value
+    return reply
+
+
+@pytest.mark.parametrize("reply", [
+    GOOD,
+    changed("choices.0.message.content", None),
+    changed("choices.0.message.tool_calls", [CALL]),
+    changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": {"q": 1}}}]),
+    changed("choices.0.message.tool_calls", []),
+    changed("choices.0.finish_reason", None),
+    changed("usage", None),
+    changed("choices.0.message.content", "émoji 🎉 fine"),
+], ids=["plain", "no-content", "tool-call", "args-object", "no-calls", "no-finish", "no-usage", "unicode"])  # fmt: skip
+def test_well_formed_replies_pass(reply):
+    assert problem(reply) is None
+    assert problem(json.loads(json.dumps(reply))) is None
+
+
+@pytest.mark.parametrize("reply, why", [
+    ([GOOD], "the body is an array, not an object"),
+    (changed("choices", []), "no choices"),
+    (changed("choices", ["x"]), "choices[0].message is not an object"),
+    (changed("choices.0.message", "hi"), "choices[0].message is not an object"),
+    (changed("choices.0.message.content", {"text": "hi"}), "message.content is an object"),
+    (changed("choices.0.message.content", 42), "message.content is a number"),
+    (changed("choices.0.message.content", ["hi"]), "message.content is an array"),
+    (changed("choices.0.message.reasoning_content", 7), "message.reasoning_content is a number"),
+    (changed("choices.0.message.reasoning", True), "message.reasoning is a boolean"),
+    (changed("choices.0.message.content", "a \ud800 b"), "lone surrogate"),
+    (changed("choices.0.message.tool_calls", "lookup()"), "message.tool_calls is a string"),
+    (changed("choices.0.message.tool_calls", ["x"]), "tool_calls[0] is not an object"),
+    (changed("choices.0.message.tool_calls", [{"function": {"arguments": "{}"}}]), "name is not"),
+    (changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": 3}}]), "arguments is a number"),
+    (changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": "\udfff"}}]), "lone surrogate"),
+    (changed("choices.0.finish_reason", 1), "finish_reason is a number"),
+    (changed("usage", "many"), "usage is a string"),
+    (changed("usage.completion_tokens", "12"), "usage.completion_tokens is a string"),
+    (changed("usage.prompt_tokens", -1), "not a token count"),
+    (changed("usage.prompt_tokens", 2**70), "not a token count"),
+    (changed("usage.prompt_tokens", 1.5), "not a token count"),
+    (changed("usage.prompt_tokens", True), "not a token count"),
+])  # fmt: skip
+def test_bad_replies_are_named(reply, why):
+    assert why in problem(reply)

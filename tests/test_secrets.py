@@ -1,0 +1,126 @@
+"""Redaction of API keys and URL credentials (stages/secrets.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from urllib.parse import quote, quote_plus
+
+import pytest
+
+from stages import secrets
+from stages.secrets import (
+    MASK,
+    Redactor,
+    redact_args,
+    redacting_logs,
+    scrub,
+    strip_url_credentials,
+    url_credentials,
+)
+
+KEY = 'sk-proj/A1b2+C3d4"E5f6=G7h8 I9j0\\K1l2%M3n4'
+
+
+def pieces(text: str, n: int = 8) -> set[str]:
+    return {text[i : i + n] for i in range(len(text) - n + 1)}
+
+
+FORMS = [KEY, json.dumps(KEY)[1:-1], json.dumps(KEY, ensure_ascii=True)[1:-1], quote(KEY, safe=""), quote_plus(KEY)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_whole_or_cut_anywhere_is_masked(form):
+    r = Redactor([KEY])
+    for lo in range(0, len(form) - 8):
+        for hi in range(lo + 8, len(form) + 1, 3):
+            text = f"before {form[lo:hi]} after"
+            out = r(text)
+            # a neighbour that happens to continue the secret (here: a space) goes too
+            assert out.startswith("before") and out.endswith("after") and MASK in out, out
+            assert not any(p in out for f in FORMS for p in pieces(f)), (lo, hi, out)
+    # a cut by a length limit at the very end or start of the text
+    assert r("error: " + form[:11]) == "error: " + MASK
+    assert r(form[-9:] + " is invalid") == MASK + " is invalid"
+
+
+def test_pieces_shorter_than_eight_and_other_text_are_kept():
+    r = Redactor([KEY])
+    assert r("sk-proj is a prefix; so is A1b2") == "sk-proj is a prefix; so is A1b2"
+    assert r("") == "" and r("plain text") == "plain text"
+    text = "x" * 1000 + KEY + "y" * 1000 + KEY[:30]
+    out = r(text)
+    assert out == "x" * 1000 + MASK + "y" * 1000 + MASK
+    assert not any(p in out for f in FORMS for p in pieces(f))
+
+
+def test_nothing_to_hide_is_a_no_op():
+    r = Redactor([None, ""])
+    assert not r and r("sk-anything") == "sk-anything" and r.scrub({"a": [1]}) == {"a": [1]}
+
+
+def test_a_short_secret_is_masked_whole_only():
+    r = Redactor(["abc"])
+    assert r("xabcx abc") == f"x{MASK}x {MASK}" and r("ab") == "ab"
+
+
+def test_url_credentials_are_stripped_and_their_password_redacted():
+    url = "https://bob:p%40ss-word-1234@example.com:8443/v1?x=1"
+    assert strip_url_credentials(url) == "https://example.com:8443/v1?x=1"
+    assert url_credentials(url) == ("bob", "p@ss-word-1234")
+    assert strip_url_credentials("http://h:1/v1") == "http://h:1/v1"
+    assert strip_url_credentials("http://user@h") == "http://h"
+    assert strip_url_credentials("not a url, a@b.c") == "not a url, a@b.c"
+    assert strip_url_credentials("http://h/?mail=a@b") == "http://h/?mail=a@b"
+    text = "down: http://alice:pw@h:30000/v1 and https://tok@h2/x, ftp://h3/ok, http://u:p@ss@h4"
+    assert strip_url_credentials(text) == "down: http://h:30000/v1 and https://h2/x, ftp://h3/ok, http://h4"
+    assert url_credentials("http://[bad") == (None, None)
+    r = Redactor(urls=[url, "http://plain:1"])
+    assert r(f"failed: {url}") == "failed: https://example.com:8443/v1?x=1"
+    assert r("said p@ss-word-1234 and bob:p@ss-word-1234") == f"said {MASK} and {MASK}"
+
+
+def test_scrub_masks_every_string_of_a_json_value():
+    doc = {"a": [KEY, 1, None, {"k": KEY[:12], "url": "http://u:p@h"}], KEY: True}
+    expected = {"a": [MASK, 1, None, {"k": MASK, "url": "http://h"}], MASK: True}
+    assert Redactor([KEY]).scrub(doc) == scrub(doc, [KEY, None]) == expected
+    assert scrub({"u": ["https://tok@h2/x"], "n": 3}) == {"u": ["https://h2/x"], "n": 3}
+
+
+def test_secret_flags_are_masked_in_both_spellings():
+    argv = ["--tp", "8", "--api-key", "sk-1", "--hf-token=hf_2", "--password", "p",
+            "--port", "30000", "http://u:p@h:1"]  # fmt: skip
+    assert redact_args(argv) == ["--tp", "8", "--api-key", MASK, "--hf-token=" + MASK,
+                                 "--password", MASK, "--port", "30000", "http://h:1"]  # fmt: skip
+
+
+def test_log_records_are_redacted_inside_the_block_only(caplog):
+    log = logging.getLogger("stages.test_secrets")
+    caplog.set_level(logging.INFO)
+    with redacting_logs(Redactor([KEY])):
+        log.info("server said %s", KEY[3:])
+        log.warning("url %s", f"http://u:{KEY}@h")
+    log.info("after %s", KEY)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"server said {MASK}", f"url http://u:{MASK}@h", f"after {KEY}",
+    ]
+
+
+# From the lineage work: the same module, seen from the card's side.
+def test_url_credentials_are_stripped_wherever_the_url_is():
+    text = "down: http://alice:pw@h:30000/v1 and https://tok@h2/x, ftp://h3/ok"
+    assert secrets.strip_url_credentials(text) == \
+        "down: http://h:30000/v1 and https://h2/x, ftp://h3/ok"
+
+
+def test_secret_flags_are_masked_in_both_spellings():
+    argv = ["--tp", "8", "--api-key", "sk-1", "--hf-token=hf_2", "--password", "p",
+            "--port", "30000", "http://u:p@h:1"]
+    assert secrets.redact_args(argv) == ["--tp", "8", "--api-key", "***", "--hf-token=***",
+                                         "--password", "***", "--port", "30000", "http://h:1"]
+
+
+def test_scrub_masks_keys_and_urls_in_nested_values():
+    obj = {"a": ["Bearer sk-9\"x", {"url": "http://u:p@h"}], "n": 3, "key": None}
+    assert secrets.scrub(obj, ["sk-9\"x", None]) == {"a": ["Bearer ***", {"url": "http://h"}],
+                                                     "n": 3, "key": None}

@@ -432,7 +432,18 @@ def test_tool_turn_prompts_pass_the_router(router, tmp_path):
 def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, tmp_path):
     router.start_workers()
     write_prompts(tmp_path, user_prompts(2))
+    # told the router's timeout: refused before anything is sent
     router_params(tmp_path, router, request_timeout=ROUTER_TIMEOUT * 10)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["generate"]["server"]["router_timeout"] = ROUTER_TIMEOUT
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     done = stage(tmp_path)
-    out = done.stdout + done.stderr
-    assert "--request-timeout-secs" in out and str(ROUTER_TIMEOUT * 10) in out, out[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "--request-timeout-secs" in done.stderr and str(ROUTER_TIMEOUT * 10) in done.stderr
+    assert not (tmp_path / "data/completions").exists()
+    # not told: the stage recognises the real router and warns with the fix, then runs
+    router_params(tmp_path, router, request_timeout=3600)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warning = [ln for ln in done.stderr.splitlines() if "sglang-router" in ln]
+    assert warning and "--request-timeout-secs" in warning[0], done.stderr[-3000:]

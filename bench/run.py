@@ -25,8 +25,8 @@ MARK = "BENCH-RESULT "
 
 
 def run_one(path: Path) -> dict:
-    """Run one benchmark in a process of its own, so that peak-RSS figures taken from
-    RUSAGE_CHILDREN see only that benchmark's children."""
+    """Run one benchmark in a process of its own, so that one benchmark's memory and
+    imports do not weigh on the next (stage peaks are the stages' own: bench/peak.py)."""
     # imported under its own name, so worker processes can pickle its functions
     code = (
         "import importlib, json, sys\n"

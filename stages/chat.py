@@ -5,7 +5,10 @@ How a conversation becomes `input_ids` and `loss_mask`:
 1. Every string in the messages and the tools list (keys and values) is sanitized: each
    spelling of a control token (an added token of the tokenizer: `<|im_start|>`,
    `<|im_end|>`, `<think>`, `<tool_call>`, ...) becomes a private-use sentinel, so neither
-   the template's logic nor the tokenizer can take message text for structure.
+   the template's logic nor the tokenizer can take message text for structure. One
+   exception, which the Qwen3.5/3.6 format defines: a user message that is wholly a
+   `<tool_response>...</tool_response>` block keeps that wrapper (it is a tool result,
+   not a query, and the engine read those control tokens); its inside is sanitized.
 2. The sanitized conversation is rendered once with the chat template.
 3. The rendering is cut at every control token the template wrote, at the end of the
    generation prompt and at the edges of supervised spans. Sentinels inside the text
@@ -19,9 +22,10 @@ How a conversation becomes `input_ids` and `loss_mask`:
 
 Supervised spans are the tokens the assistant generated:
 - ChatML templates (`<|im_start|>role\\n...<|im_end|>`): from the end of the generation
-  prompt (the header `<|im_start|>assistant\\n` plus anything the template prefills, like
-  the closed empty thinking block of enable_thinking=false) through the `<|im_end|>` that
-  closes the turn; never the newline after it. A truncated completion (kept with
+  prompt (the header `<|im_start|>assistant\\n` plus anything the template prefills: the
+  Qwen3.6 format's `<think>\\n`, or its closed empty thinking block with
+  enable_thinking=false) through the `<|im_end|>` that closes the turn; never the newline
+  after it. A truncated completion (kept with
   `keep_truncated`) has no `<|im_end|>` in its span: the model never wrote it. With the
   `all` policy, earlier assistant turns start after their header (and after the prefill
   when the turn begins with it).
@@ -32,8 +36,9 @@ Supervised spans are the tokens the assistant generated:
   SentencePiece tokenizers that prefix every piece with a space).
 
 Multi-turn policies: `last` supervises the final assistant turn; `all` every assistant
-turn as the full rendering shows it (Qwen3 templates drop the thinking of turns before
-the last user message, so earlier turns are trained without it); `expand` makes one row
+turn as the full rendering shows it (the Qwen3 and Qwen3.6 formats drop the thinking of
+turns before the last user query, so those turns are trained on their answer and tool
+calls alone; turns after it, a tool-calling chain, keep theirs); `expand` makes one row
 per assistant turn, each rendered with its history as the model saw it at inference.
 """
 
@@ -51,6 +56,7 @@ from stages.errors import StageError
 
 POLICIES = ("last", "all", "expand")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 # A sanitized spelling is ESC followed by one index character; a raw ESC in the text is
 # escaped the same way, so every string survives the round trip.
 ESC = "\U0010fffd"
@@ -120,6 +126,36 @@ def _strings(obj: Any, out: list[str]) -> None:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _strings(v, out)
+
+
+def with_parsed_arguments(messages: list[dict]) -> list[dict]:
+    """The conversation with JSON-text tool-call arguments parsed into objects, as vLLM
+    and SGLang hand them to the template (an OpenAI reply carries arguments as JSON text;
+    templates iterate over them as a mapping). Done before sanitizing: a JSON escape like
+    \\u003c must not spell a control token only once the template sees the value.
+    Arguments that are not a JSON object stay text."""
+    if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
+        return messages
+    return [{**m, "tool_calls": _calls_with_parsed_arguments(m["tool_calls"])}
+            if isinstance(m, dict) and m.get("tool_calls") else m for m in messages]
+
+
+def _calls_with_parsed_arguments(calls: Any) -> Any:
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**fn, "arguments": parsed}}
+        out.append(call)
+    return out
 
 
 class ChatEncoder:
@@ -228,6 +264,28 @@ class ChatEncoder:
             return [self.sanitize(v) for v in obj]
         return obj
 
+    def sanitize_messages(self, messages: list[dict]) -> list[dict]:
+        """`sanitize` for a conversation, but a user message that is wholly one
+        `<tool_response>...</tool_response>` block keeps that wrapper: the format gives it
+        meaning (a tool result, not a query: it decides which turns keep their thinking),
+        and the engine read it as those control tokens. Only the text inside is sanitized.
+        """
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str) and m.get("role") == "user":
+                body = content.strip()
+                if (body.startswith(TOOL_RESPONSE[0]) and body.endswith(TOOL_RESPONSE[1])
+                        and len(body) >= len(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[1])):
+                    a = content.index(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[0])
+                    b = content.rindex(TOOL_RESPONSE[1])
+                    rest = self.sanitize({k: v for k, v in m.items() if k != "content"})
+                    rest["content"] = content[:a] + self.sanitize(content[a:b]) + content[b:]
+                    out.append(rest)
+                    continue
+            out.append(self.sanitize(m))
+        return out
+
     def json_may_spell(self, raw: bytes) -> bool:
         """False when a raw JSON text certainly has no control-token spelling in it
         (a quick scan of the bytes spares walking every string of the parsed row)."""
@@ -319,11 +377,14 @@ class ChatEncoder:
         return head, suffix[len(head):]
 
     def _self_test(self) -> None:
-        """Piece-wise encoding must give a whole-text encode's ids on a plain chat."""
+        """Encoding a rendering cut at its control tokens must give a whole-text encode's
+        ids on a plain chat. (A row is also cut at the end of its generation prompt, so
+        that the prompt has the ids the server encoded and the answer those of its own
+        text: `<think>\n` + `\n</think>` there, where a whole encode merges `\n\n`.)"""
         probe = [{"role": "system", "content": "Be brief."},
                  {"role": "user", "content": "Hello world, what is 2 + 2?"},
                  {"role": "assistant", "content": "It is 4."}]
-        ours = self.encode(probe)[0][0].tolist()
+        ours = self.encode_plans([self._cut(self.render(probe), 0, [], False)]).ids.tolist()
         whole = list(self.tok.apply_chat_template(
             probe, chat_template=self.template, tokenize=True, return_dict=False,
             enable_thinking=self.enable_thinking))
@@ -352,8 +413,9 @@ class ChatEncoder:
             raise StageError(f"multi_turn policy {policy!r}: expected one of {POLICIES}")
         if not messages or messages[-1].get("role") != "assistant":
             raise StageError("the conversation does not end with an assistant message")
+        messages = with_parsed_arguments(messages)
         look = self.has_lookalikes(messages, tools) if lookalikes is None else lookalikes
-        msgs = self.sanitize(messages) if look else messages
+        msgs = self.sanitize_messages(messages) if look else messages
         tls = self.sanitize(tools) if (look and tools) else tools
         turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
         if policy != "expand":
@@ -533,41 +595,22 @@ class ChatEncoder:
 
     # ---------------------------------------------------------- train/serve
 
-    def check_prompt(self, messages: list[dict], tools: list | None, plan: Plan,
-                     row_ids: np.ndarray, prompt_len: int) -> str | None:
-        """Compare a row's prompt with what the server tokenized; None if they agree.
-
-        The server renders the history with the generation prompt and encodes it whole
-        (`apply_chat_template(..., tokenize=True)`). Rows that spell control tokens in
-        their text are compared at the text level only: a server without control-token
-        sanitizing encoded those spellings as control tokens, this stage as text.
-        """
-        history = messages[: plan.n_messages - 1]
-        src = self.sanitize(history) if plan.lookalikes else history
-        tls = self.sanitize(tools) if (plan.lookalikes and tools) else tools
-        prompt = self.render(src, tls, add_generation_prompt=True)
-        if plan.full[: plan.cut] != prompt:
-            return prefix_mismatch(self.name, prompt, plan.full)
-        if plan.lookalikes:
-            return None
-        served = self.tok.apply_chat_template(
-            [{k: v for k, v in m.items() if v is not None} for m in history],
-            tools=tools or None, chat_template=self.template,
-            add_generation_prompt=True, tokenize=True,
-            return_dict=False, enable_thinking=self.enable_thinking,
-        )
-        served = list(served)
-        ours = row_ids[:prompt_len].tolist()
-        if ours == served:
-            return None
-        i = next((k for k, (a, b) in enumerate(zip(ours, served)) if a != b),
-                 min(len(ours), len(served)))
-        return (
-            f"prompt tokens differ from the server's at token {i} "
-            f"(row: {self.tok.decode(ours[max(0, i - 8):i + 8])!r}, "
-            f"server: {self.tok.decode(served[max(0, i - 8):i + 8])!r}; "
-            f"{len(ours)} vs {len(served)} prompt tokens)"
-        )
+    def prompt_ids(self, messages: list[dict], tools: list | None = None, *,
+                   engine_style: bool = False) -> np.ndarray:
+        """Ids of `messages` rendered with the generation prompt, encoded as this encoder
+        encodes a row's prompt; with `engine_style`, encoded whole with control tokens
+        parsed, as an engine that does not sanitize message text encodes it."""
+        messages = with_parsed_arguments(messages)
+        if engine_style:
+            text = self.render(messages, tools, add_generation_prompt=True)
+            enc = off_main_thread(self.tok.backend_tokenizer.encode, text,
+                                  add_special_tokens=False)
+            return np.array(enc.ids, dtype=np.int32)
+        look = self.has_lookalikes(messages, tools)
+        msgs = self.sanitize_messages(messages) if look else messages
+        tls = self.sanitize(tools) if (look and tools) else tools
+        text = self.render(msgs, tls, add_generation_prompt=True)
+        return self.encode_plans([self._cut(text, len(text), [], look)]).ids
 
 
 def prefix_mismatch(name: str, prompt: str, full: str) -> str:

@@ -41,6 +41,7 @@ import aiohttp
 
 from stages import replies
 from stages.errors import StageError
+from stages.messages import token_ids_digest
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
@@ -59,6 +60,10 @@ CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
 OOM_HINT = "out of memory even after retracting"
 MAX_MESSAGE = 500
 MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
+# a reply body longer than this (decompressed) is refused while it arrives: a million
+# tokens of text is under 16 MiB; this bounds memory per request against a server that
+# sends without end or a gzip bomb
+MAX_REPLY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["rid"] = prompt["id"]
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
+        # the engine's own token ids come back: tokenize checks its render against them
+        body["return_token_ids"] = True
     body["stream"] = False
     return body
 
@@ -241,10 +248,58 @@ def parse_reply(data: Any, split: bool) -> tuple:
     )
 
 
+def engine_tokens(data: Any) -> Optional[dict]:
+    """What a completion row keeps of the engine's token ids (vLLM's `return_token_ids`):
+    the prompt ids' digest and count and the completion's count; None when the reply has
+    no well-formed ids. Enough to check a training render against, a few dozen bytes.
+    A cached reply already holds it (`compact_token_ids`)."""
+    if "engine_tokens" in data:
+        kept = data["engine_tokens"]
+        return kept if _well_formed_tokens(kept) else None
+    prompt_ids = data.get("prompt_token_ids")
+    try:
+        completion_ids = data["choices"][0].get("token_ids")
+        return {
+            "prompt_sha256": token_ids_digest(prompt_ids),
+            "prompt": len(prompt_ids),
+            "completion": len(completion_ids) if isinstance(completion_ids, list) else None,
+        }
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def _well_formed_tokens(kept: Any) -> bool:
+    """A cached `engine_tokens` is read back from disk: check its shape like any reply."""
+    return (
+        isinstance(kept, dict) and set(kept) == {"prompt_sha256", "prompt", "completion"}
+        and isinstance(kept["prompt_sha256"], str) and type(kept["prompt"]) is int
+        and (kept["completion"] is None or type(kept["completion"]) is int)
+    )
+
+
+def compact_token_ids(data: dict) -> bool:
+    """Swap the engine's id lists (`prompt_token_ids`, `choices[].token_ids`) for
+    `engine_tokens`, in place; True when the reply changed. The lists are as long as the
+    prompt and the answer: cached whole they would double the request cache."""
+    choices = data.get("choices")
+    listed = [c for c in choices if isinstance(c, dict) and "token_ids" in c] if isinstance(
+        choices, list) else []
+    if "prompt_token_ids" not in data and not listed:
+        return False
+    kept = engine_tokens(data)
+    data.pop("prompt_token_ids", None)
+    for choice in listed:
+        del choice["token_ids"]
+    if kept is not None:
+        data["engine_tokens"] = kept
+    return True
+
+
 def classify(status: int, message: str) -> tuple[str, str]:
     """(kind, class) of an HTTP error; class is permanent/transient/t500/fatal."""
     low = message.lower()
-    if status in (401, 403, 404):
+    if status in (401, 403, 404) or 300 <= status < 400:
+        # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
         return "duplicate_rid", "transient"  # our own retry raced the server's abort
@@ -414,10 +469,15 @@ class ChatClient:
             t0 = time.perf_counter()
             err: Optional[_Attempt] = None
             try:
-                async with self.session.post(self._endpoints[i], data=body) as resp:
-                    raw = await resp.read()
+                async with self.session.post(
+                    self._endpoints[i], data=body, allow_redirects=False
+                ) as resp:
+                    raw = await _read_capped(resp)
                     status = resp.status
                     retry_after = resp.headers.get("Retry-After")
+                    if 300 <= status < 400:
+                        where = resp.headers.get("Location", "nowhere")
+                        raw = f"a redirect to {where[:300]}; use the address it names".encode()
             except aiohttp.ConnectionTimeoutError:
                 err = _Attempt("down", None, f"{self.urls[i]}: connect timed out")
             except (asyncio.TimeoutError, TimeoutError):
@@ -434,7 +494,11 @@ class ChatClient:
             if err is None:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
-                if status == 200:
+                if raw is None:
+                    err = _Attempt("bad_reply", status, f"HTTP {status} with a body over "
+                                   f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)")
+                    cls = "t500"
+                elif status == 200:
                     data, bad = read_body(raw)
                     if bad is None and data["choices"][0].get("finish_reason") == "abort":
                         # an admin abort, pause or weight update cut it: not the model's end
@@ -502,11 +566,28 @@ class ChatClient:
         return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
-        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked,
+        one with the engine's token id lists with only what a row keeps of them."""
+        changed = compact_token_ids(data)
         if self.redact and self.redact.found(raw.decode("utf-8")):
             data = self.redact.scrub(data)
+            changed = True
+        if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:
+    """The whole body, or None once it passes MAX_REPLY_BYTES (the rest is never read)."""
+    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _retry_after(value: Optional[str]) -> float:

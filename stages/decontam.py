@@ -16,11 +16,15 @@ fraction of its n-grams is shared with one evaluation item, and is attributed to
 item it shares most n-grams with.
 
 Hashing is vectorised over a whole batch of texts (numpy, no Python loop per word): a
-word's hash mixes the 8-byte little-endian words of its folded UTF-8 bytes; an n-gram's
-is a polynomial of its words' hashes mod 2^64, from prefix sums. The index is those
-hashes sorted with the item of each, and two bit filters that answer "surely absent"
-for almost every n-gram of a clean prompt without touching the sorted array: ~18 bytes
-per indexed n-gram, whatever the size of the mix.
+word's hash mixes the 8-byte little-endian words of its folded UTF-8 bytes; a run of
+words hashes as a polynomial of its words' hashes mod 2^64, from prefix sums. The index is
+the n-gram hashes sorted with the item of each, and two bit filters of shorter runs,
+m = n - k + 1 words with k = n // 3, that answer "surely absent" for almost every probe
+of a clean prompt without touching the sorted array: ~18 bytes per indexed n-gram,
+whatever the size of the mix. A prompt is probed only at every k-th word: an n-gram it
+shares with an item starts at most k - 1 words before a probed position whose m-word run
+lies inside that n-gram, so that run is in the filters and the n-grams around every probe
+that passes them are looked up; the check is exact, at a fraction of the lookups.
 """
 
 from __future__ import annotations
@@ -58,23 +62,25 @@ _ALONE_RANGES = (
 )
 
 # UTF-8 bytes -> what the hash sees: ASCII letters lower-cased, digits and bytes of other
-# letters kept, every other ASCII byte 0 (a separator), the segment break \0 -> 1.
+# letters kept, every other ASCII byte 0 (a separator), \0 -> 1 (the break between texts).
 _BYTES = bytearray(range(256))
 for _c in range(128):
     _BYTES[_c] = ord(chr(_c).lower()) if chr(_c).isalnum() else 0
 _BYTES[0] = 1
 _BYTES = bytes(_BYTES)
+_BREAK = " \0 "  # between texts: the byte 1 between separators, a word no text can hold
+_PAD = " " * 16  # after the last: reads 16 bytes past a word's start stay in the buffer
 _patterns: Optional[tuple[re.Pattern, re.Pattern]] = None  # built for the first non-ASCII text
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_LEN = np.uint64(0x9E3779B97F4A7C15)  # words and n-grams of different lengths hash apart
+_ONES, _HIGHS = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 _CHUNK = np.uint64(0xD6E8FEB86659FD93)
-_MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], np.uint64)
-# Two filters before the sorted hashes: a small one (4 bits per n-gram, ~1 in 5 absent
-# n-grams pass) that stays in the CPU caches beside the dedup set of a large mix, then a
-# large one (32 bits, ~1 in 40 pass) read only for those.
+# Two filters of the probed runs before the sorted n-gram hashes: a small one (4 bits per
+# run, ~1 in 5 absent runs pass) that stays in the CPU caches beside the dedup set of a
+# large mix, then a large one (32 bits per run, two set by each: ~1 in 270 pass) read only
+# for those, so that the sorted array is searched about once per batch of prompts.
 _COARSE_BITS, _FINE_BITS = 4, 32
 
 
@@ -141,87 +147,101 @@ _WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)  # odd: invertible mod 2^64
 
 
 class _Words:
-    """The words of a batch of texts (segments), hashed: `hashes[j]` is word j's hash,
-    `segment[j]` the text it is in; `first[s]`, `count[s]` locate segment s's words.
+    """The words of a batch of texts in one row (`words` of them), kept as prefix sums of
+    their hashes so that any run of words hashes in O(1). A break word stands before,
+    between and after the texts (`breaks[s]`: the one before text s), so a run of words
+    across two texts holds one and matches no indexed run; `count[s]` is the number of
+    words of text s.
 
     One pass of bytes.translate folds case and punctuation; a word is a run of non-zero
     bytes, hashed from the 8-byte little-endian words that cover it (most words fit in
-    one), so no numpy pass runs per character beyond finding the runs."""
+    one), read where it starts and cut at its first 0 byte, so no numpy pass runs per byte
+    beyond finding where words start."""
 
     def __init__(self, texts: Sequence[str]):
-        joined = "\0".join(texts)
+        joined = _BREAK.join(["", *texts, _PAD])
         if not joined.isascii():
-            joined = "\0".join(t if t.isascii() else _canonical(t) for t in texts)
-        raw = ("\0" + joined + "\0").encode("utf-8").translate(_BYTES)  # \0: where a text ends
-        size = len(raw)
-        raw += bytes(8 + (-size) % 8)  # whole 8-byte words, one more for reads at the end
-        b = np.frombuffer(raw, np.uint8, size)
-        breaks = np.flatnonzero(b == 1)
+            joined = _BREAK.join(["", *(t if t.isascii() else _canonical(t) for t in texts), _PAD])
+        raw = joined.encode("utf-8").translate(_BYTES)
+        nonzero = np.frombuffer(raw, np.uint8) != 0
+        at = np.flatnonzero(nonzero[1:] > nonzero[:-1])  # word j starts at byte at[j] + 1
+        # the 8 bytes at each byte offset from 1 on: unaligned, read in place by indexing
+        # (take would first copy the whole view to aligned memory)
+        reads = np.ndarray((len(raw) - 8,), "<u8", raw, 1, (1,))
+        h = reads[at]
+        longer = np.flatnonzero(_cut(h))
+        breaks = np.flatnonzero(h == 1)
         if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
             self.__init__([t.replace("\0", " ") for t in texts])
             return
-        self.raw = raw
-        word = b > 1
-        edges = np.flatnonzero(word[1:] != word[:-1]) + 1  # the text starts and ends with \0
-        starts, ends = edges[0::2], edges[1::2]
-        self.starts, self.ends = starts, ends
-        lengths = (ends - starts).astype(np.uint64)
-        aligned = np.frombuffer(raw, "<u8")
-        h = _bytes_at(aligned, starts) & _MASKS[np.minimum(lengths, 8)]
-        h ^= lengths * _LEN
+        k, scale = 8, _CHUNK
+        while len(longer):  # the next 8 bytes of words longer than k - 1 bytes
+            part = reads[at[longer] + k]
+            goes_on = _cut(part)
+            part *= scale  # a polynomial of the chunks, mixed below with the rest
+            h[longer] += part
+            longer = longer[goes_on]
+            k, scale = k + 8, np.uint64(int(scale) * int(_CHUNK) % 2**64)
         _mix(h)
-        longer = np.flatnonzero(lengths > 8)
-        k = 1
-        while len(longer):  # the next 8 bytes of words longer than 8 k bytes
-            rest = lengths[longer] - np.uint64(8 * k)
-            part = _bytes_at(aligned, starts[longer] + 8 * k) & _MASKS[np.minimum(rest, 8)]
-            h[longer] = _mix((h[longer] ^ part) + _CHUNK)
-            longer = longer[rest > 8]
-            k += 1
-        self.hashes = h
-        firsts = np.searchsorted(starts, breaks)  # the first word after each \0
-        self.first = firsts[:-1]
-        self.count = np.diff(firsts)
-        self.segment = np.repeat(np.arange(len(texts)), self.count)
-        w = len(starts)
-        wpw, winv = _WORD_POWERS.upto(w + 1)
-        self.prefix = np.zeros(w + 1, np.uint64)
-        np.cumsum(h * wpw[:w], out=self.prefix[1:])
-        self.winv = winv
+        self.raw, self.at, self.breaks = raw, at, breaks
+        self.count = np.diff(breaks) - 1
+        self.words = w = len(h)
+        pw, self.inv = _WORD_POWERS.upto(w + 1)
+        h *= pw[:w]
+        self.prefix = np.empty(w + 1, np.uint64)
+        self.prefix[0] = 0
+        np.cumsum(h, out=self.prefix[1:])
 
-    def spans(self, first: np.ndarray, length) -> np.ndarray:
+    def runs(self, first, length) -> np.ndarray:
         """Hashes of the word runs first[k] .. first[k] + length - 1."""
-        h = (self.prefix[first + length] - self.prefix[first]) * self.winv[first]
-        h += np.asarray(length, np.uint64) * _LEN  # (words hashes are mixed: a sum of them is too)
-        return h
+        return (self.prefix[first + length] - self.prefix[first]) * self.inv[first]
 
-    def ngrams(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first word of each n-gram within one segment, its hash)."""
-        w = len(self.segment)
-        if w < n:
-            return np.zeros(0, np.int64), np.zeros(0, np.uint64)
-        first = np.flatnonzero(self.segment[: w - n + 1] == self.segment[n - 1:])
-        return first, self.spans(first, n)
+    def every(self, m: int, step: int) -> np.ndarray:
+        """Hashes of the m-word runs starting at words 0, step, 2 step, ... (those that fit)."""
+        fit = self.words - m + 1
+        if fit <= 0:
+            return np.zeros(0, np.uint64)
+        end = step * ((fit - 1) // step + 1)
+        p = self.prefix
+        return (p[m: m + end: step] - p[:end: step]) * self.inv[:end: step]
+
+    def windows(self, texts: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first word, text) of every m-word run inside each of `texts` (m words or more)."""
+        per = self.count[texts] - m + 1
+        total = int(per.sum())
+        base = np.repeat(self.breaks[texts] + 1 - (np.cumsum(per) - per), per)
+        return base + np.arange(total), np.repeat(texts, per)
+
+    def text_of(self, words: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.breaks, words, side="right") - 1
 
     def phrase(self, first: int, n: int) -> str:
-        spans = zip(self.starts[first: first + n].tolist(), self.ends[first: first + n].tolist())
-        return " ".join(self.raw[s:e].decode("utf-8", "replace") for s, e in spans)
+        raw = self.raw
+        starts = (self.at[first: first + n] + 1).tolist()
+        return " ".join(raw[s: raw.index(0, s)].decode("utf-8", "replace") for s in starts)
 
 
-def _bytes_at(aligned: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """The 8 bytes at each byte offset, as little-endian integers, from two aligned reads
-    (numpy copies a whole unaligned view to read from it)."""
-    q = offsets >> 3
-    r = (offsets & 7).astype(np.uint64) << np.uint64(3)
-    low = aligned[q] >> r
-    high = (aligned[q + 1] << np.uint64(1)) << (np.uint64(63) - r)  # two shifts: r may be 0
-    return low | high
+def _cut(x: np.ndarray) -> np.ndarray:
+    """In place: clear the bytes of each x from its first 0 byte on; True where x has none
+    (the word goes on past these 8 bytes)."""
+    low = x - _ONES
+    low &= ~x
+    low &= _HIGHS  # the top bit of each 0 byte; the lowest set bit marks the first one
+    goes_on = low == 0
+    low ^= low - np.uint64(1)  # every bit up to that one (all of them where there is none)
+    x &= low
+    return goes_on
 
 
 def words(text: str) -> list[str]:
     """The words decontamination sees in `text` (for tests and messages)."""
     w = _Words([text])
-    return [w.phrase(j, 1) for j in range(len(w.starts))]
+    return [w.phrase(j, 1) for j in range(1, w.words - 1)]
+
+
+def _step(n: int) -> int:
+    """Words between probes of a prompt (k): the filters hold runs of n - k + 1 words."""
+    return max(1, n // 3)
 
 
 # ------------------------------------------------------------------------ the index
@@ -248,22 +268,27 @@ _ARRAYS = ("hashes", "items", "coarse", "fine", "short_hashes", "short_items", "
 
 class Index:
     """Sorted n-gram hashes of every evaluation item with the item of each (global item
-    numbers; `set_starts` maps them back to a set and an index within it), a bit array
-    that filters out absent n-grams, and the hashes of short items matched exactly."""
+    numbers; `set_starts` maps them back to a set and an index within it), two bit arrays
+    that filter out absent probes (runs of m = n - k + 1 words of items long enough to
+    have n-grams), and the hashes of short items matched exactly."""
 
     def __init__(self, policy: P.Decontaminate, names: list[str], arrays: dict):
         self.policy = policy
         self.n = policy.ngram
+        self.step = _step(self.n)
         self.names = names
         for key in _ARRAYS:
             setattr(self, key, arrays[key])
 
     @classmethod
-    def from_pairs(cls, policy, names, set_starts, hashes, items, short_hashes, short_items) -> "Index":
-        hashes, items = _sorted_unique(hashes, items)
-        short_hashes, short_items = _sorted_unique(short_hashes, short_items)
-        arrays = dict(hashes=hashes, items=items, coarse=_bitmap(hashes, _COARSE_BITS, high=True),
-                      fine=_bitmap(hashes, _FINE_BITS, high=False), short_hashes=short_hashes,
+    def from_parts(cls, policy, names, set_starts, parts: "_Parts") -> "Index":
+        probes = np.concatenate(parts.probes) if parts.probes else np.zeros(0, np.uint64)
+        parts.probes.clear()
+        coarse, fine = _bitmap(probes, _COARSE_BITS, _coarse_slots), _bitmap(probes, _FINE_BITS, _fine_slots)
+        del probes
+        hashes, items = _sorted_unique(parts.hashes, parts.items)
+        short_hashes, short_items = _sorted_unique(parts.short_hashes, parts.short_items)
+        arrays = dict(hashes=hashes, items=items, coarse=coarse, fine=fine, short_hashes=short_hashes,
                       short_items=short_items, set_starts=np.asarray(set_starts, np.int64))
         return cls(policy, names, arrays)
 
@@ -299,31 +324,32 @@ class Index:
             return out
         w = _Words(texts)
         owner = np.repeat(np.arange(len(counts)), counts)
-        first, h = w.ngrams(self.n)
-        if len(h) and len(self.hashes):
-            cand = np.flatnonzero(_bits_set(self.coarse, h, high=True))
-            cand = cand[_bits_set(self.fine, h[cand], high=False)]
-            if len(cand):
-                self._confirm(w, first[cand], h[cand], owner, out)
+        if len(self.hashes):
+            k = self.step
+            probe = w.every(self.n - k + 1, k)
+            cand = np.flatnonzero(_bits_set(self.coarse, probe, _coarse_slots))
+            cand = cand[_bits_set(self.fine, probe[cand], _fine_slots)]
+            if len(cand):  # the n-grams holding a probe that passed: k of them end to end per probe
+                first = (cand[:, None] * k - np.arange(k - 1, -1, -1)).ravel()
+                first = first[(first >= 0) & (first <= w.words - self.n)]
+                self._confirm(w, first, w.runs(first, self.n), owner, out)
         if len(self.short_hashes):
             self._exact(w, owner, out)
         return out
 
     def _confirm(self, w: _Words, first, h, owner, out) -> None:
-        order = np.argsort(h)  # sorted keys: each binary search starts where the last ended
-        first, h = first[order], h[order]
+        """The n-grams first[k] (in text order), hashed h[k], looked up."""
         lo = np.searchsorted(self.hashes, h)
-        found = np.flatnonzero(self.hashes[np.minimum(lo, len(self.hashes) - 1)] == h)
+        found = np.flatnonzero(self.hashes.take(np.minimum(lo, len(self.hashes) - 1)) == h)
         if not len(found):
             return
-        found = found[np.argsort(first[found])]  # back in text order: examples show the first
         # one entry per (shared n-gram, eval item), at most 64 items per n-gram (boilerplate)
         lo, first = lo[found], first[found]
         reps = np.minimum(np.searchsorted(self.hashes, h[found], side="right") - lo, 64)
         pair_first = np.repeat(first, reps)
         offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
         items = self.items[np.repeat(lo, reps) + offset].astype(np.int64)
-        prompts = owner[w.segment[pair_first]]
+        prompts = owner[w.text_of(pair_first)]
         pairs, at, shared = np.unique((prompts << 32) | items, return_index=True, return_counts=True)
         prompt, item = pairs >> 32, pairs & 0xFFFFFFFF
         # per prompt, the item sharing most n-grams (the lowest item of a tie)
@@ -341,34 +367,57 @@ class Index:
         short = np.flatnonzero((w.count > 0) & (w.count < self.n))
         if not len(short):
             return
-        h = w.spans(w.first[short], w.count[short])
+        first = w.breaks[short] + 1
+        h = w.runs(first, w.count[short])
         pos = np.searchsorted(self.short_hashes, h)
         pos = np.minimum(pos, len(self.short_hashes) - 1)
         for k in np.flatnonzero(self.short_hashes[pos] == h).tolist():
             s = int(short[k])
             p = int(owner[s])
             if out[p] is None:
-                out[p] = (int(self.short_items[pos[k]]), w.phrase(int(w.first[s]), int(w.count[s])))
+                out[p] = (int(self.short_items[pos[k]]), w.phrase(int(first[k]), int(w.count[s])))
 
 
-def _bitmap(hashes: np.ndarray, bits_per_entry: int, high: bool) -> np.ndarray:
-    """A bit per slot, set for the slots of `hashes` (their top or bottom bits)."""
-    slots = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
-    bits = np.zeros(slots // 8, np.uint8)
-    slot = _slots(hashes, slots, high)
-    np.bitwise_or.at(bits, slot >> np.uint64(3), np.left_shift(1, slot & np.uint64(7)).astype(np.uint8))
+def _coarse_slots(h: np.ndarray, nbits: int):
+    """The bit of each hash in a bit array of `nbits`: its top bits."""
+    yield (h >> np.uint64(65 - nbits.bit_length())).view(np.int64)
+
+
+def _fine_slots(h: np.ndarray, nbits: int):
+    """Two bits per hash, the top and bottom bits of a remix of it (the coarse filter has
+    read its top bits)."""
+    g = _mix(h ^ _M2)
+    yield (g >> np.uint64(65 - nbits.bit_length())).view(np.int64)
+    g &= np.uint64(nbits - 1)
+    yield g.view(np.int64)
+
+
+_BITMAP_CHUNK = 1 << 23  # bits of a bitmap built at once, one byte each while built
+
+
+def _bitmap(hashes: np.ndarray, bits_per_entry: int, slots_of) -> np.ndarray:
+    """A bit array with the bits `slots_of` gives each of `hashes` set."""
+    nbits = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
+    bits = np.zeros(nbits // 8, np.uint8)
+    starts = list(range(0, nbits, _BITMAP_CHUNK))
+    for slot in slots_of(hashes, nbits):
+        slot.sort()  # then one chunk of the bit array at a time
+        bounds = np.searchsorted(slot, starts + [nbits]).tolist()
+        for i, lo in enumerate(starts):
+            chunk = np.zeros(min(_BITMAP_CHUNK, nbits), bool)
+            chunk[slot[bounds[i]: bounds[i + 1]] - lo] = True
+            bits[lo // 8: lo // 8 + len(chunk) // 8] |= np.packbits(chunk, bitorder="little")
+        del slot
     return bits
 
 
-def _slots(h: np.ndarray, slots: int, high: bool) -> np.ndarray:
-    if high:
-        return h >> np.uint64(65 - slots.bit_length())
-    return h & np.uint64(slots - 1)
-
-
-def _bits_set(bits: np.ndarray, h: np.ndarray, high: bool) -> np.ndarray:
-    slot = _slots(h, len(bits) * 8, high)
-    return ((bits[slot >> np.uint64(3)] >> (slot & np.uint64(7)).astype(np.uint8)) & 1).view(bool)
+def _bits_set(bits: np.ndarray, h: np.ndarray, slots_of) -> np.ndarray:
+    """Where every bit of h is set."""
+    found = None
+    for slot in slots_of(h, len(bits) * 8):
+        at = ((bits.take(slot >> 3) >> (slot & 7).astype(np.uint8)) & np.uint8(1)).view(bool)
+        found = at if found is None else found & at
+    return found
 
 
 def _sorted_unique(parts: list, item_parts: list) -> tuple[np.ndarray, np.ndarray]:
@@ -417,15 +466,23 @@ def forget(key: str) -> None:
 _BUILD_BATCH = 2048  # evaluation items hashed at once
 
 
+class _Parts:
+    """What the batches of evaluation items give, before it is sorted into an index."""
+
+    def __init__(self):
+        self.hashes: list = []  # n-gram hashes
+        self.items: list = []  # ... and the item of each
+        self.probes: list = []  # hashes of the runs the filters hold
+        self.short_hashes: list = []
+        self.short_items: list = []
+
+
 def build(policy: P.Decontaminate, on_bad_row: str,
           max_record_bytes: int = P.Prepare.max_record_bytes) -> tuple[Index, dict]:
     """Read every evaluation set and index it; also return the report's per-set figures."""
     started = time.monotonic()
     names = [e.name for e in policy.evals]
-    hashes: list = []
-    items: list = []
-    short_hashes: list = []
-    short_items: list = []
+    parts = _Parts()
     set_starts = []
     stats: dict[str, dict] = {}
     total = 0
@@ -441,14 +498,14 @@ def build(policy: P.Decontaminate, on_bad_row: str,
                 batch_items.append(total)
             total += 1
             if len(batch) >= _BUILD_BATCH:
-                _index_batch(policy, batch, batch_items, hashes, items, short_hashes, short_items, st)
+                _index_batch(policy, batch, batch_items, parts, st)
                 batch, batch_items = [], []
-        _index_batch(policy, batch, batch_items, hashes, items, short_hashes, short_items, st)
+        _index_batch(policy, batch, batch_items, parts, st)
         st["items"] = total - set_starts[-1]
         if st["indexed"] + st["short"] == 0:
             why = ", ".join(f"{k}: {v}" for k, v in st["skipped"].items()) or "no rows"
             raise StageError(f"prepare.decontaminate: eval set {ev.name}: no item to index ({why})")
-    index = Index.from_pairs(policy, names, set_starts, hashes, items, short_hashes, short_items)
+    index = Index.from_parts(policy, names, set_starts, parts)
     log.info(
         "decontaminate: indexed %d items of %d eval sets (%d n-grams, %d short items, %.1f MB) in %.1fs",
         total, len(names), len(index.hashes), len(index.short_hashes), index.nbytes() / 2**20,
@@ -457,25 +514,27 @@ def build(policy: P.Decontaminate, on_bad_row: str,
     return index, stats
 
 
-def _index_batch(policy, texts, item_ids, hashes, items, short_hashes, short_items, st) -> None:
+def _index_batch(policy, texts, item_ids, parts: _Parts, st) -> None:
     if not texts:
         return
     w = _Words(texts)
     n = policy.ngram
-    first, h = w.ngrams(n)
     ids = np.asarray(item_ids, np.uint32)
-    hashes.append(h)
-    items.append(ids[w.segment[first]])
-    long_enough = w.count >= n
-    st["indexed"] += int(long_enough.sum())
-    short = np.flatnonzero(~long_enough & (w.count > 0))
+    long_enough = np.flatnonzero(w.count >= n)
+    first, text = w.windows(long_enough, n)
+    parts.hashes.append(w.runs(first, n))
+    parts.items.append(ids[text])
+    m = n - _step(n) + 1
+    parts.probes.append(w.runs(w.windows(long_enough, m)[0], m))
+    st["indexed"] += len(long_enough)
+    short = np.flatnonzero((w.count < n) & (w.count > 0))
     st["skipped"]["no_words"] = st["skipped"].get("no_words", 0) + int((w.count == 0).sum())
     if not st["skipped"]["no_words"]:
         del st["skipped"]["no_words"]
     if policy.short_exact:
         st["short"] += len(short)
-        short_hashes.append(w.spans(w.first[short], w.count[short]))
-        short_items.append(ids[short])
+        parts.short_hashes.append(w.runs(w.breaks[short] + 1, w.count[short]))
+        parts.short_items.append(ids[short])
     elif len(short):
         st["skipped"]["short"] = st["skipped"].get("short", 0) + len(short)
 

@@ -126,8 +126,10 @@ def summary(ran: list[str] | None) -> str:
         f"generate  {gen.get('completed', '?')} completions ({gen.get('truncated', '?')} truncated), "
         f"{gen.get('failed', '?')} failed, {gen.get('output_tokens', '?')} output tokens"
     )
+    served = tok.get("serve_check", {})
     lines.append(f"tokenize  {tok.get('rows', '?')} rows, {tok.get('tokens', '?')} tokens "
-                 f"({tok.get('loss_tokens', '?')} supervised)")
+                 f"({tok.get('loss_tokens', '?')} supervised); served prompts checked "
+                 f"{served.get('checked', '?')}, mismatches {served.get('mismatches', '?')}")
     lines.append(
         f"merge     {mer.get('base', {}).get('rows', '?')} base + {mer.get('new', {}).get('rows', '?')} new"
         f" = {mer.get('merged', {}).get('rows', '?')} rows, {mer.get('merged', {}).get('tokens', '?')} tokens"

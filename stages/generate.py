@@ -6,7 +6,8 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling fingerprint
+                                      truncated, usage, model, sampling fingerprint,
+                                      and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
   reports/generate.json               requests, failures by kind, tokens, req/s,
@@ -47,6 +48,7 @@ import time
 from array import array
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -61,6 +63,7 @@ from stages.client import (
     RetryPolicy,
     Sampling,
     build_body,
+    engine_tokens,
     parse_reply,
 )
 from stages.errors import StageError, json_object
@@ -94,9 +97,15 @@ def check(cfg: P.Generate) -> None:
     if isinstance(s.url, list) and not s.url:
         raise StageError("generate.server.url: empty list (give at least one URL)")
     for u in server_urls(s):
+        shown = strip_url_credentials(u)
         if not u.startswith(("http://", "https://")):
-            shown = strip_url_credentials(u)
             raise StageError(f"generate.server.url: {shown!r} is not an http(s):// URL")
+        try:  # a bad port or no host would only show as an unreachable server, much later
+            parts = urlsplit(u)
+            if parts.port == 0 or not parts.hostname:
+                raise ValueError("no host or port 0")
+        except ValueError as e:
+            raise StageError(f"generate.server.url: {shown!r} is not a valid URL ({e})") from None
         if s.api_key_env and any(url_credentials(u)):
             raise StageError(
                 "generate.server.url: has credentials (user:password@) and "
@@ -649,6 +658,9 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         model=model,
         sampling=sampling_fp,
     )
+    served = engine_tokens(reply)
+    if served is not None:
+        row["engine_tokens"] = served
     return row
 
 

@@ -4,10 +4,10 @@ validate reduces every id to a 64-bit hash and its dataset-wide row number (16 b
 row). Up to `spill_rows` of those pairs stay in memory; past that they are written to a
 temporary file, ordered by the hash's top 8 bits (its bucket), with each bucket's offset
 kept. At the end, runs of consecutive buckets holding about `group_rows` pairs in all are
-read back from every file and checked, one group at a time, with the pandera id schema
-(schema.id_schema): equal ids have equal hashes, hence the same bucket, so no repeat
-spans two groups. Rows whose hash repeats are only suspects: the caller confirms them on
-the id strings, since two different ids may share a hash.
+read back from every file and checked, one group at a time, by a numpy sort: equal ids
+have equal hashes, hence the same bucket, so no repeat spans two groups. Rows whose hash
+repeats are only suspects: the caller confirms them on the id strings, since two
+different ids may share a hash.
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
-import pandera.errors
-import polars as pl
-
-from stages.schema import id_schema
 
 BUCKETS = 256
 SHIFT = np.uint64(64 - 8)  # the top 8 bits pick one of the 256 buckets
 SPILL_ROWS = 1 << 16  # 1 MB of pairs in memory at most
-GROUP_ROWS = 1 << 16  # pairs per pandera call: bounds its hash table, amortises its cost
+GROUP_ROWS = 1 << 16  # pairs sorted at once: bounds the sort's memory, amortises its cost
 
 
 class IdHashes:
@@ -65,12 +61,8 @@ class IdHashes:
 
     def repeated_rows(self) -> np.ndarray:
         """Sorted row numbers whose id hash occurs more than once in the dataset."""
-        suspects = []
-        for hashes, rows in self._groups():
-            try:
-                id_schema().validate(pl.DataFrame({"id_hash": hashes}), lazy=True)
-            except pandera.errors.SchemaErrors as e:
-                suspects.append(rows[e.failure_cases.get_column("index").to_numpy()])
+        suspects = [_repeated(hashes, rows) for hashes, rows in self._groups()]
+        suspects = [s for s in suspects if len(s)]
         return np.sort(np.concatenate(suspects)) if suspects else np.zeros(0, np.int64)
 
     def _take(self) -> tuple[np.ndarray, np.ndarray]:
@@ -115,3 +107,23 @@ class IdHashes:
                 rows.append(np.fromfile(path, np.int64, count, offset=8 * (total + lo)))
             yield np.concatenate(hashes), np.concatenate(rows)
             first = last
+
+
+def _repeated(hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows whose hash occurs more than once in `hashes`.
+
+    A plain numpy sort (no hash table, no frame) says whether any hash repeats; only a
+    group that has repeats pays for the argsort that finds their rows.
+    """
+    if len(hashes) < 2:
+        return rows[:0]
+    ordered = np.sort(hashes)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return rows[:0]
+    order = np.argsort(hashes)
+    ordered = hashes[order]
+    same = ordered[1:] == ordered[:-1]
+    repeated = np.zeros(len(hashes), bool)
+    repeated[1:] |= same
+    repeated[:-1] |= same
+    return rows[order[repeated]]

@@ -29,7 +29,6 @@ Ids in both base and new: `merge.on_duplicate`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -48,11 +47,15 @@ from stages.schema import (
     ARROW_SCHEMA,
     FEATURES,
     FINGERPRINT_FILE,
+    ShardFile,
     castable,
     list_shards,
+    loaded_rows_and_features,
     open_shard,
     read_schema,
     schema_differences,
+    shard_name,
+    state_hash,
     write_metadata,
 )
 
@@ -119,7 +122,7 @@ def run(cfg: P.Merge) -> dict:
         else:
             outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint)
         names = [name for name, _, _ in placed if name is not None]
-        content = _dataset_fingerprint(tmp, names)
+        content = state_hash(tmp, names)
         write_metadata(tmp, names, content)
         report = _report(cfg, base, base_shards, new, placed, duplicates)
         lin = lineage.build(report, fingerprint, base, content)
@@ -371,10 +374,10 @@ def _write(tmp: Path, base: list[Shard], new: list[Shard], link: bool):
     index = len(taken)
     total = len(taken) + len(kept)
     for shard in kept:
-        name = f"data-{index:05d}-of-{total:05d}.arrow"
+        name = shard_name(index, total)
         while name in taken:  # a base that already uses this name
             index += 1
-            name = f"data-{index:05d}-of-{total:05d}.arrow"
+            name = shard_name(index, total)
         taken.add(name)
         index += 1
         if shard.drop is not None:
@@ -402,23 +405,22 @@ def _rewrite(shard: Shard, dst: Path) -> Shard:
     out = Shard(dst)
     offset = 0
     try:
-        with open_shard(shard.path) as reader, pa.OSFile(str(dst), "wb") as sink:
-            with pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
-                for batch in reader:
-                    n = batch.num_rows
-                    if shard.cast:
-                        batch = _convert(batch, shard.path)
-                    if shard.drop is not None:
-                        batch = batch.filter(
-                            pc.invert(shard.drop.slice(offset, n)).combine_chunks()
-                        )
-                    offset += n
-                    if batch.num_rows:
-                        writer.write_batch(batch)
-                        out.rows += batch.num_rows
-                        ids = batch.column("input_ids")
-                        out.tokens += ids.offsets[-1].as_py() - ids.offsets[0].as_py()
-                        out.loss_tokens += pc.sum(batch.column("num_loss_tokens")).as_py() or 0
+        with open_shard(shard.path) as reader, ShardFile(dst) as writer:
+            for batch in reader:
+                n = batch.num_rows
+                if shard.cast:
+                    batch = _convert(batch, shard.path)
+                if shard.drop is not None:
+                    batch = batch.filter(
+                        pc.invert(shard.drop.slice(offset, n)).combine_chunks()
+                    )
+                offset += n
+                if batch.num_rows:
+                    writer.write(batch)
+                    out.rows += batch.num_rows
+                    ids = batch.column("input_ids")
+                    out.tokens += ids.offsets[-1].as_py() - ids.offsets[0].as_py()
+                    out.loss_tokens += pc.sum(batch.column("num_loss_tokens")).as_py() or 0
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{shard.path}: cannot rewrite shard ({e})") from None
     if out.rows == 0:
@@ -452,35 +454,17 @@ def _totals(shards: list[Shard]) -> dict:
     }
 
 
-def _dataset_fingerprint(folder: Path, names: list[str]) -> str:
-    """A cheap content fingerprint for state.json: names, sizes, first and last 64 KiB."""
-    h = hashlib.sha256((folder / FINGERPRINT_FILE).read_bytes())
-    for name in names:
-        path = folder / name
-        size = path.stat().st_size
-        h.update(f"{name}\0{size}\0".encode())
-        with path.open("rb") as f:
-            h.update(f.read(65536))
-            if size > 65536:
-                f.seek(max(65536, size - 65536))
-                h.update(f.read())
-    return h.hexdigest()[:16]
-
-
 def _check_loads(folder: Path, rows: int) -> None:
     """Prove the folder opens with datasets before it replaces data/merged."""
-    import datasets
-
     try:
-        ds = datasets.load_from_disk(str(folder))
+        loaded_rows, features = loaded_rows_and_features(folder)
     except Exception as e:  # noqa: BLE001 - any failure here is ours to report
         raise StageError(f"merge: the merged folder does not load with datasets: {e}") from None
-    if len(ds) != rows or ds.features != FEATURES:
+    if loaded_rows != rows or features != FEATURES:
         raise StageError(
-            f"merge: the merged folder loads with {len(ds)} rows and {ds.features}, "
+            f"merge: the merged folder loads with {loaded_rows} rows and {features}, "
             f"expected {rows} rows and the contract features"
         )
-    del ds
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """The conversation contract every stage shares: what a row's `messages` and `tools` may
 hold. prepare writes only rows that meet it, and generate (prompts) and tokenize
 (completions) refuse a row that does not, so a hand-edited or foreign file fails with one
-line naming the row instead of deep inside a chat template."""
+line naming the row instead of deep inside a chat template. Also the digest of token ids
+that a completion keeps of what the engine served and tokenize checks its render with."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any, Optional
 
+import numpy as np
 import orjson
 
 from stages.errors import json_type
@@ -96,3 +99,18 @@ def _deeper_than(value: Any, levels: int) -> bool:
     if type(value) is list:
         return any(_deeper_than(v, levels - 1) for v in value)
     return False
+
+
+# ------------------------------------------------- what a completion keeps of the engine
+
+
+def token_ids_digest(ids: Any) -> str:
+    """The digest a completion row keeps of the engine's prompt ids (generate's
+    `engine_tokens.prompt_sha256`) and tokenize compares its own prompt ids with: sha256
+    of the ids as little-endian uint32, 16 hex digits.
+    Raises ValueError (or TypeError) for anything but a flat list of token ids."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0
+                                   or a.max() >= 1 << 32)):
+        raise ValueError("not a list of token ids")
+    return hashlib.sha256(a.astype("<u4").tobytes()).hexdigest()[:16]

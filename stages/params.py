@@ -33,6 +33,7 @@ class ParamError(StageError):
 INT32 = 2**31 - 1  # lengths and counts stored as Arrow int32
 INT64 = 2**63 - 1
 MAX_PROCS = 256  # worker processes
+MAX_PATH = 4096  # characters in a path or a model name (Linux PATH_MAX)
 MAX_SECONDS = 30 * 86400.0  # any timeout or interval; longer overflows some event loops
 
 
@@ -217,7 +218,8 @@ class Tokenize:
     min_loss_tokens: int = ranged(1, ge=0, le=INT32)
     num_proc: int = ranged(1, ge=1, le=MAX_PROCS)
     shard_rows: int = ranged(20000, ge=1, le=INT32)
-    check_sample: int = ranged(64, ge=0, le=INT64)
+    # rows whose prompt may differ from what the engine served before the stage fails
+    max_render_mismatch: int = ranged(0, ge=0, le=INT64)
     # a shard also closes at this many MiB of Arrow data
     shard_max_mb: int = ranged(512, ge=1, le=1 << 20)
     enable_thinking: bool = True
@@ -280,7 +282,7 @@ def load(section: str, path: str | Path = "params.yaml"):
     """Read one section of a params file into its dataclass, or raise ParamError."""
     path = Path(path)
     try:
-        doc = yaml.load(_read(path), Loader=_Loader)
+        doc = yaml.load(_read(path), Loader=BoundedLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -288,7 +290,7 @@ def load(section: str, path: str | Path = "params.yaml"):
         raise ParamError(f"{where}: not valid YAML: {what.splitlines()[0][:200]}") from None
     except yaml.YAMLError as e:
         raise ParamError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
-    except _TooDeep as e:
+    except TooDeep as e:
         raise ParamError(f"{path}:{e.line}: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise ParamError(f"{path}: cannot read a value: {str(e).splitlines()[0][:200]}") from None
@@ -320,12 +322,12 @@ def _read(path: Path) -> str:
         raise ParamError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-class _TooDeep(Exception):
+class TooDeep(Exception):
     def __init__(self, line: int):
         self.line = line
 
 
-class _Loader(yaml.SafeLoader):
+class BoundedLoader(yaml.SafeLoader):
     """SafeLoader that stops at MAX_DEPTH levels of nesting (PyYAML recurses per level).
     Aliases stay shared references, so an alias bomb costs little until something walks
     it; nothing here does (see _show)."""
@@ -336,7 +338,7 @@ class _Loader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise _TooDeep(self.peek_event().start_mark.line + 1)
+                raise TooDeep(self.peek_event().start_mark.line + 1)
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
@@ -382,8 +384,10 @@ def build(cls, data: Any, where: str):
 
 def _expand_user(value: str, key: str) -> str:
     """`~/x` and `~user/x` as the shell expands them; an unknown user is an error."""
-    if len(value) > 4096:  # PATH_MAX; also keeps every message naming the path short
-        raise ParamError(f"{key}: longer than 4096 characters ({_show(value)})")
+    if len(value) > MAX_PATH:  # also keeps every message naming the path short
+        raise ParamError(f"{key}: longer than {MAX_PATH} characters ({_show(value)})")
+    if not value.strip():  # would name the working folder: the whole project
+        raise ParamError(f"{key}: an empty path names no file (null, where allowed, means none)")
     if not value.startswith("~"):
         return value
     expanded = os.path.expanduser(value)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from stages import messages as contract
 from stages.errors import json_type
 
 MAX_TOKENS = 2**31  # usage counts above this are not token counts
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+MAX_FINISH = 64  # "stop", "length", "tool_calls", "content_filter": a name, not a text
 
 
 def problem(data: Any) -> Optional[str]:
@@ -38,6 +40,8 @@ def problem(data: Any) -> Optional[str]:
     why = _text(choice.get("finish_reason"), "finish_reason")
     if why:
         return why
+    if len(choice.get("finish_reason") or "") > MAX_FINISH:
+        return f"finish_reason is longer than {MAX_FINISH} characters"
     usage = data.get("usage")
     if usage is None:
         return None
@@ -57,6 +61,9 @@ def _tool_calls(calls: Any) -> Optional[str]:
         return None
     if not isinstance(calls, list):
         return f"message.tool_calls is {json_type(calls)}, not an array"
+    if calls and contract.objects_problem(calls) == f"nest deeper than {contract.MAX_DEPTH} levels":
+        # tokenize refuses such a row: cached, it would stop every later run there
+        return f"message.tool_calls nest deeper than {contract.MAX_DEPTH} levels"
     for k, call in enumerate(calls):
         where = f"message.tool_calls[{k}]"
         fn = call.get("function") if isinstance(call, dict) else None

@@ -75,7 +75,8 @@ def _key_of(line: bytes) -> Optional[bytes]:
 
 
 class KeyIndex:
-    """Maps a 32-byte key to the prompt positions that carry it, in ~13 bytes/prompt.
+    """Maps a 32-byte key to the prompt positions that carry it, in ~49 bytes/prompt
+    (the key, its 8-byte prefix sorted, an 8-byte position, a flag).
 
     Keys are held once, in prompt order, in one bytes buffer; a sorted array of their
     first 8 bytes finds candidates and the full key confirms them.

@@ -1,17 +1,19 @@
 """The tokenized-row contract: explicit Arrow/datasets features shared by tokenize,
 merge and validate (datasets would infer int64 for unknown columns); how a dataset folder
-of such rows sits on disk (shard listing, read-only shard reading, type comparison,
-save_to_disk metadata); and the pandera schemas validate checks row summaries with."""
+of such rows sits on disk (shard names, listing, writing and read-only reading, type
+comparison, save_to_disk metadata and its state hash, the load_from_disk check); and the
+row rules validate checks row summaries with (as one polars pass and a pandera schema)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import datasets
 import pyarrow as pa
@@ -218,12 +220,66 @@ def castable(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
-def write_metadata(folder: str | Path, shard_names: list[str], fingerprint: str) -> None:
-    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder."""
+def shard_name(index: int, total: int) -> str:
+    """The file name of shard `index` of `total`, as datasets' save_to_disk names them."""
+    return f"data-{index:05d}-of-{total:05d}.arrow"
+
+
+class ShardFile:
+    """One shard being written: an Arrow IPC stream of the contract's schema.
+
+    Closing it writes the end-of-stream marker that tells a whole shard from a cut one.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+    def __enter__(self) -> "ShardFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def state_hash(folder: str | Path, shard_names: list[str]) -> str:
+    """state.json's `_fingerprint` (datasets' name) for a folder: cheap, and the same
+    whenever the output is: a hash of fingerprint.json, then each shard's name, size,
+    first and last 64 KiB."""
     folder = Path(folder)
-    state = {
+    h = hashlib.sha256((folder / FINGERPRINT_FILE).read_bytes())
+    for name in shard_names:
+        with open(folder / name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(f"{name}\0{size}\0".encode())
+            h.update(f.read(1 << 16))
+            if size > 1 << 16:
+                f.seek(max(1 << 16, size - (1 << 16)))
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def write_metadata(folder: str | Path, shard_names: list[str],
+                   state: Optional[str] = None) -> None:
+    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder.
+
+    `state` is state.json's `_fingerprint`; by default state_hash() of the folder, which
+    then must already hold its fingerprint.json and shards.
+    """
+    folder = Path(folder)
+    doc = {
         "_data_files": [{"filename": name} for name in shard_names],
-        "_fingerprint": fingerprint,
+        "_fingerprint": state if state is not None else state_hash(folder, shard_names),
         "_format_columns": None,
         "_format_kwargs": {},
         "_format_type": None,
@@ -232,13 +288,24 @@ def write_metadata(folder: str | Path, shard_names: list[str], fingerprint: str)
     }
     info = {"citation": "", "description": "", "features": FEATURES.to_dict(),
             "homepage": "", "license": ""}
-    for name, obj in ((STATE_FILE, state), (INFO_FILE, info)):
+    for name, obj in ((STATE_FILE, doc), (INFO_FILE, info)):
         (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def loaded_rows_and_features(folder: str | Path) -> tuple[int, datasets.Features]:
+    """(rows, features) of `folder` opened with `datasets.load_from_disk`, as training
+    opens it; raises whatever stops that.
+
+    The dataset itself is dropped at once: opening it maps a page or more of every record
+    batch, memory that grows with the dataset, so it is held only for the moment it takes.
+    """
+    loaded = datasets.load_from_disk(str(folder))
+    return len(loaded), loaded.features
 
 
 # ------------------------------------------------------------------- pandera
 # validate reduces every row to a summary (lengths, counts; computed columnar per shard)
-# and checks the summary frame with these schemas. Row-level check names below are the
+# and checks the summary frame against these rules. Row-level check names below are the
 # names used in reports/validate.json.
 
 NOT_NULL_CHECKS = {
@@ -264,58 +331,65 @@ ROW_CHECKS = [
 ]
 
 
-def row_schema(max_seq_len: int, min_loss_tokens: int):
-    """The pandera (polars) schema of validate's per-row summary frame.
+def row_rules(max_seq_len: int, min_loss_tokens: int) -> dict[str, list[tuple[str, Callable]]]:
+    """Per column of validate's per-row summary frame: its (check name, rule) pairs, a rule
+    being a polars expression over the column that is true where the row passes.
 
     Summary columns: id, source; input_ids_len, loss_mask_len (null when the list is
     null); ids_out_of_range (token ids outside [0, vocab)), mask_not_binary (mask values
     outside {0, 1}); supervised (mask == 1 count), longest_run (longest run of
     consecutive supervised tokens); num_tokens, num_loss_tokens (the stored counters).
+    Columns named in NOT_NULL_CHECKS must not be null; in the others null passes.
     """
+    import polars as pl
+
+    def not_blank(c):
+        return c.str.strip_chars().str.len_bytes() > 0
+
+    return {
+        "id": [("id_not_empty", not_blank)],
+        "source": [("source_not_empty", not_blank)],
+        "input_ids_len": [("max_seq_len", lambda c: c <= max_seq_len)],
+        "loss_mask_len": [("lengths_equal", lambda c: c == pl.col("input_ids_len"))],
+        "ids_out_of_range": [("token_id_range", lambda c: c == 0)],
+        "mask_not_binary": [("mask_binary", lambda c: c == 0)],
+        "supervised": [("min_loss_tokens", lambda c: c >= min_loss_tokens)],
+        "longest_run": [("supervised_run", lambda c: c >= 2)],
+        "num_tokens": [("num_tokens_matches", lambda c: c == pl.col("input_ids_len"))],
+        "num_loss_tokens": [("num_loss_tokens_matches", lambda c: c == pl.col("supervised"))],
+    }
+
+
+def row_schema(rules: dict[str, list[tuple[str, Callable]]]):
+    """The pandera (polars) schema of the summary frame: says which rows fail which rule."""
     import pandera.polars as pa_pl
     import polars as pl
 
-    def rule(name: str, expr):
+    def check(name: str, expr):
         return pa_pl.Check(lambda data: data.lazyframe.select(expr(pl.col(data.key))), name=name)
-
-    def col(*checks, nullable: bool = True):
-        return pa_pl.Column(pl.Int64, list(checks), nullable=nullable)
 
     return pa_pl.DataFrameSchema(
         {
-            "id": pa_pl.Column(
-                pl.String, rule("id_not_empty", lambda c: c.str.strip_chars().str.len_bytes() > 0),
-                nullable=False,
-            ),
-            "source": pa_pl.Column(
-                pl.String,
-                rule("source_not_empty", lambda c: c.str.strip_chars().str.len_bytes() > 0),
-                nullable=False,
-            ),
-            "input_ids_len": col(rule("max_seq_len", lambda c: c <= max_seq_len), nullable=False),
-            "loss_mask_len": col(
-                rule("lengths_equal", lambda c: c == pl.col("input_ids_len")), nullable=False
-            ),
-            "ids_out_of_range": col(rule("token_id_range", lambda c: c == 0)),
-            "mask_not_binary": col(rule("mask_binary", lambda c: c == 0)),
-            "supervised": col(rule("min_loss_tokens", lambda c: c >= min_loss_tokens)),
-            "longest_run": col(rule("supervised_run", lambda c: c >= 2)),
-            "num_tokens": col(
-                rule("num_tokens_matches", lambda c: c == pl.col("input_ids_len")),
-                nullable=False,
-            ),
-            "num_loss_tokens": col(
-                rule("num_loss_tokens_matches", lambda c: c == pl.col("supervised")),
-                nullable=False,
-            ),
+            column: pa_pl.Column(
+                pl.String if column in ("id", "source") else pl.Int64,
+                [check(name, expr) for name, expr in checks],
+                nullable=column not in NOT_NULL_CHECKS,
+            )
+            for column, checks in rules.items()
         },
         strict=False,  # the bookkeeping column `row` rides along unchecked
     )
 
 
-def id_schema():
-    """Dataset-wide id uniqueness, over 64-bit hashes of every id (8 bytes a row)."""
-    import pandera.polars as pa_pl
+def rows_pass(frame, rules: dict[str, list[tuple[str, Callable]]]) -> bool:
+    """Whether every row passes every rule, with no null anywhere: one polars pass.
+
+    The pandera schema costs ten times more per call; it is asked only when this says
+    no, to name the failing rows (a null, allowed or not, also goes the long way).
+    """
     import polars as pl
 
-    return pa_pl.DataFrameSchema({"id_hash": pa_pl.Column(pl.UInt64, unique=True)})
+    tests = [pl.col(column).is_not_null().all().alias(column) for column in rules]
+    tests += [expr(pl.col(column)).all().alias(name)
+              for column, checks in rules.items() for name, expr in checks]
+    return all(frame.select(tests).row(0))

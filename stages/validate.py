@@ -5,7 +5,8 @@
 Shard by shard, every row is reduced to a summary computed with columnar operations on
 the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
 {0, 1}, supervised count, longest supervised run, stored counters); the summaries are
-checked by the pandera schema in stages/schema.py. Then dataset checks: each shard's
+checked against the row rules in stages/schema.py, in one polars pass, and only when a
+rule fails does its pandera schema name the rows. Then dataset checks: each shard's
 Arrow types and dataset_info.json equal the contract, `datasets.load_from_disk` opens
 the folder, ids are unique across all shards, the row count equals reports/merge.json.
 
@@ -58,8 +59,11 @@ from stages.schema import (
     NOT_NULL_CHECKS,
     ROW_CHECKS,
     list_shards,
+    loaded_rows_and_features,
     open_shard,
+    row_rules,
     row_schema,
+    rows_pass,
     schema_differences,
 )
 
@@ -70,7 +74,7 @@ MERGE_REPORT = Path("reports/merge.json")
 PLOTS = charts.PLOTS
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
-CHUNK_ROWS = 65536  # summary rows checked per pandera call: bounds memory, amortises cost
+CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
 LENGTH_BINS = 64
 FRACTION_BINS = 20
 
@@ -285,14 +289,9 @@ def _check_info(findings: Findings) -> None:
 
 
 def _load(folder: Path):
-    """(rows, features) of the dataset as training opens it, or the exception that stops it.
-
-    The dataset itself is dropped at once: opening it maps a page or more of every record
-    batch, memory that grows with the dataset, so it is held only for the moment it takes.
-    """
+    """(rows, features) of the dataset as training opens it, or the exception that stops it."""
     try:
-        loaded = datasets.load_from_disk(str(folder))
-        return len(loaded), loaded.features
+        return loaded_rows_and_features(folder)
     except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
         return e
 
@@ -325,7 +324,8 @@ class Scanner:
     def __init__(self, cfg: P.Validate, vocab: int, findings: Findings, ids: IdHashes):
         self.vocab = vocab
         self.findings = findings
-        self.schema = row_schema(cfg.max_seq_len, cfg.min_loss_tokens)
+        self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
+        self.schema = row_schema(self.rules)
         self.width = bin_width(cfg.max_seq_len)
         self.rows = 0
         self.pending: list[pa.RecordBatch] = []
@@ -361,10 +361,11 @@ class Scanner:
             return
         frame = pl.from_arrow(pa.Table.from_batches(self.pending))
         self.pending, self.pending_rows = [], 0
-        try:
-            self.schema.validate(frame, lazy=True)
-        except pandera.errors.SchemaErrors as e:
-            self._record(frame, e.failure_cases)
+        if not rows_pass(frame, self.rules):
+            try:
+                self.schema.validate(frame, lazy=True)
+            except pandera.errors.SchemaErrors as e:
+                self._record(frame, e.failure_cases)
         ids = frame.filter(pl.col("id").is_not_null())
         self.ids.add(ids.get_column("id").hash(seed=0).to_numpy(),
                      ids.get_column("row").to_numpy())
@@ -388,8 +389,7 @@ class Scanner:
             self.findings.add(name, len(index), examples)
 
     def check_unique_ids(self, shards: list[Path]) -> None:
-        """Hash-level duplicates via pandera (see stages/idhashes.py), then confirmed on
-        the id strings."""
+        """Hash-level duplicates (stages/idhashes.py), then confirmed on the id strings."""
         suspects = self.ids.repeated_rows()
         if not len(suspects):
             return

@@ -48,6 +48,11 @@ Fault spec: a JSON object, every key optional.
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
   record_bodies     bool    false  keep each request id's last body in /stats
+  tokenizer         str     null   a tokenizer folder: the server then renders each
+                                   request with its chat template (and the request's
+                                   chat_template_kwargs) and counts real tokens, like an
+                                   engine; `"return_token_ids": true` gets vLLM's
+                                   `prompt_token_ids` and `choices[0].token_ids`
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -68,6 +73,15 @@ reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
 \\ud800), utf16 (a valid reply encoded as UTF-16), echo (a text/plain body: "message",
 status "status", default 200), say (a valid reply whose content is "message").
 
+Hostile transports (a rule's extra keys): patch ("set": {"dotted.path": JSON value} on
+the valid reply, e.g. {"choices.0.message": null}), raw ("body": the exact text sent,
+{reply} = the valid reply's JSON, "content_type", "headers"), huge ("bytes": a valid
+reply whose content is that long, streamed), endless (a 200 whose chunked body never
+ends), gzip_bomb ("bytes" of zeros, gzip Content-Encoding), redirect ("location", a
+3xx "status", default 307). "retry_after" adds that Retry-After header to an error
+reply. "models": the exact JSON body of GET /v1/models. Each text field may quote the
+secret with {key...} references.
+
 A rule's "message" may quote the secret the request carried (the Bearer key, or the
 password of Basic auth): {key} whole, {key_json} JSON-escaped, {key_url} URL-encoded,
 each optionally sliced like {key[:9]} or {key_url[3:]}.
@@ -79,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -117,7 +132,8 @@ HOSTILE = {
     "content_dict", "content_number", "reasoning_number", "tool_calls_string", "bad_usage",
     "surrogate", "utf16", "echo", "say",
 }  # fmt: skip
-KINDS = set(ERRORS) | HOSTILE | {
+TRANSPORT = {"patch", "raw", "huge", "endless", "gzip_bomb", "redirect"}
+KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
     "length", "unclosed_think", "abort",
 }  # fmt: skip
@@ -145,7 +161,9 @@ DEFAULTS: dict[str, Any] = {
     "once_file": None,
     "record": True,
     "record_bodies": False,
+    "tokenizer": None,
     "rules": [],
+    "models": None,
 }
 
 
@@ -164,7 +182,9 @@ def load_spec(spec: dict | str | Path | None) -> dict:
     for i, rule in enumerate(full["rules"]):
         if rule.get("fault") not in KINDS:
             raise ValueError(f"fault spec: rules[{i}].fault must be one of {sorted(KINDS)}")
-        if set(rule) - {"fault", "match", "first", "prob", "seconds", "status", "message"}:
+        if set(rule) - {"fault", "match", "first", "prob", "seconds", "status", "message",
+                        "set", "body", "content_type", "headers", "bytes", "location",
+                        "retry_after"}:
             raise ValueError(f"fault spec: rules[{i}] has unknown keys")
     if full["reasoning_field"] not in ("reasoning_content", "reasoning", "both"):
         raise ValueError("fault spec: reasoning_field must be reasoning_content, reasoning or both")
@@ -287,6 +307,63 @@ def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
     return web.Response(text=text, content_type="application/json")
 
 
+async def transport(request, body: dict, spec: dict, rule: dict, secret: str):
+    """A reply whose framing, encoding or size is the attack (see the module docstring)."""
+    fault = rule["fault"]
+    if fault == "patch":
+        reply = reply_for(body, spec)
+        for path, value in rule.get("set", {}).items():
+            *parents, last = path.split(".")
+            node = reply
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            if isinstance(node, list):
+                node[int(last)] = value
+            else:
+                node[last] = value
+        return web.Response(text=json.dumps(reply), content_type="application/json")
+    if fault == "raw":
+        text = render(rule.get("body", ""), secret).replace("{reply}", json.dumps(reply_for(body, spec)))
+        headers = {k: render(v, secret) for k, v in rule.get("headers", {}).items()}
+        return web.Response(body=text.encode("utf-8", "surrogatepass"), status=rule.get("status", 200),
+                            headers={"Content-Type": rule.get("content_type", "application/json"), **headers})
+    if fault == "redirect":
+        location = render(rule.get("location", "/v1/chat/completions"), secret)
+        return web.Response(status=rule.get("status", 307), headers={"Location": location})
+    response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    if fault == "gzip_bomb":
+        import zlib
+
+        comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+        zero = b"\0" * (1 << 20)
+        data = b"".join(comp.compress(zero) for _ in range(rule.get("bytes", 1 << 30) >> 20))
+        data += comp.flush()
+        response.headers["Content-Encoding"] = "gzip"
+        response.content_length = len(data)
+        await response.prepare(request)
+        await response.write(data)
+        await response.write_eof()
+        return response
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    if fault == "endless":
+        await response.write(b'{"choices": [')
+        while True:
+            await response.write(b" " * 1024)
+            await asyncio.sleep(0.001)
+    reply = json.dumps(reply_for(body, spec))
+    head, _, tail = reply.partition('"content": "')
+    await response.write((head + '"content": "').encode())
+    chunk = b"a" * (1 << 20)
+    left = rule.get("bytes", 100 << 20)
+    while left > 0:
+        await response.write(chunk[:left])
+        left -= len(chunk)
+    await response.write(('"' + tail.partition('"')[2]).encode())
+    await response.write_eof()
+    return response
+
+
 def _pick_rule(spec: dict, rid: str, attempt: int) -> dict | None:
     for i, rule in enumerate(spec["rules"]):
         if "match" in rule and not re.search(rule["match"], rid):
@@ -356,7 +433,12 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning"] = reasoning_text
     prompt_tokens = _count(messages)
     completion_tokens = len(reasoning) + len(content)
-    return {
+    ids = None
+    if spec["tokenizer"]:
+        ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
+                          finish == "stop")
+        prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
+    reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
         "object": "chat.completion",
         "created": int(time.time()),
@@ -370,6 +452,44 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if ids is not None and body.get("return_token_ids"):
+        reply["prompt_token_ids"], reply["choices"][0]["token_ids"] = ids
+    return reply
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
+                content: str | None, stopped: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) as an engine serving `folder` would have them: the
+    chat template renders the request (JSON-text tool arguments parsed into objects,
+    as vLLM and SGLang do), the text is encoded whole with control tokens parsed, and
+    the completion is what the model wrote after the generation prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _TOKENIZERS.get(folder)
+    if tok is None:
+        tok = _TOKENIZERS[folder] = PreTrainedTokenizerFast.from_pretrained(folder)
+    messages = []
+    for m in body.get("messages") or []:
+        m = {k: v for k, v in m.items() if v is not None}
+        calls = []
+        for c in m.get("tool_calls") or []:
+            args = c["function"].get("arguments")
+            if isinstance(args, str):
+                c = {**c, "function": {**c["function"], "arguments": json.loads(args)}}
+            calls.append(c)
+        if calls:
+            m["tool_calls"] = calls
+        messages.append(m)
+    prompt = tok.apply_chat_template(
+        messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
+        **(body.get("chat_template_kwargs") or {}))
+    written = (reasoning or "") + "\n</think>\n\n" if thinking else ""
+    written += (content or "") + ("<|im_end|>" if stopped else "")
+    encode = functools.partial(tok, add_special_tokens=False)
+    return encode(prompt)["input_ids"], encode(written)["input_ids"]
 
 
 def build_app(spec: dict, die) -> web.Application:
@@ -451,7 +571,12 @@ def build_app(spec: dict, die) -> web.Application:
                 prompt = _count(body.get("messages") or [])
                 message = _too_long(prompt, 0, spec.get("max_context") or prompt)
             message = render(rule.get("message", message), request_secret(request))
-            return _error(rule.get("status", status), kind, message), fault
+            response = _error(rule.get("status", status), kind, message)
+            if "retry_after" in rule:
+                response.headers["Retry-After"] = render(str(rule["retry_after"]), request_secret(request))
+            return response, fault
+        if fault in TRANSPORT:
+            return await transport(request, body, spec, rule, request_secret(request)), fault
         if fault in HOSTILE:
             message = render(rule.get("message", ""), request_secret(request))
             response = hostile(body, spec, fault, message)
@@ -556,6 +681,9 @@ def build_app(spec: dict, die) -> web.Application:
             return _error(401, "AuthenticationError", "Invalid API key.")
         if time.monotonic() - state.started < state.spec["no_worker_for"]:
             return _error(503, "ServiceUnavailableError", NO_WORKER)
+        if state.spec["models"] is not None:
+            return web.Response(text=render(json.dumps(state.spec["models"]), request_secret(request)),
+                                content_type="application/json")
         name = state.spec["model"]
         card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
         if state.spec["max_context"]:

@@ -94,8 +94,16 @@ def conversation(rng: random.Random) -> tuple[list, list | None]:
         msgs.append({"role": "system", "content": text(rng, 1)})
     for turn in range(rng.choice((1, 1, 1, 2, 3))):
         msgs.append({"role": "user", "content": text(rng, 1)})
+        if rng.random() < 0.1:  # an older agent format: a tool result as a user message
+            msgs.append({"role": "user", "content": "<tool_response>\n" + text(rng, 1, 4)
+                         + "\n</tool_response>"})
+            msgs.append({"role": "user", "content": text(rng, 1)})
         if tools and rng.random() < 0.6:
             args = {"query": text(rng, 1, 4)}
+            if rng.random() < 0.5:  # nested values are written as JSON, scalars as text
+                args.update(opts={"n": rng.randint(0, 9), "tags": [text(rng, 1, 2), None],
+                                  "deep": {"k<think>": [1.5, True]}},
+                            flag=rng.choice([True, False, None]), count=rng.randint(-5, 5))
             call = {"type": "function", "function": {
                 "name": "search", "arguments": args if rng.random() < 0.5 else json.dumps(args)}}
             m = assistant(rng, False)
@@ -107,9 +115,14 @@ def conversation(rng: random.Random) -> tuple[list, list | None]:
     return msgs, tools
 
 
-def conversations(n: int, seed: int = 7):
+def conversations(n: int, seed: int = 7, thinking: bool = True):
     rng = random.Random(seed)
-    return [conversation(rng) for _ in range(n)]
+    convs = [conversation(rng) for _ in range(n)]
+    if not thinking:  # what a server with enable_thinking=false answers: no reasoning
+        for msgs, _ in convs:
+            for m in msgs:
+                m.pop("reasoning_content", None)
+    return convs
 
 
 # --------------------------------------------------------------- reference
@@ -150,6 +163,21 @@ class Reference:
             return [self.opaque(v) for v in obj]
         return obj
 
+    def opaque_messages(self, msgs):
+        """`opaque`, except the <tool_response> wrapper of a user message that is wholly
+        one such block: the format reads it as a tool result, so it stays structure."""
+        out = []
+        for m in msgs:
+            c = m.get("content")
+            if m["role"] == "user" and isinstance(c, str):
+                wrapped = re.fullmatch(r"(\s*<tool_response>)(.*)(</tool_response>\s*)", c, re.S)
+                if wrapped:
+                    head, body, tail = wrapped.groups()
+                    out.append({**self.opaque(m), "content": head + self.opaque(body) + tail})
+                    continue
+            out.append(self.opaque(m))
+        return out
+
     def clear(self, text: str) -> str:
         for s, c in self.marks.items():
             if c in text:
@@ -157,13 +185,19 @@ class Reference:
         return text
 
     def render(self, msgs, tools, gen=False) -> str:
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in msgs]
+        for m in msgs:  # as vLLM and SGLang do: JSON-text arguments become an object
+            for call in m.get("tool_calls") or []:
+                args = call["function"]["arguments"]
+                if isinstance(args, str):
+                    call["function"] = {**call["function"], "arguments": json.loads(args)}
         return self.tok.apply_chat_template(
-            [{k: v for k, v in m.items() if v is not None} for m in msgs], tools=tools,
+            msgs, tools=tools,
             tokenize=False, add_generation_prompt=gen, enable_thinking=self.enable_thinking)
 
     def spans(self, msgs, tools, policy="last", truncated=False):
         """(rendered text, generation-prompt end, assistant spans) by character."""
-        o_msgs, o_tools = self.opaque(msgs), self.opaque(tools)
+        o_msgs, o_tools = self.opaque_messages(msgs), self.opaque(tools)
         full = self.render(o_msgs, o_tools)
         prompt = self.render(o_msgs[:-1], o_tools, gen=True)
         assert full.startswith(prompt)
@@ -171,10 +205,15 @@ class Reference:
         end = full.index(IM_END, cut)
         spans = [(cut, end if truncated else end + len(IM_END))]
         if policy == "all":
+            # an earlier turn starts after its header, and after what a generation prompt
+            # would have prefilled when the turn (one with a thinking block) begins with it
             header = IM_START + "assistant\n"
+            probe = self.render([{"role": "user", "content": "x"}], None, gen=True)
+            prefill = probe[probe.rindex(header) + len(header):]
             last = full.rindex(header)
             for m in re.finditer(re.escape(header), full[:last]):
-                spans.insert(-1, (m.end(), full.index(IM_END, m.end()) + len(IM_END)))
+                s = m.end() + (len(prefill) if full.startswith(prefill, m.end()) else 0)
+                spans.insert(-1, (s, full.index(IM_END, m.end()) + len(IM_END)))
         return full, cut, spans
 
     def ids(self, full: str, cuts: set[int]) -> list[int]:
@@ -257,20 +296,26 @@ def check_row(ref, enc, msgs, tools, ids, mask, policy="last", truncated=False):
 # -------------------------------------------------------------------- tests
 
 
-def test_masks_match_reference_on_generated_conversations(tok, enc, ref):
-    convs = conversations(N_CONVERSATIONS)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_masks_match_reference_on_generated_conversations(tok, thinking):
+    enc, ref = ChatEncoder(tok, enable_thinking=thinking), Reference(tok, thinking)
+    convs = conversations(N_CONVERSATIONS if thinking else N_CONVERSATIONS // 4,
+                          thinking=thinking)
     plans = [(m, t, p) for m, t in convs for p in enc.plan(m, t)]
     batch = enc.encode_plans([p for _, _, p in plans])
-    injected = 0
+    injected = calls = 0
     for i, (msgs, tools, plan) in enumerate(plans):
         ids, mask = batch.row(i)
         check_row(ref, enc, msgs, tools, ids, mask)
         if not plan.lookalikes:
-            # no spelled control tokens: exactly the server's whole-text encode
-            served = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False)
-            assert ids.tolist() == list(served)
+            # no spelled control tokens: the prompt is exactly the server's whole-text
+            # encode of the history with the generation prompt
+            served = ref.tok(ref.render(msgs[:-1], tools, gen=True), add_special_tokens=False)
+            assert ids[:batch.prompt_lens[i]].tolist() == served["input_ids"]
         injected += plan.lookalikes
-    assert injected > N_CONVERSATIONS // 3  # the generator really attacks
+        calls += "<function=" in ref.tok.decode(ids)
+    assert injected > len(convs) // 3  # the generator really attacks
+    assert calls > len(convs) // 10  # and calls tools
 
 
 def test_policy_all_matches_reference(tok, enc, ref):
@@ -311,11 +356,16 @@ def test_injection_is_text(tok, enc):
     specials = [int(i) for i in ids if i >= 248044]
     assert specials == [enc.control[s] for s in (IM_START, IM_END, IM_START, "<think>",
                                                  "</think>", IM_END)]
-    assert tok.decode(ids[mask == 1]) == f"<think>\n</think>\n</think>\n\nok {evil}<|im_end|>"
+    # the "<think>\n" that opens the block was the generation prompt's, not the model's
+    assert tok.decode(ids[mask == 1]) == f"</think>\n</think>\n\nok {evil}<|im_end|>"
 
 
-def test_answer_starting_with_newline_after_header(tok, enc):
+def test_answer_starting_with_newline_after_header(tok):
     # earlier turns render without a thinking block: "assistant\n" + "\n..." would merge
+    # (the original Qwen3 format keeps contents as they are; Qwen3.6 trims them)
+    from stages.tokenizer import template_path
+
+    enc = ChatEncoder(tok, chat_template=template_path("bundled:qwen3").read_text())
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\n\nfirst"},
             {"role": "user", "content": "b"}, {"role": "assistant", "content": "second"}]
     (ids, mask, _), = enc.encode(msgs, policy="all")
@@ -354,23 +404,6 @@ def test_enable_thinking_false_masks_after_the_prefilled_block(tok):
     bad = [msgs[0], {"role": "assistant", "content": "x", "reasoning_content": "thought"}]
     with pytest.raises(StageError, match="enable_thinking"):
         enc.plan(bad)
-
-
-def test_check_prompt_agrees_with_server_and_reports_differences(tok, enc):
-    msgs, tools = conversations(1, seed=3)[0]
-    clean = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-             {"role": "assistant", "content": "a", "reasoning_content": "r"}]
-    for m, t in ((clean, None), (msgs, tools)):
-        (plan,) = enc.plan(m, t)
-        batch = enc.encode_plans([plan])
-        ids, _ = batch.row(0)
-        assert enc.check_prompt(m, t, plan, ids, batch.prompt_lens[0]) is None
-    (plan,) = enc.plan(clean)
-    batch = enc.encode_plans([plan])
-    ids = batch.row(0)[0].copy()
-    ids[3] += 1
-    problem = enc.check_prompt(clean, None, plan, ids, batch.prompt_lens[0])
-    assert problem and "token 3" in problem
 
 
 GEN_TEMPLATE = (
@@ -414,27 +447,12 @@ def test_template_that_is_neither_chatml_nor_marked_is_refused(tok):
         ChatEncoder(tok, chat_template=plain, name="my.jinja")
 
 
-def test_template_rewriting_history_is_reported(tok):
-    # the system text changes when the generation prompt is asked for
-    template = tok.chat_template.replace(
-        "{%- set has_system", "{%- set sys_tag = ' [gen]' if add_generation_prompt else '' -%}"
-        "{%- set has_system", 1).replace(
-        "{{- im_turn('system', text_of(messages[0].content)) -}}",
-        "{{- im_turn('system', text_of(messages[0].content) ~ sys_tag) -}}", 1)
-    assert template != tok.chat_template
-    enc = ChatEncoder(tok, chat_template=template, name="rewrite.jinja")
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-            {"role": "assistant", "content": "a"}]
-    (plan,) = enc.plan(msgs)
-    batch = enc.encode_plans([plan])
-    problem = enc.check_prompt(msgs, None, plan, batch.row(0)[0], batch.prompt_lens[0])
-    assert problem and "rewrite.jinja" in problem and "[gen]" in problem
-
-
 def test_template_rewriting_history_for_every_prompt_is_refused(tok):
     template = tok.chat_template.replace(
-        "{{- im_turn('user', content) -}}",
-        "{{- im_turn('user', content ~ (' [gen]' if add_generation_prompt else '')) -}}", 1)
+        "{{- '<|im_start|>user\\n' ~ content ~ '<|im_end|>\\n' -}}",
+        "{{- '<|im_start|>user\\n' ~ content ~ (' [gen]' if add_generation_prompt else '')"
+        " ~ '<|im_end|>\\n' -}}", 1)
+    assert template != tok.chat_template
     with pytest.raises(StageError, match=r"u\.jinja.*renders the history differently"):
         ChatEncoder(tok, chat_template=template, name="u.jinja")
 
@@ -478,9 +496,8 @@ def test_non_special_control_tokens_are_text_too(hf_style):
         ids, mask = batch.row(i)
         check_row(ref, enc, msgs, tools, ids, mask)
         if not plan.lookalikes:
-            served = hf_style.apply_chat_template(msgs, tools=tools, tokenize=True,
-                                                  return_dict=False)
-            assert ids.tolist() == list(served)
+            served = hf_style(ref.render(msgs[:-1], tools, gen=True), add_special_tokens=False)
+            assert ids[:batch.prompt_lens[i]].tolist() == served["input_ids"]
     # the backend the server uses is left as it was
     assert hf_style.encode("<think>", add_special_tokens=False) == [
         hf_style.convert_tokens_to_ids("<think>")]

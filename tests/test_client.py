@@ -17,6 +17,8 @@ from stages.client import (
     build_body,
     classify,
     context_numbers,
+    compact_token_ids,
+    engine_tokens,
     split_think,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
@@ -118,7 +120,7 @@ def test_error_classes():
     assert classify(408, "") == ("timeout", "transient")
     assert classify(500, "Out of memory even after retracting requests.") == ("oom", "permanent")
     assert classify(500, "Internal server error.") == ("server_error", "t500")
-    assert classify(401, "")[1] == classify(404, "")[1] == "fatal"
+    assert classify(401, "")[1] == classify(404, "")[1] == classify(307, "")[1] == "fatal"
 
 
 def test_split_think_for_servers_without_a_reasoning_parser():
@@ -388,3 +390,56 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     ok, bad = run(send(c, body(1), body(2)))
     assert isinstance(ok.content, str)
     assert bad.message == "who is ***?"
+
+
+def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
+    assert build_body(prompt(1), "m", SAMPLING, "vllm")["return_token_ids"] is True
+    assert all("return_token_ids" not in build_body(prompt(1), "m", SAMPLING, e)
+               for e in ("sglang", "transformers"))
+    reply = {"prompt_token_ids": [1, 2, 248045], "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert kept["prompt"] == 3 and kept["completion"] == 2 and len(kept["prompt_sha256"]) == 16
+    assert engine_tokens({**reply, "prompt_token_ids": [1, 2, 248044]}) != kept
+    for bad in ("abc", [[1, 2]], [1, -2], [1, "2"], [2 ** 40], None, {"a": 1}):
+        assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
+    assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
+    assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None
+
+
+def test_the_cache_keeps_what_a_row_needs_of_the_engine_ids_not_the_lists():
+    reply = {"prompt_token_ids": list(range(3000)), "choices": [{"token_ids": [5, 6]}]}
+    kept = engine_tokens(reply)
+    assert compact_token_ids(reply) is True
+    assert reply == {"choices": [{}], "engine_tokens": kept}
+    assert engine_tokens(reply) == kept  # read back from a cached reply
+    assert compact_token_ids(reply) is False and compact_token_ids({"choices": []}) is False
+    # a damaged cached copy is not trusted
+    for bad in ({"prompt": 1}, {**kept, "prompt": "3"}, {**kept, "completion": 1.5}, [1]):
+        assert engine_tokens({"engine_tokens": bad}) is None, bad
+
+
+@pytest.mark.parametrize("rule", [{"fault": "huge", "bytes": 3 << 20}, {"fault": "endless"},
+                                  {"fault": "gzip_bomb", "bytes": 64 << 20}])  # fmt: skip
+def test_a_body_past_the_size_cap_is_refused_while_it_arrives(fake, monkeypatch, rule):
+    import stages.client
+
+    monkeypatch.setattr(stages.client, "MAX_REPLY_BYTES", 1 << 20)
+    s = fake({"rules": [{**rule, "match": "p1$"}]})
+    started = time.monotonic()
+    ok, f = run(send(client(s.url, request_timeout=30.0), body(0), body(1)))
+    assert isinstance(ok.content, str)
+    assert isinstance(f, Failure) and (f.kind, f.status, f.permanent) == ("bad_reply", 200, False)
+    assert "body over 1048576 bytes" in f.message and f.attempts == FAST.max_retries_500 + 1
+    assert time.monotonic() - started < 20  # stopped at the cap, not at request_timeout
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_never_followed_and_stops_the_run_in_one_line(fake, status):
+    echo = fake({"record_bodies": True})
+    s = fake({"api_key": KEY, "rules": [{"fault": "redirect", "status": status, "match": "p1$",
+                                         "location": echo.url + "/v1/chat/completions?k={key}"}]})
+    ok, err = run(send(client(s.url, api_key=KEY), body(0), body(1)))
+    assert isinstance(ok.content, str)
+    assert isinstance(err, Rejected) and f"HTTP {status}: a redirect to {echo.url}" in str(err)
+    assert echo.stats()["received"] == 0  # neither the body nor the key went there
+    assert not any(p in str(err) for p in secret_pieces(KEY))

@@ -421,6 +421,11 @@ def test_a_setup_the_server_rejects_stops_before_caching_failures(tmp_path):
         ({}, "exactly one of generate.server.url"),
         ({"url": "localhost:3000"}, "generate.server.url"),
         ({"url": []}, "generate.server.url"),
+        ({"url": "http://u:pw-secret-123@127.0.0.1:99999999"},
+         r"'http://127.0.0.1:99999999' is not a valid URL \(Port out of range"),
+        ({"url": ["http://127.0.0.1:8000", "http://:pw-secret-123@:8000/v1"]},
+         r"'http://:8000/v1' is not a valid URL \(no host"),
+        ({"url": "http://[::1:8000"}, "is not a valid URL"),
     ],
 )
 def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, message):
@@ -907,3 +912,16 @@ def test_a_router_with_its_default_timeout_gets_a_warning_with_the_fix(tmp_path)
     with spawn({}) as fake:  # an engine: no warning
         write_params(tmp_path, server=url_server(fake.url), request_timeout=3600)
         assert "sglang-router" not in ok(stage(tmp_path))
+
+
+@pytest.mark.parametrize("served", [5, {"a": 1}, "", "m\ud800", "m" * 5000, None])
+def test_a_served_model_id_that_is_no_name_is_not_sent_nor_written(tmp_path, served):
+    make_prompts(tmp_path, 3)
+    with spawn() as fake:
+        fake.reset({"models": {"object": "list", "data": [{"id": served}]}})
+        write_params(tmp_path, server=url_server(fake.url))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "/v1/models lists no model: set generate.server.model" in line
+    assert not (tmp_path / "data/completions").exists()

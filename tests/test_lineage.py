@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -176,20 +177,6 @@ def test_history_is_read_from_the_card_when_lineage_json_is_gone(repo):
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]
 
 
-def test_dvc_hash_computed_the_way_dvc_does(tmp_path):
-    repo = tmp_path / "r"
-    (repo / "data/out/sub").mkdir(parents=True)
-    (repo / "data/out/a.jsonl").write_text("one\ntwo\n")
-    (repo / "data/out/sub/b.bin").write_bytes(bytes(range(256)) * 9)
-    (repo / "data/out/empty").write_text("")
-    run(["git", "init", "-q"], repo)
-    run(["dvc", "init", "-q"], repo)
-    ours = lineage.dir_md5(repo / "data/out")
-    run(["dvc", "add", "-q", "data/out"], repo)
-    theirs = (repo / "data/out.dvc").read_text()
-    assert f"md5: {ours}" in theirs
-
-
 def test_validate_checks_the_whole_set_against_the_widened_limits(repo):
     """A base tokenized with longer rows allowed: the merged fingerprint allows them."""
     long_rows = rows(ids("b", 4), "base")
@@ -253,7 +240,10 @@ def runs(tmp_path_factory) -> Runs:
     """The demo against the fake server (with an API key), then a default-only knob, then
     the same answers through a URL carrying a password."""
     repo = demo_clone(tmp_path_factory.mktemp("lineage"))
-    short = {"reasoning_tokens": 6, "reply_tokens": 6}  # well under generate.max_tokens
+    # well under generate.max_tokens; token counts as the bundled tokenizer and template
+    # give them, as a real engine reports them (tokenize checks every prompt against them)
+    short = {"reasoning_tokens": 6, "reply_tokens": 6,
+             "tokenizer": str(repo / ".cache/tokenizers/qwen3.6")}
     os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.repo.run passes the environment on
     try:
         with spawn({**short, "api_key": KEY}) as keyed, spawn(short) as open_server:
@@ -374,3 +364,64 @@ def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
         return json.loads(run(["dvc", "status", "--json"], repo))
     finally:
         path.write_bytes(original) == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"version": True}, r"history\[0\]\.version is a boolean, not a count"),
+    ({"version": 2**70}, r"history\[0\]\.version is a number, not a count"),
+    ({"version": 1, "git_commit": 5}, r"history\[0\]\.git_commit is a number, not a string"),
+    ({"version": 1, "created": {"a": 1}}, r"history\[0\]\.created is an object, not a string"),
+    ({"version": 1, "rows": float("nan")}, r"history\[0\]\.rows is a number, not a count"),
+    ({"rows": 3}, r"history\[0\]\.version is missing"),
+    ({"version": 1, "model": "\ud800"}, r"history\[0\]\.model holds a lone surrogate"),
+])  # fmt: skip
+def test_a_base_history_with_a_field_of_the_wrong_type_is_one_line(repo, entry, message):
+    (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
+    new_version(repo, "n", 2)
+    with pytest.raises(merge.StageError, match=r"^data/base/lineage\.json: " + message):
+        merge.run(P.Merge(base="data/base"))
+    assert not (repo / "data/merged").exists()
+
+
+BOMB = "a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 12))
+
+
+@pytest.mark.parametrize("header", [
+    BOMB + "distill_data:\n  history:\n    - {version: 1, model: *a11}\n",  # 9**12 strings
+    "distill_data: " + "[" * 100_000 + "]" * 100_000 + "\n",
+    "distill_data: [1, 2]\n",
+    "distill_data: {history: [{version: 1, version: 2}]}\n",
+])  # fmt: skip
+def test_a_base_card_header_that_is_not_plain_data_is_passed_over_quickly(repo, header, caplog):
+    (repo / "data/base/README.md").write_text("---\n" + header + "---\nbody\n")
+    new_version(repo, "n", 2)
+    started = time.monotonic()
+    merge.run(P.Merge(base="data/base"))
+    assert time.monotonic() - started < 30
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 32)]
+
+
+def test_history_cells_stay_in_their_table_column(repo):
+    entry = {"version": 1, "rows": 30, "model": "a | b\n---\nc", "created": "x|y"}
+    (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
+    new_version(repo, "n", 2)
+    merge.run(P.Merge(base="data/base"))
+    text = (repo / "data/merged/README.md").read_text()
+    assert "| 1 | x\\|y | – | 30 | – | – | a \\| b --- c |" in text
+    card = DatasetCard.load(repo / "data/merged/README.md")
+    assert card.data.to_dict()["distill_data"]["history"][0]["model"] == "a | b\n---\nc"
+
+
+def test_a_card_saved_with_crlf_and_a_bom_still_carries_its_history(repo):
+    new_version(repo, "x", 3)
+    merge.run(P.Merge(base="data/base"))
+    base = keep(repo, "v1")
+    (repo / base / "lineage.json").unlink()
+    card = repo / base / "README.md"
+    card.write_bytes(b"\xef\xbb\xbf" + card.read_bytes().replace(b"\n", b"\r\n"))
+    new_version(repo, "y", 2)
+    merge.run(P.Merge(base=base))
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]

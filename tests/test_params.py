@@ -146,6 +146,8 @@ DEMO_CHOICES = {
     "generate.server.launch.startup_timeout", "generate.concurrency",
     "generate.max_tokens", "generate.temperature", "generate.seed",
     "generate.request_timeout",
+    # the random demo model answers without thinking (it never closes a thinking block)
+    "generate.enable_thinking", "tokenize.enable_thinking",
     "tokenize.max_seq_len", "merge.base",
     # the demo model's logits cost ~4 MB of CPU memory a token: demo-sized steps
     "validate.train_check.tokens_per_batch", "validate.train_check.longest_batch_tokens",
@@ -354,3 +356,17 @@ def test_cli_error_quoting_a_line_break_or_surrogate_stays_one_line(tmp_path):
         'prompt_field: q}\n')
     line, _ = stagecli.fail("prepare", tmp_path)
     assert line == r"error: source a\nb\u2028c\ud800: path 'nowhere.jsonl' not found"
+
+
+@pytest.mark.parametrize("section, keys, name", [
+    ("prepare", ("sources", 0, "path"), r"prepare\.sources\[0\]\.path"),
+    ("merge", ("base",), r"merge\.base"), ("generate", ("cache_dir",), r"generate\.cache_dir"),
+    ("tokenize", ("tokenizer",), r"tokenize\.tokenizer")])  # fmt: skip
+def test_an_empty_path_is_refused_not_read_as_the_project_folder(tmp_path, section, keys, name):
+    doc = shipped()
+    node = doc[section]
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = " "
+    with pytest.raises(P.ParamError, match=name + ": an empty path names no file"):
+        P.load(section, write(tmp_path, doc))

@@ -13,10 +13,20 @@ from stages.errors import StageError
 from stages.schema import (
     ARROW_SCHEMA,
     FEATURES,
+    FINGERPRINT_FILE,
+    NOT_NULL_CHECKS,
+    ROW_CHECKS,
+    ShardFile,
     castable,
     list_shards,
+    loaded_rows_and_features,
     open_shard,
+    row_rules,
+    row_schema,
+    rows_pass,
     schema_differences,
+    shard_name,
+    state_hash,
     write_metadata,
 )
 
@@ -150,3 +160,76 @@ def test_item_nullability_is_not_a_difference():
     strict = pa.schema([pa.field(f.name, pa.list_(pa.field("item", f.type.value_type, False)))
                         if pa.types.is_list(f.type) else f for f in ARROW_SCHEMA])
     assert schema_differences(strict) == []
+
+
+def test_shard_file_writes_a_whole_stream_under_the_shared_name(tmp_path):
+    assert shard_name(3, 12) == "data-00003-of-00012.arrow"
+    path = tmp_path / shard_name(0, 1)
+    with ShardFile(path) as shard:
+        for batch in _table(5).to_batches(max_chunksize=2):
+            shard.write(batch)
+    with open_shard(path) as reader:  # the end-of-stream marker is there
+        assert pa.Table.from_batches(list(reader)).equals(_table(5))
+    (tmp_path / FINGERPRINT_FILE).write_text("{}")
+    write_metadata(tmp_path, [path.name])
+    assert loaded_rows_and_features(tmp_path) == (5, FEATURES)
+
+
+def test_state_hash_follows_the_fingerprint_and_each_end_of_each_shard(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 1}')
+    data = bytearray(rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes())
+    (tmp_path / "s.arrow").write_bytes(data)
+    first = state_hash(tmp_path, ["s.arrow"])
+    assert state_hash(tmp_path, ["s.arrow"]) == first and len(first) == 16
+    write_metadata(tmp_path, ["s.arrow"])
+    assert json.loads((tmp_path / "state.json").read_text())["_fingerprint"] == first
+    seen = {first}
+    for at in (0, len(data) - 1):  # a byte of the head, a byte of the tail
+        changed = bytearray(data)
+        changed[at] ^= 1
+        (tmp_path / "s.arrow").write_bytes(changed)
+        seen.add(state_hash(tmp_path, ["s.arrow"]))
+    (tmp_path / "s.arrow").write_bytes(data)
+    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 2}')
+    seen.add(state_hash(tmp_path, ["s.arrow"]))
+    assert len(seen) == 4
+
+
+def _summary(n=4, **columns):
+    import polars as pl
+
+    base = {"id": [f"r{i}" for i in range(n)], "source": ["s"] * n,
+            "input_ids_len": [5] * n, "loss_mask_len": [5] * n, "ids_out_of_range": [0] * n,
+            "mask_not_binary": [0] * n, "supervised": [3] * n, "longest_run": [3] * n,
+            "num_tokens": [5] * n, "num_loss_tokens": [3] * n}
+    base.update(columns)
+    return pl.DataFrame(base, schema={k: pl.String if k in ("id", "source") else pl.Int64
+                                      for k in base})
+
+
+@pytest.mark.parametrize("column,values", [
+    (None, None),
+    ("id", [" ", "a", "b", "c"]), ("id", [None, "a", "b", "c"]),
+    ("source", ["", "s", "s", "s"]), ("input_ids_len", [5, 5, 9, 5]),
+    ("loss_mask_len", [5, 4, 5, 5]), ("loss_mask_len", [5, None, 5, 5]),
+    ("ids_out_of_range", [0, 1, 0, 0]), ("ids_out_of_range", [0, None, 0, 0]),
+    ("mask_not_binary", [0, 0, 2, 0]), ("supervised", [3, 0, 3, 3]),
+    ("longest_run", [3, 1, 3, 3]), ("num_tokens", [5, 5, 5, 6]),
+    ("num_loss_tokens", [3, 3, 2, 3]), ("num_loss_tokens", [None, 3, 3, 3]),
+])
+def test_the_quick_pass_test_says_yes_only_where_pandera_finds_nothing(column, values):
+    import pandera.errors
+
+    rules = row_rules(max_seq_len=8, min_loss_tokens=1)
+    assert {name for checks in rules.values() for name, _ in checks} | set(
+        NOT_NULL_CHECKS.values()) == set(ROW_CHECKS)
+    frame = _summary(**({column: values} if column else {}))
+    try:
+        row_schema(rules).validate(frame, lazy=True)
+        clean = True
+    except pandera.errors.SchemaErrors:
+        clean = False
+    if rows_pass(frame, rules):
+        assert clean
+    assert rows_pass(frame, rules) == (column is None)  # a null goes the long way too

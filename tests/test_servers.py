@@ -66,8 +66,9 @@ def test_engine_commands_use_the_venv_and_pass_args():
     tf = servers.engine_command(P.Launch(engine="transformers", model="/m", host="::1"), 5)
     assert tf[0] == str(Path(sys.executable).parent / "transformers")
     assert tf[1:] == ["serve", "/m", "--host", "::1", "--port", "5"]
-    vl = servers.engine_command(P.Launch(engine="vllm", model="m", args=["--tp", "2"]), 7)
-    assert vl[-8:] == ["serve", "m", "--host", "127.0.0.1", "--port", "7", "--tp", "2"]
+    vl = servers.engine_command(P.Launch(engine="vllm", model="m", args=["-tp", "2"]), 7)
+    assert vl == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "m",
+                  "--host", "127.0.0.1", "--port", "7", "-tp", "2"]  # fmt: skip
     custom = P.Launch(
         engine="sglang", model="m", args=["-x"],
         command=["{python}", "s.py", "--json", '{"a": 1}', "--on={host}:{port}", "{model}"],
@@ -75,6 +76,24 @@ def test_engine_commands_use_the_venv_and_pass_args():
     assert servers.engine_command(custom, 9) == [
         sys.executable, "s.py", "--json", '{"a": 1}', "--on=127.0.0.1:9", "m", "-x",
     ]  # fmt: skip
+
+
+def test_an_engine_runs_from_the_interpreter_named_by_launch_python(tmp_path):
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    python = venv / "python"
+    python.symlink_to(sys.executable)  # a venv's python is a link: kept, not resolved
+    (venv / "transformers").write_text("#!/bin/sh\n")
+    (venv / "transformers").chmod(0o755)
+    for engine, head in [("sglang", [str(python), "-m", "sglang.launch_server"]),
+                         ("vllm", [str(python), "-m", "vllm.entrypoints.openai.api_server"]),
+                         ("transformers", [str(venv / "transformers"), "serve"])]:
+        launch = P.Launch(engine=engine, model="m", python=str(python))
+        assert servers.engine_command(launch, 1)[: len(head)] == head
+    custom = P.Launch(engine="vllm", model="m", python=str(python), command=["{python}", "x"])
+    assert servers.engine_command(custom, 1) == [str(python), "x"]
+    with pytest.raises(StageError, match=r"^generate.server.launch.python: .*missing.*make engine-venv"):
+        servers.engine_command(P.Launch(engine="vllm", model="m", python=str(tmp_path / "missing")), 1)
 
 
 def test_resolve_model_and_urls():

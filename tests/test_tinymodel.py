@@ -103,3 +103,15 @@ def test_build_does_not_disturb_the_callers_random_state(built):
     _, _, after_build = built
     torch.manual_seed(123)
     assert torch.equal(after_build, torch.rand(3))
+
+
+def test_the_vllm_variant_has_heads_of_64_and_its_own_build(tmp_path):
+    from transformers import AutoConfig
+
+    path = M.ensure_model(tmp_path / "vllm", M.VLLM)
+    config = AutoConfig.from_pretrained(path)
+    assert (config.head_dim, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.num_hidden_layers) == (64, 128, 2, 1, 2)
+    assert config.vocab_size == 248077 and not config.tie_word_embeddings
+    stamp = json.loads((path / M.STAMP).read_text())
+    assert stamp["stop"] == [M.STOP_SHARED, 0.8, 2.0, -2.0]

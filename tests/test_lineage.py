@@ -322,7 +322,7 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
         (runs.repo / "data/merged/lineage.json").read_text())["model"]["urls"][0]
 
 
-# the stages whose output each shared module can change (README, "Rerun only what changed")
+# the stages whose output each shared module can change (docs/versions.md, "Rerun only what changed")
 SHAPED_BY = {
     "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},

@@ -26,8 +26,10 @@ import yaml
 
 from stages import params as P
 from stages import servers
+from stages import tokenize as TK
 from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
+from tests.test_servecheck import prompts as every_shape
 from tests.repo import env as repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +193,30 @@ def test_truncation_comes_from_the_engines_finish_reason(vllm, tmp_path):
     assert report["truncated"] == sum(r["truncated"] for r in out)
 
 
+def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_path):
+    """vLLM serves the demo model in the Qwen3.6 format and returns its token ids: every
+    row's prompt (tool calls, tool results, look-alikes of control tokens) equals our
+    render; the original Qwen3 format, or enable_thinking flipped in tokenize, is caught
+    with one line naming it (issue 12's check, against the engine itself)."""
+    write_prompts(tmp_path, every_shape()[:8])
+    server = {"url": vllm.url, "engine": "vllm", "model": MODEL}
+    write_params(tmp_path, server, max_tokens=12, enable_thinking=True)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    src = tmp_path / "data/completions/completions.jsonl"
+    served = rows(src)
+    assert len(served) == 8 and all("engine_tokens" in r for r in served)
+    # a random model seldom stops within 12 tokens: keep truncated answers to have rows
+    report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
+    check = report["serve_check"]
+    assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
+    with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
+                         chat_template="bundled:qwen3")
+    with pytest.raises(TK.StageError, match="enable_thinking"):
+        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True, enable_thinking=False)
+
+
 # ------------------------------------------------------- the pipeline, SIGKILL
 
 
@@ -223,8 +249,11 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     doc = yaml.safe_load((repo / "params.yaml").read_text())
     doc["generate"].update(
         server={"url": None, "model": MODEL, "launch": vllm_launch()},
-        concurrency=1, max_tokens=40, seed=0, progress_interval=0.5,
+        concurrency=1, max_tokens=40, seed=0, progress_interval=0.5, enable_thinking=True,
     )  # fmt: skip  (one at a time: batches of other sizes round differently on CPU)
+    # thinking on, unlike the transformers demo: this model closes its thinking block, so
+    # vLLM's reasoning parser and the `<think>\n` of the Qwen3.6 prompt are exercised
+    doc["tokenize"]["enable_thinking"] = True
     (repo / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
 
     proc = subprocess.Popen(
@@ -272,6 +301,9 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     assert kept and all(r["messages"][-1]["content"] for r in kept)
     assert any(r["messages"][-1]["reasoning_content"] for r in kept)
     assert 0 < tokenized["rows"] <= len(kept)
+    # every kept row's render equals the prompt ids vLLM reported (issue 12's check)
+    check = tokenized["serve_check"]
+    assert check["mismatches"] == 0 and check["checked_by_ids"] == tokenized["rows"] > 0
 
     # the same prompts and params, uninterrupted, against the module's vLLM
     clean = tmp_path / "clean"

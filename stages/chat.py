@@ -66,7 +66,7 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")  # as transformers a
 
 
 @dataclass
-class Plan:
+class RenderedRow:
     """One output row before encoding: its rendering cut into parts.
 
     `parts[k]` is a control-token id, or None for the next string of `texts`; `sup[k]`
@@ -158,50 +158,15 @@ def _calls_with_parsed_arguments(calls: Any) -> Any:
     return out
 
 
-class ChatEncoder:
-    """Renders conversations with a tokenizer's chat template and encodes them with masks.
+class ControlTokenCodec:
+    """Swaps control-token spellings in message text for private-use sentinels and back,
+    so text can never be read as a control token (see the module docstring)."""
 
-    The tokenizer runs on rayon threads unless TOKENIZERS_PARALLELISM=false; the stage's
-    workers set it so that `num_proc` processes use `num_proc` cores.
-    """
-
-    def __init__(self, tok, *, enable_thinking: bool = True, name: str | None = None,
-                 chat_template: str | None = None):
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        self.tok = tok
-        self.name = name or str(getattr(tok, "name_or_path", "") or "tokenizer")
-        template = chat_template if chat_template is not None else tok.chat_template
-        if not isinstance(template, str) or not template:
-            raise StageError(f"tokenizer {self.name!r} has no single chat template")
-        self.template = template
-        self.enable_thinking = enable_thinking
-        self._render_jinja = render_jinja_template
-        self._kwargs = {**tok.special_tokens_map, "enable_thinking": enable_thinking}
-        try:  # the template compiled in apply_chat_template's sandbox, called directly
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            self._compiled = _compile_jinja_template(template)
-        except ImportError:  # a transformers without it: the public path, a bit slower
-            self._compiled = None
-
-        # Control tokens: every added token but whitespace-only ones (templates write "\n"
-        # as text; such a token is found inside text by the tokenizer like any word).
-        added = tok.added_tokens_decoder  # {id: AddedToken}
-        self.control: dict[str, int] = {}
-        flags = {}
-        for i, t in sorted(added.items()):
-            if t.content and not t.content.isspace() and t.content not in self.control:
-                self.control[t.content] = i
-                flags[t.content] = t
-        if not self.control:
-            raise StageError(f"tokenizer {self.name!r} has no control tokens")
-        longest = sorted(self.control, key=len, reverse=True)
-        # One capturing alternation keeps the regex engine's first-character scan.
-        self._split_re = re.compile("(" + "|".join(map(re.escape, longest)) + ")")
-        self._lstrip = {s for s in longest if flags[s].lstrip}
-        self._rstrip = {s for s in longest if flags[s].rstrip}
-        spellings = longest + [ESC]
+    def __init__(self, spellings: list[str], name: str):
+        """`spellings`: the control tokens' texts, longest first; `name`: the tokenizer's,
+        for messages."""
+        self.name = name
+        spellings = spellings + [ESC]
         self._lookalike_re = re.compile("|".join(map(re.escape, spellings)))
         self._index = {s: ESC + chr(INDEX_BASE + k) for k, s in enumerate(spellings)}
         self._restore_map = {v: s for s, v in self._index.items()}
@@ -209,50 +174,6 @@ class ChatEncoder:
         # On a raw JSON line: a spelling, or an escape that could hide one
         self._raw_re = re.compile(b"|".join([rb"\\u", rb"\\/",
                                              *(re.escape(x.encode()) for x in spellings)]))
-        self._plain = self._plain_encoder(tok.backend_tokenizer, added)
-
-        self.generation_tags = bool(_GENERATION_TAG.search(template))
-        chatml = IM_START in self.control and IM_END in self.control and IM_START in template
-        if not self.generation_tags and not chatml:
-            raise StageError(
-                f"chat template of {self.name!r} is neither ChatML (<|im_start|>role ... "
-                "<|im_end|>) nor marked with {% generation %} blocks, so the assistant's "
-                "tokens cannot be found; give a template with generation blocks in "
-                "tokenize.chat_template"
-            )
-        if not self.generation_tags:
-            self.header, self.prefill = self._probe_generation_prompt()
-        self._self_test()
-
-    # ---------------------------------------------------------------- encoders
-
-    def _plain_encoder(self, backend, added):
-        """The backend that encodes control-token spellings as text.
-
-        `encode_special_tokens` (switched on around each call) covers special tokens
-        only, so a tokenizer with non-special control tokens gets a copy marking them.
-        """
-        if all(t.special for t in added.values() if t.content in self.control):
-            return backend
-        from tokenizers import Tokenizer
-
-        doc = json.loads(backend.to_str())
-        for entry in doc.get("added_tokens", []):
-            if entry["content"] in self.control:
-                entry["special"] = True
-        return Tokenizer.from_str(json.dumps(doc))
-
-    def encode_text(self, texts: Sequence[str]):
-        """Encodings of plain text pieces: no control token parsed, nothing added."""
-        plain = self._plain
-        old = plain.encode_special_tokens
-        plain.encode_special_tokens = True
-        try:
-            return off_main_thread(plain.encode_batch_fast, list(texts), add_special_tokens=False)
-        finally:
-            plain.encode_special_tokens = old
-
-    # ---------------------------------------------------------- sanitizing
 
     def sanitize(self, obj: Any) -> Any:
         """A copy of `obj` whose strings spell no control token (sentinels instead)."""
@@ -320,6 +241,94 @@ class ChatEncoder:
                 "spelling; the conversation cannot be rendered safely"
             )
         return out
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template and encodes them with masks.
+
+    The tokenizer runs on rayon threads unless TOKENIZERS_PARALLELISM=false; the stage's
+    workers set it so that `num_proc` processes use `num_proc` cores.
+    """
+
+    def __init__(self, tok, *, enable_thinking: bool = True, name: str | None = None,
+                 chat_template: str | None = None):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self.tok = tok
+        self.name = name or str(getattr(tok, "name_or_path", "") or "tokenizer")
+        template = chat_template if chat_template is not None else tok.chat_template
+        if not isinstance(template, str) or not template:
+            raise StageError(f"tokenizer {self.name!r} has no single chat template")
+        self.template = template
+        self.enable_thinking = enable_thinking
+        self._render_jinja = render_jinja_template
+        self._kwargs = {**tok.special_tokens_map, "enable_thinking": enable_thinking}
+        try:  # the template compiled in apply_chat_template's sandbox, called directly
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled = _compile_jinja_template(template)
+        except ImportError:  # a transformers without it: the public path, a bit slower
+            self._compiled = None
+
+        # Control tokens: every added token but whitespace-only ones (templates write "\n"
+        # as text; such a token is found inside text by the tokenizer like any word).
+        added = tok.added_tokens_decoder  # {id: AddedToken}
+        self.control: dict[str, int] = {}
+        flags = {}
+        for i, t in sorted(added.items()):
+            if t.content and not t.content.isspace() and t.content not in self.control:
+                self.control[t.content] = i
+                flags[t.content] = t
+        if not self.control:
+            raise StageError(f"tokenizer {self.name!r} has no control tokens")
+        longest = sorted(self.control, key=len, reverse=True)
+        # One capturing alternation keeps the regex engine's first-character scan.
+        self._split_re = re.compile("(" + "|".join(map(re.escape, longest)) + ")")
+        self._lstrip = {s for s in longest if flags[s].lstrip}
+        self._rstrip = {s for s in longest if flags[s].rstrip}
+        self.codec = ControlTokenCodec(longest, self.name)
+        self._plain = self._plain_encoder(tok.backend_tokenizer, added)
+
+        self.generation_tags = bool(_GENERATION_TAG.search(template))
+        chatml = IM_START in self.control and IM_END in self.control and IM_START in template
+        if not self.generation_tags and not chatml:
+            raise StageError(
+                f"chat template of {self.name!r} is neither ChatML (<|im_start|>role ... "
+                "<|im_end|>) nor marked with {% generation %} blocks, so the assistant's "
+                "tokens cannot be found; give a template with generation blocks in "
+                "tokenize.chat_template"
+            )
+        if not self.generation_tags:
+            self.header, self.prefill = self._probe_generation_prompt()
+        self._self_test()
+
+    # ---------------------------------------------------------------- encoders
+
+    def _plain_encoder(self, backend, added):
+        """The backend that encodes control-token spellings as text.
+
+        `encode_special_tokens` (switched on around each call) covers special tokens
+        only, so a tokenizer with non-special control tokens gets a copy marking them.
+        """
+        if all(t.special for t in added.values() if t.content in self.control):
+            return backend
+        from tokenizers import Tokenizer
+
+        doc = json.loads(backend.to_str())
+        for entry in doc.get("added_tokens", []):
+            if entry["content"] in self.control:
+                entry["special"] = True
+        return Tokenizer.from_str(json.dumps(doc))
+
+    def encode_text(self, texts: Sequence[str]):
+        """Encodings of plain text pieces: no control token parsed, nothing added."""
+        plain = self._plain
+        old = plain.encode_special_tokens
+        plain.encode_special_tokens = True
+        try:
+            return off_main_thread(plain.encode_batch_fast, list(texts), add_special_tokens=False)
+        finally:
+            plain.encode_special_tokens = old
 
     # ------------------------------------------------------------- rendering
 
@@ -403,20 +412,20 @@ class ChatEncoder:
 
     def plan(self, messages: list[dict], tools: list | None = None, *,
              policy: str = "last", truncated: bool = False,
-             lookalikes: bool | None = None) -> list[Plan]:
+             lookalikes: bool | None = None) -> list[RenderedRow]:
         """The rows of one conversation that ends with an assistant message.
 
         `lookalikes=False` promises that no string spells a control token (see
-        `json_may_spell`); None looks.
+        `ControlTokenCodec.json_may_spell`); None looks.
         """
         if policy not in POLICIES:
             raise StageError(f"multi_turn policy {policy!r}: expected one of {POLICIES}")
         if not messages or messages[-1].get("role") != "assistant":
             raise StageError("the conversation does not end with an assistant message")
         messages = with_parsed_arguments(messages)
-        look = self.has_lookalikes(messages, tools) if lookalikes is None else lookalikes
-        msgs = self.sanitize_messages(messages) if look else messages
-        tls = self.sanitize(tools) if (look and tools) else tools
+        look = self.codec.has_lookalikes(messages, tools) if lookalikes is None else lookalikes
+        msgs = self.codec.sanitize_messages(messages) if look else messages
+        tls = self.codec.sanitize(tools) if (look and tools) else tools
         turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
         if policy != "expand":
             return [self._plan_one(msgs, tls, len(turns), policy == "all", truncated, look)]
@@ -425,7 +434,7 @@ class ChatEncoder:
             for k, i in enumerate(turns, 1)
         ]
 
-    def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> Plan:
+    def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> RenderedRow:
         if self.generation_tags:
             full, marked = self.render(msgs, tools, with_spans=True)
             prompt = self.render(msgs[:-1], tools, add_generation_prompt=True)
@@ -500,11 +509,11 @@ class ChatEncoder:
             spans = earlier + spans
         return cut, spans
 
-    def _cut(self, full: str, cut: int, spans, look: bool) -> Plan:
+    def _cut(self, full: str, cut: int, spans, look: bool) -> RenderedRow:
         texts: list[str] = []
         parts: list[int | None] = []
         sup: list[bool] = []
-        restore = self.restore if look else None
+        restore = self.codec.restore if look else None
         control = self.control
         # Cut points besides control tokens, and the supervised state after each.
         marks = sorted({cut, *(p for span in spans for p in span)})
@@ -547,12 +556,12 @@ class ChatEncoder:
             pos = b
         advance(len(full))
         text(pos, len(full))
-        return Plan(0, 0, full, cut, texts, parts, sup,
+        return RenderedRow(0, 0, full, cut, texts, parts, sup,
                     prompt_parts if prompt_parts >= 0 else len(parts), look)
 
     # -------------------------------------------------------------- encoding
 
-    def encode_plans(self, plans: Sequence[Plan]) -> Batch:
+    def encode_plans(self, plans: Sequence[RenderedRow]) -> Batch:
         """Encode the text pieces of all plans in one call and assemble ids and masks."""
         encs = self.encode_text([t for p in plans for t in p.texts])
         flat: list[int] = []
@@ -589,7 +598,7 @@ class ChatEncoder:
 
     def encode(self, messages: list[dict], tools: list | None = None, *,
                policy: str = "last", truncated: bool = False):
-        """Plan and encode one conversation: [(ids, mask, prompt_len)] per row."""
+        """Render and encode one conversation: [(ids, mask, prompt_len)] per row."""
         batch = self.encode_plans(self.plan(messages, tools, policy=policy, truncated=truncated))
         return [(*batch.row(i), batch.prompt_lens[i]) for i in range(len(batch.prompt_lens))]
 
@@ -606,9 +615,9 @@ class ChatEncoder:
             enc = off_main_thread(self.tok.backend_tokenizer.encode, text,
                                   add_special_tokens=False)
             return np.array(enc.ids, dtype=np.int32)
-        look = self.has_lookalikes(messages, tools)
-        msgs = self.sanitize_messages(messages) if look else messages
-        tls = self.sanitize(tools) if (look and tools) else tools
+        look = self.codec.has_lookalikes(messages, tools)
+        msgs = self.codec.sanitize_messages(messages) if look else messages
+        tls = self.codec.sanitize(tools) if (look and tools) else tools
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
 

@@ -30,6 +30,7 @@ a secret, passes through `redact` (stages/secrets.py) before it is cut to length
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -39,6 +40,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from stages import params as P
 from stages import replies
 from stages.errors import StageError
 from stages.messages import token_ids_digest
@@ -68,7 +70,9 @@ MAX_REPLY_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Sampling:
-    """The params that decide a reply; their fingerprint names the cache key space."""
+    """The params that decide a reply; their hash names the request-cache key space.
+
+    Each field is the `generate` param of the same name (stages/params.py)."""
 
     max_tokens: int
     temperature: float
@@ -79,27 +83,31 @@ class Sampling:
     separate_reasoning: bool
     ignore_eos: bool = False
 
+    @classmethod
+    def of(cls, cfg: P.Generate) -> "Sampling":
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
     def as_dict(self) -> dict:
         # ignore_eos only when set: every cache keyed before it existed stays valid
-        extra = {"ignore_eos": True} if self.ignore_eos else {}
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "enable_thinking": self.enable_thinking,
-            "separate_reasoning": self.separate_reasoning,
-            **extra,
-        }
+        kept = dataclasses.asdict(self)  # field order: part of the cache key space's hash
+        if not self.ignore_eos:
+            del kept["ignore_eos"]
+        return kept
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_retries: int = 8
-    max_retries_500: int = 2
-    backoff_base: float = 1.0
-    backoff_max: float = 60.0
+    """How often and how long to retry; each field is the `generate` param of the same
+    name, whose default and range live in stages/params.py (taken from there)."""
+
+    max_retries: int = P.Generate.max_retries
+    max_retries_500: int = P.Generate.max_retries_500
+    backoff_base: float = P.Generate.backoff_base
+    backoff_max: float = P.Generate.backoff_max
+
+    @classmethod
+    def of(cls, cfg: P.Generate) -> "RetryPolicy":
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
     def delay(self, retry_no: int, rng: random.Random) -> float:
         """Sleep before retry number `retry_no` (1-based): half fixed, half jitter."""
@@ -148,6 +156,27 @@ class _Attempt:
     status: Optional[int]
     message: str
     retry_after: float = 0.0
+
+
+@dataclass
+class _Sent:
+    """An HTTP answer to one try (`raw` None: the body was over MAX_REPLY_BYTES)."""
+
+    status: int
+    raw: Optional[bytes]
+    retry_after: Optional[str]  # the header as sent
+    latency: float  # seconds
+
+
+@dataclass
+class _Tries:
+    """One request's counts across its tries."""
+
+    attempts: int = 0
+    retries: int = 0
+    retries_500: int = 0
+    waits: int = 0
+    clamped: bool = False  # max_tokens already lowered once to fit the context
 
 
 def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dict:
@@ -228,13 +257,13 @@ def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return None, content
 
 
-def parse_reply(data: Any, split: bool) -> tuple:
+def parse_reply(data: Any, enable_thinking: bool) -> tuple:
     """(content, reasoning, tool_calls, finish_reason, prompt_tokens, completion_tokens)."""
     choice = data["choices"][0]
     msg = choice["message"]
     content = msg.get("content") or None
     reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
-    if reasoning is None and split:
+    if reasoning is None and enable_thinking:
         reasoning, content = split_think(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
@@ -374,7 +403,7 @@ class ChatClient:
         request_timeout: float,
         retry: RetryPolicy,
         unreachable_deadline: float,
-        split_reasoning: bool = False,
+        enable_thinking: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
         min_new_tokens: int = 1,
@@ -394,7 +423,7 @@ class ChatClient:
         self.request_timeout = request_timeout
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
-        self.split = split_reasoning
+        self.enable_thinking = enable_thinking
         self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
@@ -455,110 +484,128 @@ class ChatClient:
         return room if room >= self.min_new_tokens else None
 
     async def complete(self, body: bytes) -> Reply:
-        """Send one request until it succeeds or gives up.
+        """Send one request until it succeeds or gives up: each try is `_attempt`, what
+        its answer means is `_judge`, and whether to try again is `_back_off`.
 
         Raises Failure (this request), Unreachable or Rejected (the whole run).
         """
-        attempts = retries = retries_500 = waits = 0
-        clamped = False
+        tries = _Tries()
         while True:
             await self._wait_gate()
             i = self._pick()
-            attempts += 1
-            self.inflight[i] += 1
-            t0 = time.perf_counter()
-            err: Optional[_Attempt] = None
-            try:
-                async with self.session.post(
-                    self._endpoints[i], data=body, allow_redirects=False
-                ) as resp:
-                    raw = await _read_capped(resp)
-                    status = resp.status
-                    retry_after = resp.headers.get("Retry-After")
-                    if 300 <= status < 400:
-                        where = resp.headers.get("Location", "nowhere")
-                        raw = f"a redirect to {where[:300]}; use the address it names".encode()
-            except aiohttp.ConnectionTimeoutError:
-                err = _Attempt("down", None, f"{self.urls[i]}: connect timed out")
-            except (asyncio.TimeoutError, TimeoutError):
-                limit = f"request_timeout={self.request_timeout:g} s"
-                err = _Attempt("timeout", None, f"no reply within {limit}")
-            except aiohttp.ClientConnectorError as e:
-                err = _Attempt("down", None, f"{self.urls[i]}: cannot connect ({e.os_error or e})")
-            except (aiohttp.ClientError, ConnectionError) as e:
-                err = _Attempt("connection", None, f"{type(e).__name__}: {e}")
-            finally:
-                self.inflight[i] -= 1
-            latency = time.perf_counter() - t0
-
-            if err is None:
+            tries.attempts += 1
+            sent = await self._attempt(i, body)
+            if isinstance(sent, _Attempt):  # no HTTP answer
+                if sent.kind == "down":
+                    tries.attempts -= 1  # never reached the server: not an attempt
+                    await self._wait_down(i, sent, tries)
+                    continue
+                err, cls = sent, "transient"
+            else:
                 self.last_contact = time.monotonic()
                 self._down_until[i] = 0.0
-                if raw is None:
-                    err = _Attempt("bad_reply", status, f"HTTP {status} with a body over "
-                                   f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)")
-                    cls = "t500"
-                elif status == 200:
-                    data, bad = read_body(raw)
-                    if bad is None and data["choices"][0].get("finish_reason") == "abort":
-                        # an admin abort, pause or weight update cut it: not the model's end
-                        bad = ("aborted", "the server aborted the request")
-                    if bad is None:
-                        return self._reply(data, raw, attempts, latency)
-                    kind, why = bad
-                    text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
-                    err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
-                    cls = "t500" if kind == "bad_reply" else "transient"
-                else:
-                    message = _error_message(raw)
-                    kind, cls = classify(status, message)
-                    err = _Attempt(kind, status, message, _retry_after(retry_after))
-                    if cls == "fatal":
-                        raise Rejected(
-                            f"{self.urls[i]}{CHAT_PATH} answered HTTP {status}: "
-                            f"{self._say(message, 200)} (check generate.server.url/model"
-                            f" and the key in generate.server.api_key_env)"
-                        )
-                    room = self._room(message, clamped) if kind == "context_overflow" else None
-                    if room is not None:
-                        body, clamped = with_max_tokens(body, room), True
-                        self.clamped += 1
-                        continue  # not a retry: the engine said what fits
-                    if cls == "permanent":
-                        text = self._say(message, MAX_MESSAGE)
-                        raise Failure(kind, status, text, attempts, True)
-            elif err.kind == "down":
-                attempts -= 1  # never reached the server: not an attempt
-                self._down_until[i] = time.monotonic() + self.retry.backoff_base
-                silent = time.monotonic() - self.last_contact
-                if silent > self.unreachable_deadline:
-                    raise Unreachable(
-                        f"{err.message}; no answer from {', '.join(self.urls)} for "
-                        f"{silent:.0f} s (generate.server.unreachable_deadline="
-                        f"{self.unreachable_deadline:g}); completed requests are kept in the "
-                        "cache, "
-                        "re-run to resume"
-                    )
-                waits += 1
-                await asyncio.sleep(min(self.retry.delay(min(waits, 6), self._rng), 10.0))
-                continue
-            else:
-                cls = "transient"
+                judged = self._judge(i, sent, tries.attempts)
+                if isinstance(judged, Reply):
+                    return judged
+                err, cls = judged
+                overflow = err.kind == "context_overflow"
+                room = self._room(err.message, tries.clamped) if overflow else None
+                if room is not None:
+                    body, tries.clamped = with_max_tokens(body, room), True
+                    self.clamped += 1
+                    continue  # not a retry: the engine said what fits
+                if cls == "permanent":
+                    text = self._say(err.message, MAX_MESSAGE)
+                    raise Failure(err.kind, err.status, text, tries.attempts, True)
+            await self._back_off(err, cls, tries)
 
-            if cls == "t500":
-                retries_500 += 1
-                over = retries_500 > self.retry.max_retries_500
-            else:
-                retries += 1
-                over = retries > self.retry.max_retries
-            if over:
-                text = self._say(err.message, MAX_MESSAGE)
-                raise Failure(err.kind, err.status, text, attempts, False)
-            self.retries += 1
-            delay = self.retry.delay(retries + retries_500, self._rng)
-            if err.retry_after:
-                delay = max(delay, min(err.retry_after, self.retry.backoff_max))
-            await asyncio.sleep(delay)
+    async def _attempt(self, i: int, body: bytes) -> "_Sent | _Attempt":
+        """One POST to URL `i`: the server's answer, or why none came."""
+        self.inflight[i] += 1
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(
+                self._endpoints[i], data=body, allow_redirects=False
+            ) as resp:
+                raw = await _read_capped(resp)
+                status = resp.status
+                retry_after = resp.headers.get("Retry-After")
+                if 300 <= status < 400:
+                    where = resp.headers.get("Location", "nowhere")
+                    raw = f"a redirect to {where[:300]}; use the address it names".encode()
+        except aiohttp.ConnectionTimeoutError:
+            return _Attempt("down", None, f"{self.urls[i]}: connect timed out")
+        except (asyncio.TimeoutError, TimeoutError):
+            limit = f"request_timeout={self.request_timeout:g} s"
+            return _Attempt("timeout", None, f"no reply within {limit}")
+        except aiohttp.ClientConnectorError as e:
+            return _Attempt("down", None, f"{self.urls[i]}: cannot connect ({e.os_error or e})")
+        except (aiohttp.ClientError, ConnectionError) as e:
+            return _Attempt("connection", None, f"{type(e).__name__}: {e}")
+        finally:
+            self.inflight[i] -= 1
+        return _Sent(status, raw, retry_after, time.perf_counter() - t0)
+
+    def _judge(self, i: int, sent: "_Sent", attempts: int) -> "Reply | tuple[_Attempt, str]":
+        """A server's answer: the reply, or what went wrong and its class (see
+        `classify`; "t500" counts against max_retries_500). Raises Rejected when the
+        whole run cannot succeed."""
+        status, raw = sent.status, sent.raw
+        if raw is None:
+            return _Attempt("bad_reply", status, f"HTTP {status} with a body over "
+                            f"{MAX_REPLY_BYTES} bytes (client.MAX_REPLY_BYTES)"), "t500"
+        if status == 200:
+            data, bad = read_body(raw)
+            if bad is None and data["choices"][0].get("finish_reason") == "abort":
+                # an admin abort, pause or weight update cut it: not the model's end
+                bad = ("aborted", "the server aborted the request")
+            if bad is None:
+                return self._reply(data, raw, attempts, sent.latency)
+            kind, why = bad
+            text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
+            err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
+            return err, "t500" if kind == "bad_reply" else "transient"
+        message = _error_message(raw)
+        kind, cls = classify(status, message)
+        if cls == "fatal":
+            raise Rejected(
+                f"{self.urls[i]}{CHAT_PATH} answered HTTP {status}: "
+                f"{self._say(message, 200)} (check generate.server.url/model"
+                f" and the key in generate.server.api_key_env)"
+            )
+        return _Attempt(kind, status, message, _retry_after(sent.retry_after)), cls
+
+    async def _wait_down(self, i: int, err: "_Attempt", tries: "_Tries") -> None:
+        """URL `i` refused: wait (not a retry) unless no URL answered for too long."""
+        self._down_until[i] = time.monotonic() + self.retry.backoff_base
+        silent = time.monotonic() - self.last_contact
+        if silent > self.unreachable_deadline:
+            raise Unreachable(
+                f"{err.message}; no answer from {', '.join(self.urls)} for "
+                f"{silent:.0f} s (generate.server.unreachable_deadline="
+                f"{self.unreachable_deadline:g}); completed requests are kept in the "
+                "cache, "
+                "re-run to resume"
+            )
+        tries.waits += 1
+        await asyncio.sleep(min(self.retry.delay(min(tries.waits, 6), self._rng), 10.0))
+
+    async def _back_off(self, err: "_Attempt", cls: str, tries: "_Tries") -> None:
+        """Sleep before the next try, or raise Failure when this class's retries are spent."""
+        if cls == "t500":
+            tries.retries_500 += 1
+            over = tries.retries_500 > self.retry.max_retries_500
+        else:
+            tries.retries += 1
+            over = tries.retries > self.retry.max_retries
+        if over:
+            text = self._say(err.message, MAX_MESSAGE)
+            raise Failure(err.kind, err.status, text, tries.attempts, False)
+        self.retries += 1
+        delay = self.retry.delay(tries.retries + tries.retries_500, self._rng)
+        if err.retry_after:
+            delay = max(delay, min(err.retry_after, self.retry.backoff_max))
+        await asyncio.sleep(delay)
 
     def _say(self, text: str, limit: int) -> str:
         """A server's words as written: secrets masked, then cut, then UTF-8 safe (a JSON
@@ -574,7 +621,8 @@ class ChatClient:
             changed = True
         if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        return Reply(*parse_reply(data, self.split), attempts=attempts, latency=latency, raw=raw)
+        parsed = parse_reply(data, self.enable_thinking)
+        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:

@@ -67,7 +67,7 @@ from stages.client import (
     parse_reply,
 )
 from stages.errors import StageError, json_object
-from stages.requestcache import KeyIndex, RequestCache, fingerprint, request_key
+from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
 from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
 log = logging.getLogger("stages.generate")
@@ -153,23 +153,10 @@ def api_key(server: P.Server) -> Optional[str]:
     return key
 
 
-def sampling_of(cfg: P.Generate) -> Sampling:
-    return Sampling(
-        max_tokens=cfg.max_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        seed=cfg.seed,
-        enable_thinking=cfg.enable_thinking,
-        separate_reasoning=cfg.separate_reasoning,
-        ignore_eos=cfg.ignore_eos,
-    )
-
-
 # ------------------------------------------------------------------------- plan
 
 
-class Plan:
+class PromptLocations:
     """Where each prompt is in the prompts file and in the cache: arrays, not objects."""
 
     def __init__(self, path: Path, limit: Optional[int], namespace: str):
@@ -284,8 +271,9 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 # ------------------------------------------------------------------------ server
 
 
-class Server:
-    """What the stage needs from a server: URLs, the model name, restart hooks."""
+class ServerHandle:
+    """The server this run talks to (launched or at URLs): its URLs, the model name, restart
+    hooks. Its params are `P.Server`; a launched engine process is `servers.LaunchedServer`."""
 
     def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
@@ -393,28 +381,83 @@ def _hms(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
 
 
+class BadBodyBreaker:
+    """Stops the run once BREAKER requests in a row got no well-formed reply after their
+    retries: the server is not answering chat completions."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.in_a_row = 0  # requests given up on bad bodies since the last success
+
+    def success(self) -> None:
+        self.in_a_row = 0
+
+    def failure(self, f: Failure) -> None:
+        if f.kind not in BAD_BODIES:
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= BREAKER:
+            raise StageError(
+                f"{BREAKER} requests in a row got no well-formed reply after retries, "
+                f"e.g. {f.message[:200]!r}: the server at "
+                f"{', '.join(self.urls)} is not answering chat completions; "
+                "fix it and run again (answered requests are kept)"
+            ) from None
+
+
+LATENCY_KEYS = ("mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
+                "p99_e2e_latency_ms")
+
+
+class Latencies:
+    """Each completed request's end-to-end seconds, summarised as sglang.bench_serving
+    names them (milliseconds)."""
+
+    def __init__(self):
+        self.seconds = array("d")
+
+    def add(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+
+    def total(self) -> float:
+        return float(np.sum(np.asarray(self.seconds, dtype=np.float64))) if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        if not self.seconds:
+            return dict.fromkeys(LATENCY_KEYS, 0.0)
+        lat = np.asarray(self.seconds, dtype=np.float64)
+        ms = (lambda x: round(float(x) * 1000, 1))
+        return {
+            "mean_e2e_latency_ms": ms(lat.mean()),
+            "median_e2e_latency_ms": ms(np.percentile(lat, 50)),
+            "p90_e2e_latency_ms": ms(np.percentile(lat, 90)),
+            "p99_e2e_latency_ms": ms(np.percentile(lat, 99)),
+        }
+
+
 class Generation:
     """One run of the send loop over the pending prompts."""
 
     def __init__(
-        self, cfg: P.Generate, plan: Plan, cache: RequestCache, server: Server, client: ChatClient
+        self, cfg: P.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
+        client: ChatClient,
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
-        self.sampling = sampling_of(cfg)
+        self.sampling = Sampling.of(cfg)
         self.encoder = BodyEncoder(server.request_model, self.sampling, server.engine)
         self.done = int(np.count_nonzero(plan.seg >= 0))
         self.cached = self.done
         self.transient: dict[int, dict] = {}
         self.held: list[tuple[int, dict]] = []
         self.any_success = False
-        self.bad_in_a_row = 0  # requests given up on bad bodies since the last success
+        self.breaker = BadBodyBreaker(client.urls)
         self.sent = 0
         self.finished = 0  # requests of this run that completed or gave up
         self.completed = 0
         self.failed = int(np.count_nonzero((plan.seg >= 0) & ~plan.ok))
         self.out_tokens = 0
         self.in_tokens = 0
-        self.latencies = array("d")
+        self.latencies = Latencies()
         self.first_send: Optional[float] = None
         self.last_done: Optional[float] = None
 
@@ -450,15 +493,7 @@ class Generation:
             }  # fmt: skip
             n = len(self.plan.index.twins(i))
             self.failed += n
-            if f.kind in BAD_BODIES:
-                self.bad_in_a_row += 1
-                if self.bad_in_a_row >= BREAKER:
-                    raise StageError(
-                        f"{BREAKER} requests in a row got no well-formed reply after retries, "
-                        f"e.g. {f.message[:200]!r}: the server at "
-                        f"{', '.join(self.client.urls)} is not answering chat completions; "
-                        "fix it and run again (answered requests are kept)"
-                    ) from None
+            self.breaker.failure(f)
             if not f.permanent:
                 self.transient[i] = record
                 self.done += n
@@ -476,10 +511,10 @@ class Generation:
             return
         self.finished += 1
         self.completed += 1
-        self.bad_in_a_row = 0
+        self.breaker.success()
         self.out_tokens += reply.completion_tokens
         self.in_tokens += reply.prompt_tokens
-        self.latencies.append(reply.latency)
+        self.latencies.add(reply.latency)
         self.last_done = time.monotonic()
         # The server's reply is cached as it came (no re-encoding): the completion row
         # is derived from it when the outputs are written.
@@ -507,12 +542,7 @@ class Generation:
                 await self._one(fd, i)
 
         async def ticker() -> None:
-            tick = 0.5 if progress.bar is not None else min(1.0, self.cfg.progress_interval)
-            while True:
-                await asyncio.sleep(tick)
-                if self.cache.sync_due():
-                    await asyncio.to_thread(self.cache.sync)
-                progress.tick(self.done, self.failed, self.out_tokens, self.client.in_flight)
+            await self._tick(progress)
 
         self.first_send = time.monotonic()
         quiet_logs = contextlib.nullcontext()
@@ -534,6 +564,16 @@ class Generation:
             in_flight = self.client.in_flight
             progress.tick(self.done, self.failed, self.out_tokens, in_flight, final=True)
 
+    async def _tick(self, progress: Progress) -> None:
+        """In the background: fsync the cache when due (about once a second, so a crash
+        loses at most that much of the replies) and update the progress line."""
+        tick = 0.5 if progress.bar is not None else min(1.0, self.cfg.progress_interval)
+        while True:
+            await asyncio.sleep(tick)
+            if self.cache.sync_due():
+                await asyncio.to_thread(self.cache.sync)
+            progress.tick(self.done, self.failed, self.out_tokens, self.client.in_flight)
+
     async def _workers(self, pending: array, worker, ticker, watch) -> None:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(ticker())]
@@ -547,28 +587,20 @@ class Generation:
     @staticmethod
     def metrics_empty() -> dict:
         zero = ("duration_s", "request_throughput", "input_throughput", "output_throughput",
-                "mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
-                "p99_e2e_latency_ms", "concurrency")  # fmt: skip
+                *LATENCY_KEYS, "concurrency")  # fmt: skip
         return dict.fromkeys(zero, 0.0)
 
     def metrics(self) -> dict:
         dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        lat = np.asarray(self.latencies, dtype=np.float64) if len(self.latencies) else np.zeros(1)
-
-        def pct(q: float) -> float:
-            return round(float(np.percentile(lat, q)) * 1000, 1) if self.completed else 0.0
-
         rate = (lambda x: round(x / dur, 3) if dur > 0 else 0.0)
+        busy = self.latencies.total()
         return {
             "duration_s": round(dur, 3),
             "request_throughput": rate(self.completed),
             "input_throughput": rate(self.in_tokens),
             "output_throughput": rate(self.out_tokens),
-            "mean_e2e_latency_ms": round(float(lat.mean()) * 1000, 1) if self.completed else 0.0,
-            "median_e2e_latency_ms": pct(50),
-            "p90_e2e_latency_ms": pct(90),
-            "p99_e2e_latency_ms": pct(99),
-            "concurrency": round(float(lat.sum()) / dur, 2) if dur > 0 and self.completed else 0.0,
+            **self.latencies.summary(),
+            "concurrency": round(busy / dur, 2) if dur > 0 and self.completed else 0.0,
         }
 
 
@@ -576,12 +608,12 @@ class Generation:
 
 
 def write_outputs(
-    plan: Plan,
+    plan: PromptLocations,
     cache: RequestCache,
     transient: dict[int, dict],
     model: str,
-    sampling_fp: str,
-    split: bool,
+    sampling_hash: str,
+    enable_thinking: bool,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only."""
     counts = {
@@ -613,7 +645,7 @@ def write_outputs(
             mine = by_source.setdefault(str(prompt.get("source")), {
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
-                row = completion_row(prompt, rec["reply"], model, sampling_fp, split)
+                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking)
                 counts["completed"] += 1
                 counts["truncated"] += row["truncated"]
                 mine["completed"] += 1
@@ -635,8 +667,14 @@ def write_outputs(
     return counts
 
 
-def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, split: bool) -> dict:
-    content, reasoning, tool_calls, finish, n_prompt, n_completion = parse_reply(reply, split)
+def completion_row(
+    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool
+) -> dict:
+    # parsed again here, not taken from the client's Reply: rows are written from the
+    # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
+    # one from a fresh run come out the same; the client's parse feeds only live counts
+    parsed = parse_reply(reply, enable_thinking)
+    content, reasoning, tool_calls, finish, n_prompt, n_completion = parsed
     answer: dict[str, Any] = {
         "role": "assistant", "content": content, "reasoning_content": reasoning,
     }  # fmt: skip
@@ -656,7 +694,7 @@ def completion_row(prompt: dict, reply: dict, model: str, sampling_fp: str, spli
         truncated=truncated,
         usage={"prompt_tokens": n_prompt, "completion_tokens": n_completion},
         model=model,
-        sampling=sampling_fp,
+        sampling=sampling_hash,
     )
     served = engine_tokens(reply)
     if served is not None:
@@ -698,16 +736,16 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     except (RuntimeError, ValueError):  # not the main thread
         pass
     t0 = time.monotonic()
-    server = Server(cfg, key, redact)
+    server = ServerHandle(cfg, key, redact)
     label = await server.resolve_label()
     seed_used = await asyncio.to_thread(_seed_used, server, cfg)
     if server.urls and cfg.server.router_timeout is None:
         await asyncio.to_thread(_warn_router_timeout, server, cfg)
-    sampling = sampling_of(cfg)
-    sampling_fp = fingerprint(sampling.as_dict())
-    namespace = fingerprint({"model": label, "sampling": sampling.as_dict()})
-    plan = Plan(PROMPTS, cfg.limit, namespace)
-    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_fp}
+    sampling = Sampling.of(cfg)
+    sampling_hash = short_hash(sampling.as_dict())
+    namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
+    plan = PromptLocations(PROMPTS, cfg.limit, namespace)
+    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_hash}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -721,7 +759,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         if pending:
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
-        counts = write_outputs(plan, cache, transient, label, sampling_fp, cfg.enable_thinking)
+        counts = write_outputs(plan, cache, transient, label, sampling_hash, cfg.enable_thinking)
     report = {
         "requests": plan.n,
         **counts,
@@ -732,7 +770,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,
-        "sampling": sampling_fp,
+        "sampling": sampling_hash,
         "sampling_params": sampling.as_dict(),
         "seed_honoured": seed_used,
         "server": server.info(),
@@ -758,7 +796,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     return report
 
 
-def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
+def _seed_used(server: ServerHandle, cfg: P.Generate) -> Optional[bool]:
     """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
     when it does not. The seed keys the request cache either way: it is what was asked."""
     from stages import servers
@@ -778,7 +816,7 @@ def _seed_used(server: Server, cfg: P.Generate) -> Optional[bool]:
     return used
 
 
-def _warn_router_timeout(server: Server, cfg: P.Generate) -> None:
+def _warn_router_timeout(server: ServerHandle, cfg: P.Generate) -> None:
     from stages import servers
 
     if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
@@ -834,7 +872,9 @@ def _kinds(by_kind: dict[str, int]) -> str:
     return ", ".join(f"{kind} {count}" for kind, count in by_kind.items())
 
 
-def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: P.Generate) -> None:
+def _print_first_request(
+    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: P.Generate
+) -> None:
     """The dry run's view: exactly the body sent (or that would be), the key redacted."""
     body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
     launched = getattr(server.launched, "url", "") or "<launched>"
@@ -846,21 +886,20 @@ def _print_first_request(prompt: dict, server: Server, sampling: Sampling, cfg: 
 
 async def _send(
     cfg: P.Generate,
-    plan: Plan,
+    plan: PromptLocations,
     cache: RequestCache,
-    server: Server,
+    server: ServerHandle,
     key: Optional[str],
     pending: array,
 ) -> Generation:
     from stages import servers
 
-    retry = RetryPolicy(cfg.max_retries, cfg.max_retries_500, cfg.backoff_base, cfg.backoff_max)
-    split = cfg.enable_thinking
+    retry = RetryPolicy.of(cfg)
     if cfg.server.launch is None:
         await server.ready()  # a router with no worker answers 503
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
-            request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
+            request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
             unreachable_deadline=cfg.server.unreachable_deadline,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
@@ -876,7 +915,7 @@ async def _send(
         watchdog = servers.Watchdog(launched, cfg.server.watchdog_seconds, cfg.server.max_restarts)
         async with ChatClient(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
-            request_timeout=cfg.request_timeout, retry=retry, split_reasoning=split,
+            request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip

@@ -157,6 +157,9 @@ class Launch:
 
 @dataclass
 class Server:
+    """The `generate.server` params section (the live handle is generate.ServerHandle,
+    a launched engine process servers.LaunchedServer)."""
+
     url: Union[str, list[str], None] = None
     launch: Optional[Launch] = None
     model: Optional[str] = None  # the `model` field sent; default: the served model

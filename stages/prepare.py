@@ -17,8 +17,11 @@ byte-identical output and changing one source's limit changes only that source's
 Output, one JSON object per line, sources in params order, rows in source order:
   {"id": "<32 hex>", "source": "<name>", "messages": [{"role", "content", ...}],
    "tools": [...]}            (tools only when the source has them)
-`id` is XXH3-128 of the source name and the canonical (key-sorted) messages + tools as
-the source gave them: the same prompt keeps its id in every run, whatever the row order.
+`id` is XXH3-128 of the source name and the compact JSON of the messages (+ tools) as
+converted from the source row, before tool turns are settled. Converted turns always have
+the same key order, so keys are sorted only in rows with tools or tool calls (whose
+structures come as the source wrote them): the same prompt keeps its id in every run,
+whatever the row order.
 Tool turns are then settled for engines and routers (sources.settle_tool_turns).
 """
 
@@ -243,7 +246,9 @@ class _Workers:
             self.pool.join()
 
 
-def _chunks(reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers) -> Iterator[tuple]:
+def _prepared_groups(
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers
+) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
@@ -284,19 +289,16 @@ def _one_source(
     layout = sources.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
     reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
-    dropped = dict.fromkeys(sources.REASONS, 0)
+    dropped = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
     limit = src.limit
-    spool_path = tmp / f".spool-{index}"
-    spool = open(spool_path, "w+b", buffering=1 << 20) if limit is not None else None
-    sink = spool if spool is not None else out
-    heap: list[int] = []  # the `limit` smallest sample hashes, negated (a max-heap)
+    sampler = _LimitSampler(tmp / f".spool-{index}", limit) if limit is not None else None
     read = candidates = multi = with_tools = chars_sum = 0
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
-    for current, unit, positions, results, unknown in _chunks(reader, probe, spec, workers):
+    for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
         if unknown:
             unknown_roles.update(unknown)
         for pos, res in zip(positions, results):
@@ -326,13 +328,10 @@ def _one_source(
                     dropped["duplicate" if first == index else "duplicate_cross_source"] += 1
                     continue
                 seen[key] = index
-            sink.write(line)
-            if spool is not None:
-                entry = -((sample << _SEQ_BITS) | candidates)
-                if len(heap) < limit:
-                    heapq.heappush(heap, entry)
-                elif limit and entry > heap[0]:
-                    heapq.heapreplace(heap, entry)
+            if sampler is not None:
+                sampler.add(line, sample)
+            else:
+                out.write(line)
             candidates += 1
             chars_sum += chars
             multi += is_multi
@@ -342,10 +341,8 @@ def _one_source(
             log.info("source %s: %d rows read, %d prompts so far", src.name, read, candidates)
 
     kept = candidates
-    if spool is not None:
-        kept = _emit_sample(spool, heap, candidates, out)
-        spool.close()
-        spool_path.unlink()
+    if sampler is not None:
+        kept = sampler.emit(out)
         dropped["over_limit"] = candidates - kept
     if unknown_roles:
         log.warning(
@@ -433,25 +430,54 @@ def _auto_workers() -> int:
     return n if n >= 2 else 1
 
 
-def _emit_sample(spool, heap: list[int], candidates: int, out) -> int:
-    """Copy the sampled lines of a spool to `out`, in their original order."""
-    spool.flush()
-    spool.seek(0)
-    if len(heap) >= candidates:
-        shutil.copyfileobj(spool, out, 1 << 20)
-        return candidates
-    chosen = sorted((-entry) & _SEQ_MASK for entry in heap)
-    if not chosen:
-        return 0
-    want = iter(chosen)
-    nxt = next(want)
-    for seq, line in enumerate(spool):
-        if seq == nxt:
-            out.write(line)
-            nxt = next(want, -1)
-            if nxt < 0:
-                break
-    return len(chosen)
+class _LimitSampler:
+    """A source's `limit`: the rows with the smallest sample hashes, kept in source order.
+
+    Rows go to a spool file while a max-heap holds the best `limit` entries; `emit` then
+    copies the chosen lines out, so memory holds `limit` integers, never the rows."""
+
+    def __init__(self, path: Path, limit: int):
+        self.path, self.limit = path, limit
+        self.spool = open(path, "w+b", buffering=1 << 20)
+        self.heap: list[int] = []  # (hash << _SEQ_BITS | row number), negated
+        self.n = 0
+
+    def add(self, line: bytes, sample: int) -> None:
+        self.spool.write(line)
+        entry = -((sample << _SEQ_BITS) | self.n)
+        if len(self.heap) < self.limit:
+            heapq.heappush(self.heap, entry)
+        elif self.limit and entry > self.heap[0]:
+            heapq.heapreplace(self.heap, entry)
+        self.n += 1
+
+    def emit(self, out) -> int:
+        """Copy the sampled lines to `out`, in their original order; returns how many."""
+        try:
+            return self._copy(out)
+        finally:
+            self.spool.close()
+            self.path.unlink()
+
+    def _copy(self, out) -> int:
+        spool = self.spool
+        spool.flush()
+        spool.seek(0)
+        if len(self.heap) >= self.n:
+            shutil.copyfileobj(spool, out, 1 << 20)
+            return self.n
+        chosen = sorted((-entry) & _SEQ_MASK for entry in self.heap)
+        if not chosen:
+            return 0
+        want = iter(chosen)
+        nxt = next(want)
+        for seq, line in enumerate(spool):
+            if seq == nxt:
+                out.write(line)
+                nxt = next(want, -1)
+                if nxt < 0:
+                    break
+        return len(chosen)
 
 
 # Dedup text: a role marker and the text of each message, tool calls and tools as sorted
@@ -558,7 +584,7 @@ class _Probe:
 
 
 def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> dict:
-    by_reason = dict.fromkeys(sources.REASONS, 0)
+    by_reason = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
     for stats in per_source.values():
         for reason, n in stats["dropped_by_reason"].items():
             by_reason[reason] += n

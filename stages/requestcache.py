@@ -50,7 +50,7 @@ def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def fingerprint(obj: Any, length: int = 16) -> str:
+def short_hash(obj: Any, length: int = 16) -> str:
     return hashlib.sha256(canonical(obj)).hexdigest()[:length]
 
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages.chat import ChatEncoder, Plan
+from stages.chat import ChatEncoder, RenderedRow
 from stages.messages import token_ids_digest
 
 COMPLETION_SLACK_TOKENS = 4
@@ -89,7 +89,7 @@ class ServeCheck:
         self.encoder = encoder
         self.stats = new_stats()
 
-    def row(self, row: dict, plan: Plan, ids: np.ndarray, mask: np.ndarray,
+    def row(self, row: dict, plan: RenderedRow, ids: np.ndarray, mask: np.ndarray,
             prompt_len: int, where: str, rid: str) -> None:
         served = row.get("engine_tokens")
         usage = row.get("usage")

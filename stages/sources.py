@@ -46,8 +46,8 @@ ROLE_ALIASES: dict[str, str] = {
     "function_response": "tool", "tool_response": "tool",
 }
 
-# Every reason a row can be dropped for, in report order.
-REASONS = (
+# Every reason a source row can be dropped for by prepare, in report order.
+SOURCE_DROP_REASONS = (
     "malformed_json",     # a line that is not JSON (on_bad_row: skip)
     "not_an_object",      # valid JSON that is not an object (on_bad_row: skip)
     "missing_field",      # the configured field, or a turn's role/content key, is absent
@@ -150,100 +150,13 @@ class Reader:
         self.check = check
         self.current = src.path
         self.unit = "line"
-        self.hub = False
-        self.parts = self._resolve()
+        self.hub_id, self.parts = locate(src)
+        self.hub = self.hub_id is not None
 
     def where(self, pos: int) -> str:
         if self.unit == "line":
             return f"{self.current}:{pos}"
         return f"{self.current}: row {pos}"
-
-    # -- locating the files -------------------------------------------------------
-
-    def _resolve(self) -> list[Path]:
-        src = self.src
-        raw = src.path
-        for prefix in ("hf://datasets/", "hf:"):
-            if raw.startswith(prefix):
-                self.hub = True
-                self.hub_id = raw[len(prefix):]
-                return []
-        path = Path(raw)  # a leading ~ is expanded by params.build
-        if path.is_symlink() and not path.exists():
-            raise StageError(f"source {src.name}: path {raw!r} is a link that leads nowhere "
-                             "(a missing target or a loop of links)")
-        if not path.exists():
-            if _HUB_ID.match(raw) and _kind(path) is None:
-                self.hub = True
-                self.hub_id = raw
-                return []
-            raise StageError(f"source {src.name}: path {raw!r} not found")
-        if src.revision:
-            raise StageError(
-                f"source {src.name}: revision applies to Hugging Face datasets, not to the local path {raw}"
-            )
-        if path.is_file():
-            if src.subset or src.split:
-                which = "subset" if src.subset else "split"
-                raise StageError(
-                    f"source {src.name}: {which} applies to folders and Hugging Face datasets, "
-                    f"not to the single file {raw}"
-                )
-            if _kind(path) is None:
-                raise StageError(
-                    f"source {src.name}: cannot tell the format of {raw} "
-                    "(expected .jsonl, .json, .parquet or .arrow, optionally .gz/.bz2/.xz)"
-                )
-            return [path]
-        if not path.is_dir():
-            raise StageError(f"source {src.name}: path {raw!r} is neither a file nor a folder")
-        return self._folder(path)
-
-    def _folder(self, path: Path) -> list[Path]:
-        src = self.src
-        if src.subset:
-            sub = path / src.subset
-            if not sub.is_dir():
-                raise StageError(f"source {src.name}: subset folder {sub} not found")
-            path = sub
-        if (path / "dataset_dict.json").is_file():
-            where = path / "dataset_dict.json"
-            splits = json_object(where.read_bytes(), str(where)).get("splits")
-            if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
-                raise StageError(f"{where}: 'splits' must be a list of names")
-            split = src.split or ("train" if "train" in splits else None)
-            if split is None and len(splits) == 1:
-                split = splits[0]
-            if split is None:
-                raise StageError(
-                    f"source {src.name}: {path} has splits {', '.join(splits)}; set split"
-                )
-            if split not in splits:
-                raise StageError(
-                    f"source {src.name}: split {split!r} not in {path} (splits: {', '.join(splits)})"
-                )
-            return self._saved(path / split)
-        if (path / "state.json").is_file():
-            if src.split:
-                raise StageError(
-                    f"source {src.name}: {path} holds one dataset (no splits); remove split"
-                )
-            return self._saved(path)
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
-        files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
-        if src.split:
-            files = [p for p in files if _in_split(p.relative_to(path), src.split)]
-        if not files:
-            what = f" for split {src.split!r}" if src.split else ""
-            raise StageError(
-                f"source {src.name}: no .jsonl/.json/.parquet/.arrow files{what} under {path}"
-            )
-        return files
-
-    def _saved(self, path: Path) -> list[Path]:
-        from stages.schema import list_shards  # pyarrow: imported only when needed
-
-        return list_shards(path)
 
     # -- iterating ----------------------------------------------------------------
 
@@ -264,61 +177,9 @@ class Reader:
             if kind == "json":
                 yield from _json_batches(path, self.max_record_bytes)
             elif kind == "parquet":
-                yield from self._parquet(path)
+                yield from _parquet_batches(path, self.columns, self.check, self.max_record_bytes)
             else:
-                yield from self._arrow(path)
-
-    def _parquet(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as e:
-            raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
-        names = pf.schema_arrow.names
-        self.check(names, str(path))
-        cols = [c for c in self.columns if c in names]
-        self._check_parquet_sizes(path, pf.metadata, cols)
-        n = 0
-        for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
-            yield range(n, n + batch.num_rows), batch.to_pylist()
-            n += batch.num_rows
-
-    def _check_parquet_sizes(self, path: Path, meta, cols: list[str]) -> None:
-        """Refuse, from the footer alone, a column whose rows average more than
-        max_record_bytes once decompressed (a one-row Parquet bomb); a page is
-        decompressed whole, so such a file would fill memory while reading."""
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            for c in range(group.num_columns):
-                chunk = group.column(c)
-                name = chunk.path_in_schema.split(".")[0]
-                if name in cols and chunk.total_uncompressed_size > \
-                        self.max_record_bytes * max(group.num_rows, 1):
-                    raise StageError(
-                        f"{path}: row group {g}: column {name} holds "
-                        f"{chunk.total_uncompressed_size} bytes for {group.num_rows} rows, "
-                        f"over prepare.max_record_bytes ({self.max_record_bytes} bytes) a row")
-
-    def _arrow(self, path: Path) -> Iterator[tuple[Sequence[int], list]]:
-        import pyarrow as pa
-
-        source = pa.memory_map(str(path))
-        try:
-            try:
-                reader = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid:
-                opened = pa.ipc.open_file(source)
-                reader = (opened.get_batch(i) for i in range(opened.num_record_batches))
-        except Exception as e:
-            raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
-        n = 0
-        for batch in _guarded(reader, f"{path}: cannot read Arrow"):
-            names = batch.schema.names
-            if n == 0:
-                self.check(names, str(path))
-            yield range(n, n + batch.num_rows), batch.select([c for c in self.columns if c in names]).to_pylist()
-            n += batch.num_rows
+                yield from _arrow_batches(path, self.columns, self.check)
 
     def _hub(self) -> Iterator[tuple[int, Any]]:
         src = self.src
@@ -364,6 +225,151 @@ class Reader:
         for row in _guarded(ds, f"source {src.name}: reading {label} failed"):
             yield n, row
             n += 1
+
+
+# -- locating a source's files ---------------------------------------------------
+
+
+def locate(src: Source) -> tuple[Optional[str], list[Path]]:
+    """Where a source's rows are: (a Hugging Face dataset id, []) or (None, its files in
+    read order)."""
+    raw = src.path
+    for prefix in ("hf://datasets/", "hf:"):
+        if raw.startswith(prefix):
+            return raw[len(prefix):], []
+    path = Path(raw)  # a leading ~ is expanded by params.build
+    if path.is_symlink() and not path.exists():
+        raise StageError(f"source {src.name}: path {raw!r} is a link that leads nowhere "
+                         "(a missing target or a loop of links)")
+    if not path.exists():
+        if _HUB_ID.match(raw) and _kind(path) is None:
+            return raw, []
+        raise StageError(f"source {src.name}: path {raw!r} not found")
+    if src.revision:
+        raise StageError(
+            f"source {src.name}: revision applies to Hugging Face datasets, not to the local path {raw}"
+        )
+    if path.is_file():
+        if src.subset or src.split:
+            which = "subset" if src.subset else "split"
+            raise StageError(
+                f"source {src.name}: {which} applies to folders and Hugging Face datasets, "
+                f"not to the single file {raw}"
+            )
+        if _kind(path) is None:
+            raise StageError(
+                f"source {src.name}: cannot tell the format of {raw} "
+                "(expected .jsonl, .json, .parquet or .arrow, optionally .gz/.bz2/.xz)"
+            )
+        return None, [path]
+    if not path.is_dir():
+        raise StageError(f"source {src.name}: path {raw!r} is neither a file nor a folder")
+    return None, _folder_files(src, path)
+
+def _folder_files(src: Source, path: Path) -> list[Path]:
+    if src.subset:
+        sub = path / src.subset
+        if not sub.is_dir():
+            raise StageError(f"source {src.name}: subset folder {sub} not found")
+        path = sub
+    if (path / "dataset_dict.json").is_file():
+        where = path / "dataset_dict.json"
+        splits = json_object(where.read_bytes(), str(where)).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise StageError(f"{where}: 'splits' must be a list of names")
+        split = src.split or ("train" if "train" in splits else None)
+        if split is None and len(splits) == 1:
+            split = splits[0]
+        if split is None:
+            raise StageError(
+                f"source {src.name}: {path} has splits {', '.join(splits)}; set split"
+            )
+        if split not in splits:
+            raise StageError(
+                f"source {src.name}: split {split!r} not in {path} (splits: {', '.join(splits)})"
+            )
+        return _saved(path / split)
+    if (path / "state.json").is_file():
+        if src.split:
+            raise StageError(
+                f"source {src.name}: {path} holds one dataset (no splits); remove split"
+            )
+        return _saved(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+    files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    if src.split:
+        files = [p for p in files if _in_split(p.relative_to(path), src.split)]
+    if not files:
+        what = f" for split {src.split!r}" if src.split else ""
+        raise StageError(
+            f"source {src.name}: no .jsonl/.json/.parquet/.arrow files{what} under {path}"
+        )
+    return files
+
+def _saved(path: Path) -> list[Path]:
+    from stages.schema import list_shards  # pyarrow: imported only when needed
+
+    return list_shards(path)
+
+
+# -- one reader per file format (JSON lines/arrays: _json_batches below) -----------
+
+
+def _parquet_batches(path: Path, columns: list[str], check: Callable[[list[str], str], None],
+                     max_record_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
+    """(row indexes, rows) of a Parquet file, `columns` only."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
+    names = pf.schema_arrow.names
+    check(names, str(path))
+    cols = [c for c in columns if c in names]
+    _check_parquet_sizes(path, pf.metadata, cols, max_record_bytes)
+    n = 0
+    for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
+        yield range(n, n + batch.num_rows), batch.to_pylist()
+        n += batch.num_rows
+
+def _check_parquet_sizes(path: Path, meta, cols: list[str], max_record_bytes: int) -> None:
+    """Refuse, from the footer alone, a column whose rows average more than
+    max_record_bytes once decompressed (a one-row Parquet bomb); a page is
+    decompressed whole, so such a file would fill memory while reading."""
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            name = chunk.path_in_schema.split(".")[0]
+            if name in cols and chunk.total_uncompressed_size > \
+                    max_record_bytes * max(group.num_rows, 1):
+                raise StageError(
+                    f"{path}: row group {g}: column {name} holds "
+                    f"{chunk.total_uncompressed_size} bytes for {group.num_rows} rows, "
+                    f"over prepare.max_record_bytes ({max_record_bytes} bytes) a row")
+
+def _arrow_batches(path: Path, columns: list[str], check: Callable[[list[str], str], None]
+                   ) -> Iterator[tuple[Sequence[int], list]]:
+    """(row indexes, rows) of an Arrow file (stream or file format), `columns` only."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            opened = pa.ipc.open_file(source)
+            reader = (opened.get_batch(i) for i in range(opened.num_record_batches))
+    except Exception as e:
+        raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
+    n = 0
+    for batch in _guarded(reader, f"{path}: cannot read Arrow"):
+        names = batch.schema.names
+        if n == 0:
+            check(names, str(path))
+        yield range(n, n + batch.num_rows), batch.select([c for c in columns if c in names]).to_pylist()
+        n += batch.num_rows
 
 
 def _guarded(iterable, what: str) -> Iterator:

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS = Path("data/completions/completions.jsonl")
 OUT = Path("data/tokenized")
-REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
+COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
 # A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
 # so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
 # where per-chunk costs (one encode call, one Arrow batch) would start to show.
@@ -187,7 +187,7 @@ def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
 # ---------------------------------------------------------------- reading
 
 
-def _chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
+def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
     """(first line number, lines) groups of about equal bytes (see CHUNK_BYTES)."""
     limit = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, src.stat().st_size // (16 * num_proc)))
     lines: list[bytes] = []
@@ -215,7 +215,7 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
     _STATE = (encoder, cfg, str(src))
     try:
         if cfg.num_proc == 1:
-            for chunk in _chunks(src, 1):
+            for chunk in _line_chunks(src, 1):
                 yield work(chunk)
             return
         # fork: workers inherit the loaded tokenizer instead of loading it again
@@ -223,7 +223,7 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
         window = collections.deque()
         pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
         try:
-            for chunk in _chunks(src, cfg.num_proc):
+            for chunk in _line_chunks(src, cfg.num_proc):
                 window.append(pool.apply_async(work, (chunk,)))
                 if len(window) >= 3 * cfg.num_proc:
                     yield window.popleft().get()
@@ -259,7 +259,7 @@ _STATE: Optional[tuple] = None
 
 def _new_stats() -> dict:
     return {"conversations": 0, "rows": 0, "tokens": 0, "loss_tokens": 0,
-            "dropped": dict.fromkeys(REASONS, 0), "cut_to_max_seq_len": 0,
+            "dropped": dict.fromkeys(COMPLETION_DROP_REASONS, 0), "cut_to_max_seq_len": 0,
             "lookalike_rows": 0}
 
 
@@ -295,7 +295,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
         try:
             row_plans = encoder.plan(row["messages"], row.get("tools"),
                                      policy=cfg.multi_turn, truncated=truncated,
-                                     lookalikes=None if encoder.json_may_spell(raw) else False)
+                                     lookalikes=None if encoder.codec.json_may_spell(raw) else False)
         except StageError as e:
             raise StageError(f"{path}:{no}: row {row['id']!r}: {e}") from None
         for p in row_plans:

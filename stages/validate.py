@@ -110,8 +110,7 @@ def run(cfg: P.Validate) -> dict:
         raise StageError(f"{DATA}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     fingerprint = _fingerprint(findings) or {}
-    cfg, used = _limits(cfg, fingerprint)
-    vocab = cfg.vocab_size
+    cfg, used = _limits(cfg, fingerprint)  # vocab_size and the limits resolved here
     try:
         shards = list_shards(DATA)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
@@ -119,6 +118,25 @@ def run(cfg: P.Validate) -> dict:
         shards = []
     _check_info(findings)
 
+    scan = _scan(cfg, findings, shards)
+    expected = _check_row_count(findings, scan.rows)
+    budget, train_check = _training(cfg, findings)
+
+    _write_plots(scan.stats, scan.width)
+    report = _report(cfg, findings, scan, shards, expected, used, budget, train_check)
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    outputs.write_report("validate", report)
+    failed = findings.failed()
+    if failed:
+        raise StageError(_failure_message(findings, failed))
+    log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
+             scan.rows, len(shards))
+    return report
+
+
+def _scan(cfg: P.Validate, findings: Findings, shards: list) -> "Scanner":
+    """Every row check over every shard, and the `datasets` load beside it."""
+    vocab = cfg.vocab_size
     threads = cfg.threads or _idle_cpus()
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
     with IdHashes() as ids, \
@@ -138,23 +156,25 @@ def run(cfg: P.Validate) -> dict:
         scan.flush()
         scan.check_unique_ids(shards)
         _check_loads(findings, loads.result(), scan.rows)
-    expected = _check_row_count(findings, scan.rows)
-    budget, train_check = _training(cfg, findings)
+    return scan
 
-    _write_plots(scan.stats, scan.width)
+
+def _report(cfg: P.Validate, findings: Findings, scan: "Scanner", shards: list, expected,
+            used: dict, budget, train_check) -> dict:
+    """reports/validate.json, but for `seconds`."""
     sources = {
         name: {"rows": int(v[0]), "tokens": int(v[1]), "supervised_tokens": int(v[2])}
         for name, v in sorted(scan.stats.items())
     }
     failed = findings.failed()
-    report = {
+    return {
         "passed": not failed,
         "rows": scan.rows,
         "expected_rows": expected,
         "shards": len(shards),
         "tokens": sum(s["tokens"] for s in sources.values()),
         "supervised_tokens": sum(s["supervised_tokens"] for s in sources.values()),
-        "vocab_size": vocab,
+        "vocab_size": cfg.vocab_size,
         "max_seq_len": cfg.max_seq_len,
         "min_loss_tokens": cfg.min_loss_tokens,
         "limits_from": used,
@@ -163,22 +183,17 @@ def run(cfg: P.Validate) -> dict:
         "sources": sources,
         "budget": budget,
         "train_check": train_check,
-        "seconds": round(time.perf_counter() - start, 3),
     }
-    outputs.write_report("validate", report)
-    if failed:
-        parts = []
-        for name in failed:
-            c = findings.checks[name]
-            example = f", e.g. {c['examples'][0]}" if c["examples"] else ""
-            parts.append(f"{name} ({c['failures']}{example})")
-        raise StageError(
-            f"validate: {len(failed)} checks failed: {'; '.join(parts)} "
-            "(see reports/validate.json)"
-        )
-    log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
-             scan.rows, len(shards))
-    return report
+
+
+def _failure_message(findings: Findings, failed: list) -> str:
+    parts = []
+    for name in failed:
+        c = findings.checks[name]
+        example = f", e.g. {c['examples'][0]}" if c["examples"] else ""
+        parts.append(f"{name} ({c['failures']}{example})")
+    return (f"validate: {len(failed)} checks failed: {'; '.join(parts)} "
+            "(see reports/validate.json)")
 
 
 # validate param -> where tokenize recorded it in fingerprint.json

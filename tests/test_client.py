@@ -41,7 +41,7 @@ def body(i: int, **kw) -> bytes:
 def client(urls, **kw) -> ChatClient:
     args = dict(
         api_key=None, concurrency=64, request_timeout=5.0, retry=FAST,
-        unreachable_deadline=2.0, split_reasoning=True,
+        unreachable_deadline=2.0, enable_thinking=True,
     )  # fmt: skip
     args.update(kw)
     return ChatClient(urls if isinstance(urls, list) else [urls], **args)

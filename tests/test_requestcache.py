@@ -11,7 +11,7 @@ import time
 import pytest
 
 from stages.errors import StageError
-from stages.requestcache import KeyIndex, RequestCache, fingerprint, request_key
+from stages.requestcache import KeyIndex, RequestCache, short_hash, request_key
 
 
 def digest(i: int) -> bytes:
@@ -133,5 +133,5 @@ def test_keys_depend_on_payload_and_namespace_only():
     assert request_key("a", msgs, None) == request_key("a", [{"content": "hi", "role": "user"}], None)
     assert request_key("a", msgs, None) != request_key("b", msgs, None)
     assert request_key("a", msgs, None) != request_key("a", msgs, [{"type": "function"}])
-    assert fingerprint({"t": 0.6, "k": 20}) == fingerprint({"k": 20, "t": 0.6})
-    assert fingerprint({"t": 0.6}) != fingerprint({"t": 0.7})
+    assert short_hash({"t": 0.6, "k": 20}) == short_hash({"k": 20, "t": 0.6})
+    assert short_hash({"t": 0.6}) != short_hash({"t": 0.7})

@@ -260,7 +260,7 @@ def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
     lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))
-    chunks = list(TK._chunks(path))
+    chunks = list(TK._line_chunks(path))
     assert [first for first, _ in chunks] == [1, 3, 8]
     for _, part in chunks:
         assert sum(map(len, part)) - len(part[-1]) < 1000

@@ -5,7 +5,7 @@ declare exactly the keys a stage depends on. Validation is strict: an unknown ke
 value of the wrong type stops the stage with one line naming the key and what was
 expected, before any work is done.
 
-Hand-written rather than pydantic (not a dependency here): the dataclasses double as the
+Hand-written rather than pydantic (not one of our declared dependencies): the dataclasses double as the
 documented defaults `params.yaml` must equal (tests/test_params.py), and every error must
 be one line naming the yaml key, which pydantic's multi-line reports would need rewriting
 for anyway.

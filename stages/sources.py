@@ -507,7 +507,7 @@ def _grouped(pairs: Iterator[tuple[int, Any]]) -> Iterator[tuple[list, list]]:
 
 def _json_array(path: Path, raw, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, decoded one at a time from 1 MiB chunks.
-    Hand-written rather than ijson (not a dependency here): the per-record byte cap is
+    Hand-written rather than ijson (not one of our declared dependencies): the per-record byte cap is
     enforced before an element is decoded, and errors name the file and line."""
     text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict")
     decode = json.JSONDecoder().raw_decode

@@ -1,9 +1,11 @@
-"""The one exception type a stage raises for a reason the user can act on, and the one
-reading of a JSON object (a JSONL line, a metadata file) that every stage shares."""
+"""The one exception type a stage raises for a reason the user can act on, the one
+reading of a JSON object (a JSONL line, a metadata file) that every stage shares, and
+whether a JSON value can be written back as UTF-8."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 
 class StageError(Exception):
@@ -28,3 +30,20 @@ def json_type(value) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
              type(None): "null"}  # fmt: skip
     return names.get(type(value), "a number")
+
+
+def writable(value: Any) -> bool:
+    """Every string in a JSON value encodes as UTF-8."""
+    if isinstance(value, str):
+        if value.isascii():
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(writable(k) and writable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(writable(v) for v in value)
+    return True

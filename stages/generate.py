@@ -66,7 +66,7 @@ from stages.client import (
     engine_tokens,
     parse_reply,
 )
-from stages.errors import StageError, json_object
+from stages.errors import StageError, json_object, writable
 from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
 from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
@@ -253,7 +253,7 @@ def cached_record(js: bytes) -> Optional[dict]:
         and isinstance(rec.get("attempts"), int)
         and (rec.get("status") is None or isinstance(rec.get("status"), int))
     )
-    return rec if fields and replies.writable(rec) else None
+    return rec if fields and writable(rec) else None
 
 
 def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:

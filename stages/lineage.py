@@ -25,7 +25,7 @@ from typing import Any, Optional
 import yaml
 
 from stages import charts, outputs, params, secrets
-from stages.errors import StageError, json_object, json_type
+from stages.errors import StageError, json_object, json_type, writable
 from stages.schema import STATE_FILE
 
 log = logging.getLogger("merge")
@@ -279,18 +279,10 @@ def _checked(history: Any, path: Path) -> list[dict]:
                 want = "a count" if kind is int else "a string"
                 raise StageError(f"{path}: history[{i}].{key} is {json_type(value)}, not "
                                  f"{want} or null (merge.base's lineage)")
-            if kind is str and not value.isascii() and _lone_surrogate(value):
+            if kind is str and not writable(value):
                 raise StageError(f"{path}: history[{i}].{key} holds a lone surrogate, which "
                                  "cannot be written as UTF-8 (merge.base's lineage)")
     return history
-
-
-def _lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 class _HeaderLoader(params.BoundedLoader):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from stages import messages as contract
-from stages.errors import json_type
+from stages.errors import json_type, writable
 
 MAX_TOKENS = 2**31  # usage counts above this are not token counts
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
@@ -87,23 +87,6 @@ def _text(value: Any, where: str) -> Optional[str]:
     if not writable(value):
         return f"{where} holds text that cannot be written as UTF-8 (a lone surrogate)"
     return None
-
-
-def writable(value: Any) -> bool:
-    """Every string in a JSON value encodes as UTF-8."""
-    if isinstance(value, str):
-        if value.isascii():
-            return True
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(value, dict):
-        return all(writable(k) and writable(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(writable(v) for v in value)
-    return True
 
 
 def _short(value: Any) -> str:

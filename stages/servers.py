@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stages import params as P
-from stages import replies
-from stages.errors import StageError
+from stages.errors import StageError, writable
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +414,7 @@ def _model_ids(data: Any) -> list[str]:
     except (KeyError, TypeError):
         return []
     return [i for i in ids
-            if isinstance(i, str) and 0 < len(i) <= P.MAX_PATH and replies.writable(i)]
+            if isinstance(i, str) and 0 < len(i) <= P.MAX_PATH and writable(i)]
 
 
 # ------------------------------------------------------------------------ launched

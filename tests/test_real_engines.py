@@ -221,9 +221,11 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
 
 
 def _stage_pid(root: psutil.Process) -> int | None:
+    """The stage's own Python process. Without $SHELL, DVC runs `sh -c CMD` and dash
+    does not exec the command, so the shell's one-string argument must not match."""
     for child in root.children(recursive=True):
         try:
-            if "stages.generate" in " ".join(child.cmdline()):
+            if "stages.generate" in child.cmdline():
                 return child.pid
         except psutil.Error:
             continue

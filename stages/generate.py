@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -489,7 +490,8 @@ class Generation:
             return
         data = self.encoder.encode(prompt, fit)
         if self.sent == 0 and self.cfg.limit is not None:
-            _print_first_request(prompt, self.server, self.sampling, self.cfg)
+            sampling = self.sampling if fit is None else dataclasses.replace(self.sampling, max_tokens=fit)
+            _print_first_request(prompt, self.server, sampling, self.cfg)
         self.sent += 1
         try:
             reply = await self.client.complete(data)

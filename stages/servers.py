@@ -426,7 +426,10 @@ def served_context(urls: list[str], model: str, api_key: Optional[str]) -> Optio
         try:
             status, raw = _request(f"{url}/v1/models", None, api_key)
             cards = json.loads(raw)["data"] if status == 200 else []
-            card = next((c for c in cards if isinstance(c, dict) and c.get("id") == model), None)
+            cards = [c for c in cards if isinstance(c, dict)]
+            # the card of `model`, else the only one listed
+            mine = [c for c in cards if c.get("id") == model] or cards[:1] * (len(cards) == 1)
+            card = mine[0] if mine else None
         except (OSError, urllib.error.URLError, ValueError, RecursionError, KeyError, TypeError):
             return None
         n = card.get("max_model_len") if card else None

@@ -58,5 +58,5 @@ def test_the_served_context_is_max_model_len_of_the_served_model():
     with spawn({"max_context": 4096}) as a, spawn({"max_context": 2048}) as b, spawn({}) as c:
         assert servers.served_context([a.url], "fake-model", None) == 4096
         assert servers.served_context([a.url, b.url], "fake-model", None) == 2048
-        assert servers.served_context([a.url], "other-model", None) is None
+        assert servers.served_context([a.url], "other-model", None) == 4096  # its only model
         assert servers.served_context([a.url, c.url], "fake-model", None) is None

@@ -113,11 +113,12 @@ def _build_patterns() -> tuple[re.Pattern, re.Pattern]:
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer, in place: polynomial hashes mod 2^64 are linear, this is not."""
-    x ^= x >> _S30
+    t = x >> _S30
+    x ^= t
     x *= _M1
-    x ^= x >> _S27
+    x ^= np.right_shift(x, _S27, out=t)
     x *= _M2
-    x ^= x >> _S31
+    x ^= np.right_shift(x, _S31, out=t)
     return x
 
 
@@ -447,14 +448,19 @@ def _bitmap(hashes: np.ndarray, bits_per_entry: int, slots_of) -> np.ndarray:
     """A bit array with the bits `slots_of` gives each of `hashes` set."""
     nbits = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
     bits = np.zeros(nbits // 8, np.uint8)
-    starts = list(range(0, nbits, _BITMAP_CHUNK))
+    size = min(_BITMAP_CHUNK, nbits)
+    chunk = np.empty(size, bool)  # one buffer for every chunk: clearing it beats fresh pages
+    starts = list(range(0, nbits, size))
     for slot in slots_of(hashes, nbits):
-        slot.sort()  # then one chunk of the bit array at a time
-        bounds = np.searchsorted(slot, starts + [nbits]).tolist()
+        bounds = [0, len(slot)]
+        if len(starts) > 1:
+            slot.sort()  # then one chunk of the bit array at a time
+            bounds = np.searchsorted(slot, starts + [nbits]).tolist()
         for i, lo in enumerate(starts):
-            chunk = np.zeros(min(_BITMAP_CHUNK, nbits), bool)
-            chunk[slot[bounds[i]: bounds[i + 1]] - lo] = True
-            bits[lo // 8: lo // 8 + len(chunk) // 8] |= np.packbits(chunk, bitorder="little")
+            chunk.fill(False)
+            part = slot[bounds[i]: bounds[i + 1]]
+            chunk[part - lo if lo else part] = True
+            bits[lo // 8: lo // 8 + size // 8] |= np.packbits(chunk, bitorder="little")
         del slot
     return bits
 
@@ -484,7 +490,6 @@ def _sorted_unique(parts: list, item_parts: list) -> tuple[np.ndarray, np.ndarra
         rows = np.union1d(tie, tie + 1)
         by_item = np.lexsort((items[rows], hashes[rows]))
         hashes[rows], items[rows] = hashes[rows][by_item], items[rows][by_item]
-    if len(hashes) > 1:
         keep = np.concatenate(([True], (hashes[1:] != hashes[:-1]) | (items[1:] != items[:-1])))
         hashes, items = hashes[keep], items[keep]
     return hashes, items

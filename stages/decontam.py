@@ -17,8 +17,9 @@ item it shares most n-grams with.
 
 Hashing is vectorised over a whole batch of texts (numpy, no Python loop per word): a
 word's hash mixes the 8-byte little-endian words of its folded UTF-8 bytes; a run of
-words hashes as a polynomial of its words' hashes mod 2^64, from prefix sums. The index is
-the n-gram hashes sorted with the item of each, and two bit filters of shorter runs,
+words hashes as a polynomial of its words' hashes mod 2^64 (from prefix sums where an
+index needs the runs at every position, by Horner's rule for a prompt's probes). The
+index is the n-gram hashes sorted with the item of each, and two bit filters of shorter runs,
 m = n - k + 1 words with k = n // 2, that answer "surely absent" for almost every probe
 of a clean prompt without touching the sorted array: ~18 bytes per indexed n-gram,
 whatever the size of the mix. A prompt is probed only at every k-th word: an n-gram it
@@ -388,7 +389,8 @@ class Index:
         if (self.hashes.take(lo + 1, mode="clip") == h).any():  # an n-gram of several items
             reps = np.minimum(np.searchsorted(self.hashes, h, side="right") - lo, 64)
             pair_first = np.repeat(first, reps)
-            rows = np.repeat(lo, reps) + np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
+            offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
+            rows = np.repeat(lo, reps) + offset
         items = self.items.take(rows).astype(np.int64)
         prompts = _owner(counts)[w.text_of(pair_first)]
         pairs, at, shared = np.unique((prompts << 32) | items, return_index=True, return_counts=True)

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 import unicodedata
@@ -154,15 +155,26 @@ class _RowMaker:
         self.evals = decontam.opened(spec.evals) if spec.evals else None
 
     def make_all(self, items: list) -> list:
-        make = self.make
         if self.evals is None:
+            make = self.make
             return [make(item) for item in items]
+        results, texts, counts = self.make_unchecked(items)
+        return self.drop_matches(results, self.evals.check(texts, counts))
+
+    def make_unchecked(self, items: list) -> tuple[list, list[str], list[int]]:
+        """The results of `make`, and what decontamination checks of the candidates among
+        them: their message texts in a row, and how many texts each has."""
+        make = self.make
         asked: list[list] = []
         results = [make(item, asked) for item in items]
-        # what decontamination checks: all but the answers kept as context, which stay as
-        # empty texts (no words) so that each candidate keeps one text per message
+        # all but the answers kept as context, which stay as empty texts (no words) so
+        # that each candidate keeps one text per message
         texts = [m["content"] if m["role"] != "assistant" else "" for ms in asked for m in ms]
-        hits = self.evals.check(texts, [len(ms) for ms in asked])  # one per candidate, in order
+        return results, texts, [len(ms) for ms in asked]
+
+    def drop_matches(self, results: list, hits: list) -> list:
+        """`results` with each candidate that has a hit (one per candidate, in order)
+        replaced by its decontam.Match."""
         if hits.count(None) == len(hits):
             return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]
@@ -214,16 +226,24 @@ class _RowMaker:
 _MAKERS: dict[str, _RowMaker] = {}
 
 
-def _work(spec: _Spec, items: list) -> tuple[list, dict]:
-    """Prepare one chunk of rows (in a worker process, or inline)."""
+def _maker(spec: _Spec) -> _RowMaker:
     maker = _MAKERS.get(spec.token)
     if maker is None:
         _MAKERS.clear()
         maker = _MAKERS[spec.token] = _RowMaker(spec)
-    results = maker.make_all(items)
+    return maker
+
+
+def _unknown_roles(maker: _RowMaker) -> dict:
     unknown = dict(maker.layout.unknown_roles)
     maker.layout.unknown_roles.clear()
-    return results, unknown
+    return unknown
+
+
+def _work(spec: _Spec, items: list) -> tuple[list, dict]:
+    """Prepare one chunk of rows (in a worker process, or inline)."""
+    maker = _maker(spec)
+    return maker.make_all(items), _unknown_roles(maker)
 
 
 class _Workers:
@@ -247,33 +267,132 @@ class _Workers:
 
 
 def _prepared_groups(
-    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers,
+    checker: Optional["_Checker"],
 ) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
     processes with at most 4 groups per worker in flight, so memory stays flat however
-    far the reader could run ahead."""
+    far the reader could run ahead; in one process with decontamination, here while the
+    checker process checks the groups before (at most 2 behind) once it has started."""
     pending: deque = deque()
     sent = 0
-    for positions, items in reader.batches():
-        if probe.active:
-            for pos, item in zip(positions, items):
-                if probe.active:
-                    probe.see(item, reader.where(pos))
-        meta = (reader.current, reader.unit, positions)
-        if workers.n > 1 and sent >= LOCAL_ROWS:
-            pending.append((meta, workers.get().apply_async(_work, (spec, items))))
-            while len(pending) > 4 * workers.n:
-                meta, job = pending.popleft()
-                yield meta + job.get()
-        else:  # `sent` only grows, so no group is pending here
-            yield meta + _work(spec, items)
-        sent += len(items)
-    probe.finish()
-    while pending:
-        meta, job = pending.popleft()
-        yield meta + job.get()
+    try:
+        for positions, items in reader.batches():
+            if probe.active:
+                for pos, item in zip(positions, items):
+                    if probe.active:
+                        probe.see(item, reader.where(pos))
+            meta = (reader.current, reader.unit, positions)
+            if workers.n > 1 and sent >= LOCAL_ROWS:
+                pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                while len(pending) > 4 * workers.n:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            elif checker is not None and sent >= LOCAL_ROWS and checker.ready():
+                pending.append((meta, checker.submit(spec, items)))  # once ready, it stays ready
+                while len(pending) > 2:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            else:  # `sent` only grows, so no group is pending here
+                yield meta + _work(spec, items)
+            sent += len(items)
+        probe.finish()
+        while pending:
+            meta, job = pending.popleft()
+            yield meta + job.get()
+    finally:
+        if pending and checker is not None:  # left early: replies the next source must not read
+            checker.close()
+
+
+class _Checker:
+    """Decontamination in a process of its own beside a single-process prepare: this
+    process makes the rows of a group, sends their texts (one decontam.pack buffer) and
+    makes the next group's while the checker looks them up; hits come back in order.
+    Started when a source proves large; until it has loaded the index, groups are checked
+    here."""
+
+    def __init__(self, evals: "_Evals"):
+        self.evals = evals
+        self.proc = self.conn = None
+        self.loaded = False
+
+    def ready(self) -> bool:
+        if self.proc is None:
+            ctx = multiprocessing.get_context("spawn")  # as for the workers
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_serve_checks, args=(child, self.evals.saved()), daemon=True)
+            self.proc.start()
+            child.close()
+            log.info("started the decontamination checker process")
+        if not self.loaded and self.conn.poll():
+            self.loaded = self._reply() == "loaded"
+        return self.loaded
+
+    def submit(self, spec: _Spec, items: list) -> "_CheckJob":
+        maker = _maker(spec)
+        results, texts, counts = maker.make_unchecked(items)
+        job = _CheckJob(self, maker, results, texts, counts, _unknown_roles(maker))
+        self.conn.send(counts)
+        self.conn.send_bytes(decontam.pack(texts))
+        return job
+
+    def _reply(self):
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            raise StageError("prepare: the decontamination checker process ended unexpectedly") from None
+        if type(reply) is tuple:
+            raise StageError(f"prepare: decontamination checker: {reply[1]}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.conn.close()
+            self.proc.terminate()
+            self.proc.join()
+            self.proc = self.conn = None
+            self.loaded = False
+
+
+class _CheckJob:
+    """A group sent to the checker: its rows, kept here until its hits come back."""
+
+    def __init__(self, checker: _Checker, maker: _RowMaker, results, texts, counts, unknown):
+        self.checker, self.maker, self.results = checker, maker, results
+        self.texts, self.counts, self.unknown = texts, counts, unknown
+
+    def get(self) -> tuple[list, dict]:
+        hits = self.checker._reply()
+        if hits is None:  # a text holds \0, which the packed buffer cannot tell apart
+            hits = self.maker.evals.check(self.texts, self.counts)
+        return self.maker.drop_matches(self.results, hits), self.unknown
+
+
+def _serve_checks(conn, folder: str) -> None:
+    """The checker process: load the index, then answer each (counts, packed texts) with
+    their hits (None when the buffer cannot be read apart), until prepare closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is prepare's to handle: it ends us
+    try:
+        index = decontam.Index.load(Path(folder))
+        conn.send("loaded")
+        while True:
+            try:
+                counts = conn.recv()
+                data = conn.recv_bytes()
+            except EOFError:
+                return
+            try:
+                conn.send(index.check_packed(data, counts))
+            except decontam.Unpacked:
+                conn.send(None)
+    except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
 
 
 # ------------------------------------------------------------------------ one source
@@ -298,7 +417,8 @@ def _one_source(
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
-    for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
+    groups = _prepared_groups(reader, probe, spec, workers, evals.checker)
+    for current, unit, positions, results, unknown in groups:
         if unknown:
             unknown_roles.update(unknown)
         for pos, res in zip(positions, results):
@@ -374,7 +494,8 @@ def _one_source(
 
 class _Evals:
     """The decontamination index of this run (none without evaluation sets), where
-    worker processes find it, and the count of prompts it drops."""
+    worker processes find it (or the checker process, without workers), and the count of
+    prompts it drops."""
 
     def __init__(self, cfg: P.Prepare, workers: bool):
         self.key: Optional[str] = None
@@ -383,18 +504,26 @@ class _Evals:
         self.policy = policy
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
+        self.checker: Optional[_Checker] = None
         if not policy.evals:
             return
         self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
         for st in self.stats.values():
             st.update(contaminated=0, by_source={})
-        if workers:  # saved once; workers memory-map it
-            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
-            self.index.save(Path(self.folder))
-            self.key = self.folder
+        if workers:
+            self.key = self.saved()
         else:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
+            if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
+                self.checker = _Checker(self)
         decontam.register(self.key, self.index)
+
+    def saved(self) -> str:
+        """The folder of the index, saved once for the processes that memory-map it."""
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.index.save(Path(self.folder))
+        return self.folder
 
     def count(self, source: str, match: "decontam.Match") -> None:
         st = self.stats[match.eval_set]
@@ -413,6 +542,8 @@ class _Evals:
         return out
 
     def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
         if self.key is not None:
             decontam.forget(self.key)
         if self.folder is not None:

@@ -53,7 +53,9 @@ log = logging.getLogger("prepare")
 OUT_DIR = Path("data/prompts")
 OUT_FILE = "prompts.jsonl"
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
-LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
+LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or the checker) take over
+CHECK_AHEAD = 4  # groups sent to the decontamination checker and not yet answered, at most
+_PIPE_BYTES = 1 << 20  # asked of the pipe to the checker: CHECK_AHEAD groups' texts fit
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
@@ -275,7 +277,7 @@ def _prepared_groups(
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
     processes with at most 4 groups per worker in flight, so memory stays flat however
     far the reader could run ahead; in one process with decontamination, here while the
-    checker process checks the groups before (at most 2 behind) once it has started."""
+    checker process checks the groups before (at most CHECK_AHEAD) once it has started."""
     pending: deque = deque()
     sent = 0
     try:
@@ -292,7 +294,7 @@ def _prepared_groups(
                     yield meta + job.get()
             elif checker is not None and sent >= LOCAL_ROWS and checker.ready():
                 pending.append((meta, checker.submit(spec, items)))  # once ready, it stays ready
-                while len(pending) > 2:
+                while len(pending) > CHECK_AHEAD:
                     meta, job = pending.popleft()
                     yield meta + job.get()
             else:  # `sent` only grows, so no group is pending here
@@ -311,23 +313,34 @@ class _Checker:
     """Decontamination in a process of its own beside a single-process prepare: this
     process makes the rows of a group, sends their texts (one decontam.pack buffer) and
     makes the next group's while the checker looks them up; hits come back in order.
-    Started when a source proves large; until it has loaded the index, groups are checked
-    here."""
+    Started when a source proves large and a CPU sits idle; until it has loaded the
+    index, groups are checked here."""
 
     def __init__(self, evals: "_Evals"):
         self.evals = evals
-        self.proc = self.conn = None
+        self.proc = self.asks = self.answers = None
         self.loaded = False
+        self.declined = False  # the machine was busy when a source first proved large
 
     def ready(self) -> bool:
+        if self.declined:
+            return False
         if self.proc is None:
+            if not _cpu_to_spare():
+                self.declined = True
+                log.info("decontamination checks in this process: no idle CPU for a checker")
+                return False
             ctx = multiprocessing.get_context("spawn")  # as for the workers
-            self.conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=_serve_checks, args=(child, self.evals.saved()), daemon=True)
+            asks, self.asks = ctx.Pipe(duplex=False)
+            self.answers, answers = ctx.Pipe(duplex=False)
+            _widen(self.asks)
+            self.proc = ctx.Process(target=_serve_checks, args=(asks, answers, self.evals.saved()),
+                                    daemon=True)
             self.proc.start()
-            child.close()
+            asks.close()
+            answers.close()
             log.info("started the decontamination checker process")
-        if not self.loaded and self.conn.poll():
+        if not self.loaded and self.answers.poll():
             self.loaded = self._reply() == "loaded"
         return self.loaded
 
@@ -335,13 +348,13 @@ class _Checker:
         maker = _maker(spec)
         results, texts, counts = maker.make_unchecked(items)
         job = _CheckJob(self, maker, results, texts, counts, _unknown_roles(maker))
-        self.conn.send(counts)
-        self.conn.send_bytes(decontam.pack(texts))
+        self.asks.send(counts)
+        self.asks.send_bytes(decontam.pack(texts))
         return job
 
     def _reply(self):
         try:
-            reply = self.conn.recv()
+            reply = self.answers.recv()
         except (EOFError, OSError):
             raise StageError("prepare: the decontamination checker process ended unexpectedly") from None
         if type(reply) is tuple:
@@ -350,10 +363,11 @@ class _Checker:
 
     def close(self) -> None:
         if self.proc is not None:
-            self.conn.close()
+            self.asks.close()
+            self.answers.close()
             self.proc.terminate()
             self.proc.join()
-            self.proc = self.conn = None
+            self.proc = self.asks = self.answers = None
             self.loaded = False
 
 
@@ -371,26 +385,41 @@ class _CheckJob:
         return self.maker.drop_matches(self.results, hits), self.unknown
 
 
-def _serve_checks(conn, folder: str) -> None:
+def _widen(conn) -> None:
+    """A pipe that holds CHECK_AHEAD groups, so that sending one does not wait for the
+    checker to read (Linux; elsewhere, or past the system's limit, it stays as it is)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _serve_checks(asks, answers, folder: str) -> None:
     """The checker process: load the index, then answer each (counts, packed texts) with
     their hits (None when the buffer cannot be read apart), until prepare closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is prepare's to handle: it ends us
+    try:  # woken by each group, it must not take the CPU from prepare when they share one
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        pass
     try:
         index = decontam.Index.load(Path(folder))
-        conn.send("loaded")
+        answers.send("loaded")
         while True:
             try:
-                counts = conn.recv()
-                data = conn.recv_bytes()
+                counts = asks.recv()
+                data = asks.recv_bytes()
             except EOFError:
                 return
             try:
-                conn.send(index.check_packed(data, counts))
+                answers.send(index.check_packed(data, counts))
             except decontam.Unpacked:
-                conn.send(None)
+                answers.send(None)
     except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            answers.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
 
@@ -550,15 +579,30 @@ class _Evals:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _auto_workers() -> int:
     """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
-    or fewer that is a single process, because workers would only compete with it."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    n = min(n - 1, 8)
+    or fewer that is a single process, because workers would only compete with it (a
+    decontamination checker, which takes less of a core, may run beside it)."""
+    n = min(_cpus() - 1, 8)
     return n if n >= 2 else 1
+
+
+def _cpu_to_spare() -> bool:
+    """Whether a CPU sits idle for the checker: other load (the 1-minute load average)
+    under one CPU besides this process's. On a busy machine a checker only takes CPU
+    time from prepare and adds its own costs (the pipe, its start), so the check stays
+    in this process."""
+    try:
+        return os.getloadavg()[0] < _cpus() - 1
+    except (AttributeError, OSError):  # no load average here
+        return False
 
 
 class _LimitSampler:

@@ -68,7 +68,9 @@ def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
     }  # fmt: skip
     (wd / "params.yaml").write_text(yaml.safe_dump({"generate": gen}), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "stages.generate"], cwd=wd, env=env,
+    from stages import cli
+
+    done = subprocess.run([sys.executable, *cli.pipeline_command("generate")[1:]], cwd=wd, env=env,
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"generate stage failed: {done.stderr[-2000:]}")

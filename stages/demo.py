@@ -20,12 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stages import charts, cli
+from stages import params as P
 from stages.errors import StageError
 
-BASE = Path("data/base")
 BASE_ROWS = 24
-MERGED = Path("data/merged")
-REPORTS = Path("reports")
+WHERE = cli.pipeline_vars()  # the data paths dvc.yaml gives the stages
+MERGED = Path(WHERE["merged"])
+REPORTS = Path(WHERE["reports"])
 
 
 def setup() -> None:
@@ -33,8 +35,9 @@ def setup() -> None:
 
     tokenizer.load_tokenizer("bundled:qwen3.6")
     tinymodel.ensure_model()
-    if not (BASE / "state.json").exists():
-        build_base(BASE)
+    base = P.load("merge", "params.yaml").base
+    if base and not (Path(base) / "state.json").exists():
+        build_base(Path(base))
 
 
 def base_conversations(n: int = BASE_ROWS, seed: int = 1234) -> list[dict]:
@@ -143,7 +146,7 @@ def summary(ran: list[str] | None) -> str:
                      "(facts for machines: data/merged/lineage.json)")
     lines.append(
         "load it:  python -c \"from stages.loader import batches; "
-        "print(next(batches('data/merged', 4096, packed=True)))\""
+        f"print(next(batches('{MERGED}', 4096, packed=True)))\""
     )
     return "\n".join(lines)
 
@@ -176,7 +179,7 @@ def training_lines(val: dict) -> list[str]:
         )
         lines.append(f"          {packed['supervised_tokens_per_step']:.0f} supervised tokens per "
                      f"packed step (by source: reports/validate.json)")
-    pictures = sorted(str(p) for p in (REPORTS / "plots").glob("*.svg"))
+    pictures = sorted(str(p) for p in charts.plots(REPORTS).glob("*.svg"))
     if pictures:
         lines.append(f"pictures  {', '.join(pictures)}")
     return lines

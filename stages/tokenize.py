@@ -59,8 +59,8 @@ from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name,
 
 log = logging.getLogger(__name__)
 
-COMPLETIONS = Path("data/completions/completions.jsonl")
-OUT = Path("data/tokenized")
+PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
+         "reports": "folder of the stage reports"}
 COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
 # A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
 # so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
@@ -70,13 +70,14 @@ MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
 
 
-def run(cfg: P.Tokenize) -> dict:
+def run(cfg: P.Tokenize, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     try:
-        report = tokenize_file(COMPLETIONS, OUT, cfg)
+        report = tokenize_file(paths.completions / contract.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
-        outputs.write_report("tokenize", e.report)
+        outputs.write_report(paths.reports, "tokenize", e.report)
         raise
-    outputs.write_report("tokenize", report)
+    outputs.write_report(paths.reports, "tokenize", report)
     return report
 
 
@@ -536,4 +537,4 @@ def _percentiles(values) -> dict:
 
 
 if __name__ == "__main__":
-    cli.entry("tokenize", __doc__, run)
+    cli.entry("tokenize", __doc__, run, PATHS)

@@ -21,6 +21,8 @@ from stages.params import ParamError, Tokenize
 from stages.schema import FEATURES
 from tests import stagecli
 
+PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
+
 ROOT = Path(__file__).resolve().parents[1]
 IM_END = 248046
 
@@ -270,7 +272,7 @@ def test_run_writes_the_report(tmp_path, monkeypatch):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", ROWS[:1])
     monkeypatch.chdir(tmp_path)
-    TK.run(Tokenize())
+    TK.run(Tokenize(), PATHS)
     assert json.loads(Path("reports/tokenize.json").read_text())["rows"] == 1
     assert len(load("data/tokenized")) == 1
 

@@ -28,6 +28,11 @@ runpy.run_module("stages." + stage, run_name="__main__", alter_sys=True)
 """
 
 
+def command(stage: str) -> list[str]:
+    """dvc.yaml's cmd for `stage`, run by this interpreter."""
+    return [sys.executable, *cli.pipeline_command(stage)[1:]]
+
+
 def paths(stage: str):
     """The paths dvc.yaml's cmd gives `stage`, for calling its `run(cfg, paths)` directly."""
     return cli.pipeline_paths(stage, importlib.import_module(f"stages.{stage}").PATHS)

@@ -100,14 +100,14 @@ def env(**extra) -> dict:
 
 def stage(wd: Path, timeout: float = 90, **extra_env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        stagecli.command("generate"), cwd=wd, env=env(**extra_env),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
 def start_stage(wd: Path, **extra_env) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        stagecli.command("generate"), cwd=wd, env=env(**extra_env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 

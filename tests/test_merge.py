@@ -417,7 +417,7 @@ def test_cli_prints_one_line_and_exits_1(repo):
     save(repo / "data/tokenized", rows(ids("n", 2)))
     (repo / "params.yaml").write_text("merge:\n  base: data/base\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.merge"], cwd=repo, env=env,
+    proc = subprocess.run(stagecli.command("merge"), cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith(

@@ -509,7 +509,7 @@ def test_cli_runs_the_stage(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"prepare": {"seed": 0, "sources": sources}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.prepare", "--params", str(params)],
+    proc = subprocess.run([*stagecli.command("prepare"), "--params", str(params)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "wrote 11 prompts" in proc.stderr

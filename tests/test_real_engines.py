@@ -31,6 +31,7 @@ from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
 from tests.test_servecheck import prompts as every_shape
 from tests.repo import env as repo_env
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -92,7 +93,7 @@ def user_prompts(n: int, prefix: str = "q") -> list[dict]:
 
 def stage(wd: Path, module: str = "generate", timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", f"stages.{module}"], cwd=wd, env=env(),
+        stagecli.command(module), cwd=wd, env=env(),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -405,7 +406,7 @@ def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(route
     write_prompts(tmp_path, user_prompts(16))
     router_params(tmp_path, router, model=None)
     asking = subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stagecli.command("generate"), cwd=tmp_path, env=env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     time.sleep(3)
@@ -419,7 +420,7 @@ def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(route
 
     router_params(tmp_path, router)  # the model named
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stagecli.command("generate"), cwd=tmp_path, env=env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []

@@ -282,7 +282,7 @@ def test_cli_bad_input_exits_1_with_one_line(tmp_path):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", [ROWS[0], "{oops\n"])
     (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 2\n")
-    proc = subprocess.run([sys.executable, "-m", "stages.tokenize"], cwd=tmp_path,
+    proc = subprocess.run(stagecli.command("tokenize"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1

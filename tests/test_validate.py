@@ -406,7 +406,7 @@ def test_cli_exits_1_after_writing_the_report(repo):
     write(repo, parts)
     (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.validate"], cwd=repo, env=env,
+    proc = subprocess.run(stagecli.command("validate"), cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

@@ -124,7 +124,7 @@ def main() -> dict:
         "startup_timeout": 900,
     }, "bench")  # fmt: skip
     t0 = time.monotonic()
-    with servers.LaunchedServer(launch, WORK / "vllm.log") as server:
+    with servers.EngineProcess(launch, WORK / "vllm.log") as server:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
         ours, theirs = [], []

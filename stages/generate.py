@@ -6,7 +6,7 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling fingerprint,
+                                      truncated, usage, model, sampling hash,    
                                       and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
@@ -273,7 +273,7 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 
 class ServerHandle:
     """The server this run talks to (launched or at URLs): its URLs, the model name, restart
-    hooks. Its params are `P.Server`; a launched engine process is `servers.LaunchedServer`."""
+    hooks. Its params are `P.Server`; a launched engine process is `servers.EngineProcess`."""
 
     def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
@@ -747,7 +747,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
     sampling_hash = short_hash(sampling.as_dict())
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
     plan = PromptLocations(paths.prompts / contract.PROMPTS_FILE, cfg.limit, namespace)
-    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_hash}
+    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -910,7 +910,7 @@ async def _send(
             gen = Generation(cfg, plan, cache, server, client)
             await gen.run(pending, watch=_watch_url)
             return gen
-    launched = servers.LaunchedServer(cfg.server.launch, SERVER_LOG, key)
+    launched = servers.EngineProcess(cfg.server.launch, SERVER_LOG, key)
     server.launched = launched
     try:
         # in a thread: an engine can take minutes to start and Ctrl-C must still work

@@ -3,7 +3,7 @@
 data/merged/lineage.json holds the facts; data/merged/README.md is the same facts as a
 Hugging Face dataset card (a YAML header `huggingface_hub.DatasetCard.load` reads, then
 text a person reads): rows and tokens, what each source lost at each stage and why, the
-target model as served, sampling, tokenizer and chat-template fingerprints, the code
+target model as served, sampling and chat-template hashes, the tokenizer, the code
 commit, the DVC hashes of the upstream outs, and the history of every version this one
 extends. The history is carried forward from the base's own lineage.json (or the YAML
 header of its card), so a set merged five times lists five versions.
@@ -33,7 +33,7 @@ log = logging.getLogger("merge")
 
 CARD_FILE = "README.md"
 LINEAGE_FILE = "lineage.json"
-FORMAT = 1
+FORMAT = 2  # 2: the state hash is `state_hash` (was dataset_fingerprint), sampling.hash
 LOCK = Path("dvc.lock")
 SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
                    (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
@@ -50,7 +50,7 @@ def upstream(paths) -> dict[str, str]:
 
 
 def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
-          dataset_fingerprint: str, paths) -> dict:
+          state_hash: str, paths) -> dict:
     """The lineage of the version merge is writing (a JSON-ready dict, secrets removed)."""
     reports = {stage: read_report(paths.reports, stage) for stage in upstream(paths)}
     generate = reports["generate"]
@@ -68,7 +68,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "new_rows": merge_report["new"]["rows"] - merge_report["duplicates"]["dropped_new_rows"],
         "tokens": merged["tokens"],
         "model": generate.get("model"),
-        "dataset_fingerprint": dataset_fingerprint,
+        "state_hash": state_hash,
     }
     lineage = {
         "format": FORMAT,
@@ -77,15 +77,15 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "tokens": merged["tokens"],
         "supervised_tokens": merged["loss_tokens"],
         "shards": merged["shards"],
-        "dataset_fingerprint": dataset_fingerprint,
+        "state_hash": state_hash,
         "base": {**merge_report["base"], "lineage": bool(earlier),
-                 "dataset_fingerprint": _state_fingerprint(base)},
+                 "state_hash": _state_hash(base)},
         "new": merge_report["new"],
         "duplicates": merge_report["duplicates"],
         "sources": sources(reports),
         "model": served_model(generate),
         "sampling": {"params": generate.get("sampling_params"),
-                     "fingerprint": generate.get("sampling")},
+                     "hash": generate.get("sampling")},
         "tokenizer": {
             "tokenizer": fingerprint.get("tokenizer"),
             "chat_template_sha256": fingerprint.get("chat_template_sha256"),
@@ -237,7 +237,7 @@ def base_history(base: Optional[Path], base_totals: dict) -> list[dict]:
         return []
     return [{"version": 0, "created": None, "git_commit": None, "rows": base_totals["rows"],
              "base_rows": None, "new_rows": None, "tokens": base_totals.get("tokens"),
-             "model": None, "dataset_fingerprint": _state_fingerprint(base),
+             "model": None, "state_hash": _state_hash(base),
              "note": f"base {base} had no lineage card"}]
 
 
@@ -261,7 +261,8 @@ def _read_history(base: Path) -> Optional[list[dict]]:
 # what each field of a history entry may hold (besides null); `version` is required
 _HISTORY_FIELDS = {"version": int, "rows": int, "base_rows": int, "new_rows": int,
                    "tokens": int, "created": str, "git_commit": str, "model": str,
-                   "note": str, "dataset_fingerprint": str}
+                   "note": str, "state_hash": str}
+OLD_KEYS = {"dataset_fingerprint": "state_hash"}  # format 1's name, in earlier versions' history
 MAX_HEADER_BYTES = 16 << 20
 
 
@@ -272,6 +273,9 @@ def _checked(history: Any, path: Path) -> list[dict]:
     if not isinstance(history, list) or not all(isinstance(v, dict) for v in history):
         raise StageError(f"{path}: history is not a list of versions (merge.base's lineage)")
     for i, v in enumerate(history):
+        for old, new in OLD_KEYS.items():
+            if old in v:
+                v.setdefault(new, v.pop(old))
         if v.get("version") is None:
             raise StageError(f"{path}: history[{i}].version is missing (merge.base's lineage)")
         for key, kind in _HISTORY_FIELDS.items():
@@ -318,7 +322,8 @@ def _front_matter(text: str, path: Path) -> dict:
     return {}
 
 
-def _state_fingerprint(folder: Optional[Path]) -> Optional[str]:
+def _state_hash(folder: Optional[Path]) -> Optional[str]:
+    """state.json's `_fingerprint` (datasets' name for it)."""
     try:
         state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     except (TypeError, OSError, ValueError):
@@ -461,7 +466,7 @@ def _model(lin: dict) -> str:
     lines.append(f"- output tokens: {_n(m['output_tokens'])}")
     sampled = sampling["params"] or {}
     lines.append(f"- sampling: {', '.join(f'{k} {v}' for k, v in sampled.items()) or 'unknown'}"
-                 f" (fingerprint `{sampling['fingerprint']}`)\n")
+                 f" (hash `{sampling['hash']}`)\n")
     return "\n".join(lines)
 
 
@@ -503,8 +508,8 @@ def _training(paths) -> str:
 
 def _provenance(lin: dict) -> str:
     lines = ["## Provenance\n", f"- git commit: `{lin['git_commit'] or 'unknown'}`",
-             f"- dataset fingerprint (state.json): `{lin['dataset_fingerprint']}`; base: "
-             f"`{lin['base']['dataset_fingerprint']}`", "",
+             f"- state hash (state.json `_fingerprint`): `{lin['state_hash']}`; base: "
+             f"`{lin['base']['state_hash']}`", "",
              "| stage | out | DVC md5 | from |", "|---|---|---|---|"]
     for out, h in lin["dvc"].items():
         if h:

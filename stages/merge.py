@@ -1,6 +1,7 @@
 """Append data/tokenized to a base training set without rewriting the base.
 
-  python -m stages.merge [--params params.yaml]
+  python -m stages.merge --tokenized PATH --out PATH ... [--params params.yaml]
+  (the paths: dvc.yaml's cmd)
 
 Reads `merge.base` (a datasets save_to_disk folder or a folder of .arrow stream shards;
 null, absent or empty for a first version) and data/tokenized, and writes data/merged:

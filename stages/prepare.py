@@ -485,7 +485,7 @@ class _LimitSampler:
 # JSON; Unicode NFC and every whitespace character removed. So "2+2" and "2 + 2", or a
 # prompt re-wrapped or with a trailing newline, are duplicates. For ASCII text that is
 # one bytes.translate; only other text goes through NFC and str.split.
-_MARK = {role: f"\0{role}\0" for role in sources.ROLES}
+_MARK = {role: f"\0{role}\0" for role in contract.ROLES}
 _ASCII_WS = bytes(c for c in range(128) if chr(c).isspace())
 
 

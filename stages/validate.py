@@ -1,6 +1,7 @@
 """Prove data/merged well-formed before a training run starts on it.
 
-  python -m stages.validate [--params params.yaml]
+  python -m stages.validate --merged PATH --reports PATH [--params params.yaml]
+  (the paths: dvc.yaml's cmd)
 
 Shard by shard, every row is reduced to a summary computed with columnar operations on
 the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside

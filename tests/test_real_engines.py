@@ -108,7 +108,7 @@ def vllm(tmp_path_factory):
     launch = P.build(P.Launch, vllm_launch(), "test")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     t0 = time.monotonic()
-    with servers.LaunchedServer(launch, log) as server:
+    with servers.EngineProcess(launch, log) as server:
         print(f"vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         yield server
 
@@ -333,11 +333,11 @@ class Router:
     power_of_two refuses to start with one worker). The router adds SGLang-only fields
     to every request, which `transformers serve` refuses with 422: no such workers."""
 
-    def __init__(self, tmp: Path, shared: servers.LaunchedServer):
+    def __init__(self, tmp: Path, shared: servers.EngineProcess):
         self.tmp = tmp
         self.shared = shared
         self.port = servers.free_port()
-        self.worker: servers.LaunchedServer | None = None
+        self.worker: servers.EngineProcess | None = None
         port = servers.free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "router.log"
@@ -362,7 +362,7 @@ class Router:
         """Start the router's own worker (unless it runs) and add the module's vLLM."""
         if self.worker is None:
             launch = P.build(P.Launch, vllm_launch(port=self.port), "test")
-            self.worker = servers.LaunchedServer(launch, self.tmp / "worker.log")
+            self.worker = servers.EngineProcess(launch, self.tmp / "worker.log")
             self.worker.start()
             status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
             assert status < 300, raw

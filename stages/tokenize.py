@@ -264,6 +264,16 @@ def _new_stats() -> dict:
             "lookalike_rows": 0}
 
 
+def _add_stats(into: dict, st: dict) -> None:
+    """Add one source's counts `st` (as _new_stats makes them) into `into`."""
+    for key, value in st.items():
+        if key == "dropped":
+            for reason, n in value.items():
+                into["dropped"][reason] += n
+        else:
+            into[key] += value
+
+
 @dataclasses.dataclass
 class ChunkResult:
     batch: Optional[pa.RecordBatch]
@@ -477,13 +487,7 @@ class Totals:
 
     def add(self, r: ChunkResult) -> None:
         for src, st in r.stats.items():
-            mine = self.stats[src]
-            for key, value in st.items():
-                if key == "dropped":
-                    for reason, n in value.items():
-                        mine["dropped"][reason] += n
-                else:
-                    mine[key] += value
+            _add_stats(self.stats[src], st)
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
         servecheck.merge(self.served, r.served)
@@ -505,12 +509,7 @@ class Totals:
                             "length": _percentiles(self.lengths.get(src))}
         total = _new_stats()
         for st in self.stats.values():
-            for key, value in st.items():
-                if key == "dropped":
-                    for reason, n in value.items():
-                        total["dropped"][reason] += n
-                else:
-                    total[key] += value
+            _add_stats(total, st)
         all_lengths = array("i")
         for values in self.lengths.values():
             all_lengths.extend(values)

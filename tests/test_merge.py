@@ -7,7 +7,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import datasets

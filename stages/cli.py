@@ -1,16 +1,14 @@
 """The command line every stage shares: `python -m stages.<name> --PATH ... [--params FILE]`.
 
 Where a stage reads and writes is given on its command line, and dvc.yaml's `cmd` is
-where those paths are written (its `vars`, interpolated into cmd, deps and outs); code
-that runs a stage without DVC (tests, the demo) reads them from there with
-`pipeline_paths`.
+where those paths are written; code that runs a stage without DVC (tests, the demo, the
+benchmarks) reads them from there with `pipeline_command` and `pipeline_paths`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import shlex
 import signal
 import sys
@@ -107,19 +105,10 @@ def entry(section: str, doc: str, run: Callable[[object, argparse.Namespace], ob
     sys.exit(main(section, doc, run, paths))
 
 
-def pipeline_vars(pipeline: Path = PIPELINE) -> dict[str, str]:
-    """dvc.yaml's top-level `vars` (the data paths, each written once)."""
-    doc = yaml.safe_load(pipeline.read_text(encoding="utf-8"))
-    return {k: v for entry in doc.get("vars", []) for k, v in entry.items()}
-
-
 def pipeline_command(section: str, pipeline: Path = PIPELINE) -> list[str]:
-    """The stage's `cmd` in dvc.yaml, its `${var}`s filled in as DVC fills them."""
+    """The stage's `cmd` in dvc.yaml, as argv."""
     doc = yaml.safe_load(pipeline.read_text(encoding="utf-8"))
-    values = pipeline_vars(pipeline)
-    cmd = re.sub(r"\$\{\s*([\w-]+)\s*\}", lambda m: values[m.group(1)],
-                 doc["stages"][section]["cmd"])
-    return shlex.split(cmd)
+    return shlex.split(doc["stages"][section]["cmd"])
 
 
 def pipeline_paths(section: str, paths: dict[str, str],

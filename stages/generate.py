@@ -6,7 +6,7 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling hash,    
+                                      truncated, usage, model, sampling hash,
                                       and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)

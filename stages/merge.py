@@ -62,7 +62,8 @@ from stages.schema import (
 
 log = logging.getLogger("merge")
 
-PATHS = {"tokenized": "tokenize's dataset (the new rows)", "out": "folder the merged set is written to",
+PATHS = {"tokenized": "tokenize's dataset (the new rows)",
+         "out": "folder the merged set is written to",
          "reports": "folder of the stage reports (the earlier stages' are read for the card)",
          "prompts": "prepare's folder (for its dvc.lock hash)",
          "completions": "generate's folder (for its dvc.lock hash)"}
@@ -91,16 +92,7 @@ def run(cfg: P.Merge, paths) -> dict:
     base = Path(cfg.base) if cfg.base else None
     _check_paths(base, paths)
     new_fp_path = paths.tokenized / FINGERPRINT_FILE
-    new_fp = _read_fingerprint(new_fp_path, required=True)
-    base_fp = None
-    if base is not None and base.is_dir():
-        base_fp = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
-        if base_fp is None:
-            log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
-        else:
-            _compare_fingerprints(base / FINGERPRINT_FILE, base_fp, new_fp_path, new_fp)
-    elif base is not None:
-        log.warning("merge.base %s does not exist: writing a first version", base)
+    new_fp, base_fp = _fingerprints(new_fp_path, base)
 
     new = [Shard(p) for p in list_shards(paths.tokenized)]
     for shard in new:
@@ -116,7 +108,8 @@ def run(cfg: P.Merge, paths) -> dict:
     duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new, paths.tokenized)
 
     if sum(s.rows - s.dropped for s in base_shards + new) == 0:
-        raise StageError(f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
+        raise StageError(
+            f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
 
     with outputs.atomic_dir(paths.out) as tmp:
         placed = _write(tmp, base_shards, new, cfg.link)
@@ -179,6 +172,22 @@ def _check_paths(base: Optional[Path], paths) -> None:
     for other in (paths.out, paths.tokenized):
         if base.exists() and other.exists() and base.resolve() == other.resolve():
             raise StageError(f"merge.base {base}: must not be {other}")
+
+
+def _fingerprints(new_path: Path, base: Optional[Path]) -> tuple[dict, Optional[dict]]:
+    """The new rows' fingerprint.json and the base's (None when it has none); StageError
+    when they name another tokenizer or chat template."""
+    new = _read_fingerprint(new_path, required=True)
+    if base is None or not base.is_dir():
+        if base is not None:
+            log.warning("merge.base %s does not exist: writing a first version", base)
+        return new, None
+    found = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
+    if found is None:
+        log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
+    else:
+        _compare_fingerprints(base / FINGERPRINT_FILE, found, new_path, new)
+    return new, found
 
 
 def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:

@@ -685,7 +685,8 @@ def _write_plots(stats: dict[str, np.ndarray], width: int, reports: Path) -> Non
         ("token_length", "tokens", lengths, slice(3, 3 + lb)),
         ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
     ):
-        _write_svg(reports, folder, [0] + edges, {s: stats[s][part].tolist() for s in sorted(stats)})
+        _write_svg(reports, folder, [0] + edges,
+                   {s: stats[s][part].tolist() for s in sorted(stats)})
         with outputs.atomic_dir(charts.plots(reports) / folder) as tmp:
             for source, file in names.items():
                 counts = stats[source][part].tolist()

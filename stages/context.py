@@ -12,7 +12,9 @@ messages and tools rendered with `generate.tokenizer`'s chat template and the ge
 prompt, control tokens parsed (stages/chat.py `ChatEncoder.engine_prompt`). Counting is
 cheap for most prompts: a byte-level BPE token covers at least one byte of the
 tokenizer's normalized text, so its UTF-8 length bounds the count from above, and only a
-prompt whose bound does not fit is encoded.
+prompt whose bound does not fit is encoded. Most prompts are not even rendered (a
+render is ~50 µs, which a 1,000-in-flight run feels): plain text messages are bounded by
+their shape's skeleton, rendered once, plus their texts' bytes.
 
 When the count is off (a server started with another chat template or tokenizer) or no
 context is known, the engine's own context error is the fallback: stages/client.py
@@ -25,11 +27,20 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import tokenizers.normalizers
+
 log = logging.getLogger(__name__)
 
 # a token covers at least one byte of byte-level BPE text; other tokenizers may add a
 # few pieces (a SentencePiece prefix space): this much headroom keeps the bound safe
 BOUND_SLACK = 8
+# what a chat template may add to a message beyond its text-free skeleton: a content's
+# own text can switch a branch (a `</think>` split, a wholly `<tool_response>` user turn
+# that is not a query), each worth a few tags. An underestimate costs one rejected
+# request: the engine's context error still clamps (stages/client.py)
+BRANCH_SLACK = 64
+# NFC lengthens UTF-8 text at most threefold (UAX #15); ASCII it leaves alone
+NFC_GROWTH = 3
 
 
 @dataclass(frozen=True)
@@ -62,10 +73,48 @@ class PromptCounter:
         self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
         backend = tok.backend_tokenizer
         self._normalize = backend.normalizer.normalize_str if backend.normalizer else None
+        norm = backend.normalizer
+        self._nfc_or_none = norm is None or isinstance(norm, tokenizers.normalizers.NFC)
+        self._skeletons: dict[tuple, Optional[int]] = {}  # shape -> rendered bytes
         self.encoded = 0  # prompts whose bound did not settle it
 
     def render(self, prompt: dict) -> str:
         return self.encoder.engine_prompt(prompt["messages"], prompt.get("tools"))
+
+    def quick_bound(self, prompt: dict) -> Optional[int]:
+        """At least the token count of `prompt`, without rendering it: its skeleton (the
+        same roles with empty texts, rendered once per shape) plus its texts' bytes, at
+        their NFC worst. None where that is not safe to say (tools, tool calls, other
+        message keys, a normalizer other than NFC): render and count then."""
+        if not self._nfc_or_none or prompt.get("tools"):
+            return None
+        shape, size = [], 0
+        for m in prompt["messages"]:
+            content, reasoning = m.get("content"), m.get("reasoning_content")
+            if type(content) is not str or (reasoning is not None and type(reasoning) is not str):
+                return None
+            if len(m) != 2 + ("reasoning_content" in m):  # name, tool_calls, ...
+                return None
+            shape.append((m["role"], bool(reasoning)))
+            for text in (content, reasoning or ""):
+                size += len(text) if text.isascii() else NFC_GROWTH * len(text.encode())
+        key = tuple(shape)
+        if key not in self._skeletons:
+            self._skeletons[key] = self._skeleton_bytes(key)
+        skeleton = self._skeletons[key]
+        if skeleton is None:
+            return None
+        return skeleton + size + BRANCH_SLACK * len(shape) + BOUND_SLACK
+
+    def _skeleton_bytes(self, shape: tuple) -> Optional[int]:
+        messages = [
+            {"role": role, "content": "", **({"reasoning_content": ""} if r else {})}
+            for role, r in shape
+        ]  # fmt: skip
+        try:
+            return self.bound(self.encoder.engine_prompt(messages)) - BOUND_SLACK
+        except Exception:  # a template that refuses empty texts: render each prompt
+            return None
 
     def bound(self, text: str) -> int:
         """At least the token count of `text` (its normalized UTF-8 bytes + slack)."""
@@ -93,6 +142,9 @@ class ContextBudget:
     def fit(self, prompt: dict) -> "int | TooLong":
         """The max_tokens to send with `prompt`, or TooLong. Deterministic: the same
         prompt and params give the same answer, so the request body stays the same."""
+        quick = self.counter.quick_bound(prompt)
+        if quick is not None and quick + self.max_tokens <= self.context:
+            return self.max_tokens
         text = self.counter.render(prompt)
         if self.counter.bound(text) + self.max_tokens <= self.context:
             return self.max_tokens

@@ -12,8 +12,13 @@ from tests.fakeserver import spawn
 
 
 @pytest.fixture(scope="module")
-def counter() -> PromptCounter:
-    return PromptCounter("bundled:qwen3.6", enable_thinking=True)
+def counters() -> dict[bool, PromptCounter]:
+    return {on: PromptCounter("bundled:qwen3.6", enable_thinking=on) for on in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def counter(counters) -> PromptCounter:
+    return counters[True]
 
 
 TEXTS = [
@@ -37,6 +42,42 @@ def test_the_byte_bound_is_never_below_the_engine_style_count(counter, text):
                                             tokenize=True, return_dict=False,
                                             enable_thinking=True))  # fmt: skip
     assert counter.bound(rendered) >= n
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": t}] for t in TEXTS
+] + [
+    [{"role": "system", "content": "  padded  "}, {"role": "user", "content": TEXTS[1]},
+     {"role": "assistant", "content": "ok", "reasoning_content": TEXTS[3]},
+     {"role": "user", "content": TEXTS[2]}],
+    # a `</think>` in an answer splits it into reasoning; a wholly tool-response user turn
+    # is not a query, so the turn before it keeps its reasoning block
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r</think>answer"},
+     {"role": "user", "content": "<tool_response>\n{}\n</tool_response>"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+     {"role": "tool", "content": TEXTS[0]}, {"role": "tool", "content": TEXTS[5]}],
+]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=range(len(CONVERSATIONS)))
+def test_the_render_free_bound_is_never_below_the_count(counters, messages, thinking):
+    counter = counters[thinking]
+    prompt = {"messages": messages}
+    quick = counter.quick_bound(prompt)
+    assert quick is not None
+    assert quick >= counter.count(counter.render(prompt))
+
+
+def test_the_render_free_bound_renders_where_it_cannot_tell(counter):
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for prompt in (
+        {"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "q"},
+                      {"role": "assistant", "content": "", "tool_calls": [call]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]},
+    ):  # fmt: skip
+        assert counter.quick_bound(prompt) is None
 
 
 def test_fit_keeps_max_tokens_lowers_it_near_the_context_and_refuses_past_it(counter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -664,6 +665,32 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
     assert report["decontamination"] == one_report["decontamination"]
     assert {k: v for k, v in report.items() if k not in ("seconds", "rows_per_second")} == {
         k: v for k, v in one_report.items() if k not in ("seconds", "rows_per_second")}
+
+
+
+def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
+    big = write_jsonl(tmp_path / "src/big.jsonl", [{"q": f"Question {i}: is this clean?"} for i in range(800)])
+    lines = big.read_text().splitlines(keepends=True)
+    lines[600] = '{"q": "not JSON\n'  # a bad row, reached after the checker has taken over
+    big.write_text("".join(lines))
+    src = [{"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"}]
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda: True)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    real_ready, started = prepare._Checker.ready, []
+
+    def ready(checker):
+        while not real_ready(checker):
+            time.sleep(0.02)
+        started.append(checker.proc)
+        return True
+
+    monkeypatch.setattr(prepare._Checker, "ready", ready)
+    with pytest.raises(StageError, match=r"big.jsonl:601: "):
+        run(tmp_path, src, num_proc=0, decontaminate={"evals": eval_sets(tmp_path)})
+    assert started and started[0].exitcode is not None  # ended, not left behind
+    assert not multiprocessing.active_children()
 
 
 sources_mod = sources

@@ -31,9 +31,11 @@ import heapq
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import unicodedata
 from collections import Counter, deque
@@ -342,7 +344,7 @@ class _Checker:
             answers.close()
             log.info("started the decontamination checker process")
         if not self.loaded and self.answers.poll():
-            self.loaded = self._reply() == "loaded"
+            self.loaded = self.reply() == "loaded"
         return self.loaded
 
     def submit(self, spec: _Spec, items: list) -> "_CheckJob":
@@ -353,7 +355,8 @@ class _Checker:
         self.asks.send_bytes(decontam.pack(texts))
         return job
 
-    def _reply(self):
+    def reply(self):
+        """The next answer of the checker, in the order the groups were sent."""
         try:
             reply = self.answers.recv()
         except (EOFError, OSError):
@@ -380,7 +383,7 @@ class _CheckJob:
         self.texts, self.counts, self.unknown = texts, counts, unknown
 
     def get(self) -> tuple[list, dict]:
-        hits = self.checker._reply()
+        hits = self.checker.reply()
         if hits is None:  # a text holds \0, which the packed buffer cannot tell apart
             hits = self.maker.evals.check(self.texts, self.counts)
         return self.maker.drop_matches(self.results, hits), self.unknown
@@ -405,9 +408,15 @@ def _serve_checks(asks, answers, folder: str) -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux
         pass
+    # Answers leave from a thread of their own, so this loop always goes on to read the
+    # next group: were it to wait for prepare to read an answer while prepare waits for
+    # room in the pipe to send a group, neither would move.
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(out, answers), daemon=True)
+    sender.start()
     try:
         index = decontam.Index.load(Path(folder))
-        answers.send("loaded")
+        out.put("loaded")
         while True:
             try:
                 counts = asks.recv()
@@ -415,14 +424,22 @@ def _serve_checks(asks, answers, folder: str) -> None:
             except EOFError:
                 return
             try:
-                answers.send(index.check_packed(data, counts))
+                out.put(index.check_packed(data, counts))
             except decontam.Unpacked:
-                answers.send(None)
+                out.put(None)
     except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
+        out.put(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        out.put(_send_all)  # the end
+        sender.join()
+
+
+def _send_all(out: queue.SimpleQueue, answers) -> None:
+    while (reply := out.get()) is not _send_all:
         try:
-            answers.send(("error", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+            answers.send(reply)
+        except OSError:  # prepare has gone
+            return
 
 
 # ------------------------------------------------------------------------ one source

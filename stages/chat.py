@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -288,6 +289,7 @@ class ChatEncoder:
         self._rstrip = {s for s in longest if flags[s].rstrip}
         self.codec = ControlTokenCodec(longest, self.name)
         self._plain = self._plain_encoder(tok.backend_tokenizer, added)
+        self._nfc = _is_nfc(self._plain.normalizer)
 
         self.generation_tags = bool(_GENERATION_TAG.search(template))
         chatml = IM_START in self.control and IM_END in self.control and IM_START in template
@@ -323,12 +325,22 @@ class ChatEncoder:
     def encode_text(self, texts: Sequence[str]):
         """Encodings of plain text pieces: no control token parsed, nothing added."""
         plain = self._plain
-        old = plain.encode_special_tokens
+        texts = list(texts)
+        # An NFC normalizer leaves NFC text as it is, and nearly all text is NFC (ASCII
+        # always is): it is then skipped, which saves ~8% of the encoding time (it
+        # tracks the alignment of every character).
+        skip = self._nfc and all(t.isascii() or unicodedata.is_normalized("NFC", t)
+                                 for t in texts)
+        old = plain.encode_special_tokens, plain.normalizer
         plain.encode_special_tokens = True
+        if skip:
+            plain.normalizer = None
         try:
-            return off_main_thread(plain.encode_batch_fast, list(texts), add_special_tokens=False)
+            return off_main_thread(plain.encode_batch_fast, texts, add_special_tokens=False)
         finally:
-            plain.encode_special_tokens = old
+            plain.encode_special_tokens = old[0]
+            if skip:
+                plain.normalizer = old[1]
 
     # ------------------------------------------------------------- rendering
 
@@ -620,6 +632,12 @@ class ChatEncoder:
         tls = self.codec.sanitize(tools) if (look and tools) else tools
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
+
+
+def _is_nfc(normalizer) -> bool:
+    from tokenizers import normalizers
+
+    return isinstance(normalizer, normalizers.NFC)
 
 
 def prefix_mismatch(name: str, prompt: str, full: str) -> str:

@@ -161,7 +161,10 @@ def _release_free_heap() -> None:
     Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
     hundreds of MB of free but resident pages between the tokenizer's own data. Forked
     workers inherit them; each page a worker's allocator then writes to is copied, so
-    the workers' private memory crept up with the rows they processed."""
+    the workers' private memory crept up with the rows they processed. A full garbage
+    collection first: it also empties the interpreter's free lists, which a worker's
+    first full collection would otherwise free into inherited pages."""
+    gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc

@@ -175,6 +175,10 @@ class ControlTokenCodec:
         # On a raw JSON line: a spelling, or an escape that could hide one
         self._raw_re = re.compile(b"|".join([rb"\\u", rb"\\/",
                                              *(re.escape(x.encode()) for x in spellings)]))
+        # A line without the first byte of any spelling (a fast memchr) can only match
+        # an escape, which a regex with a literal first byte finds fast too
+        self._raw_starts = sorted({x.encode()[:1] for x in spellings})
+        self._raw_escape_re = re.compile(rb"\\[u/]")
 
     def sanitize(self, obj: Any) -> Any:
         """A copy of `obj` whose strings spell no control token (sentinels instead)."""
@@ -211,7 +215,9 @@ class ControlTokenCodec:
     def json_may_spell(self, raw: bytes) -> bool:
         """False when a raw JSON text certainly has no control-token spelling in it
         (a quick scan of the bytes spares walking every string of the parsed row)."""
-        return self._raw_re.search(raw) is not None
+        if any(start in raw for start in self._raw_starts):
+            return self._raw_re.search(raw) is not None
+        return self._raw_escape_re.search(raw) is not None
 
     def has_lookalikes(self, messages: Any, tools: Any = None) -> bool:
         """Whether any string in the messages or tools spells a control token."""

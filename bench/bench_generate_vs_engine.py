@@ -6,7 +6,8 @@
                            the tiny demo model), same prompts, concurrency and max_tokens,
                            EOS ignored on both sides so every answer has the same length.
                            Target >= 0.95.
-  generate_engine_stage_tok_s / generate_engine_bench_tok_s   the two figures (best of 2).
+  generate_engine_stage_tok_s / generate_engine_bench_tok_s   the two figures (best of 2
+                           rounds; each side runs first in one of them).
 
 Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_engine.py`
 (BENCH_QUICK=1: fewer prompts).
@@ -126,9 +127,15 @@ def main() -> dict:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
         ours, theirs = [], []
-        for round_ in range(2):  # interleaved, best of each: the machine is shared
-            theirs.append(engine_tok_s(WORK / f"vllm-{round_}", server.url, server.model_path, prompts))
-            ours.append(stage_tok_s(WORK / f"stage-{round_}", server.url, prompts))
+        for round_ in range(2):  # best of each; the machine is shared and its load drifts,
+            # so each side goes first once (one order would favour whoever runs in the calmer half)
+            runs = [lambda: theirs.append(engine_tok_s(WORK / f"vllm-{round_}", server.url,
+                                                       server.model_path, prompts)),
+                    lambda: ours.append(stage_tok_s(WORK / f"stage-{round_}", server.url, prompts))]
+            for run in runs if round_ % 2 == 0 else runs[::-1]:
+                run()
+            print(f"round {round_}: stage {ours[-1]:.1f} tok/s, vLLM's benchmark {theirs[-1]:.1f} "
+                  f"tok/s (load average {os.getloadavg()[0]:.1f})", flush=True)
     return {
         "generate_engine_stage_tok_s": round(max(ours), 1),
         "generate_engine_bench_tok_s": round(max(theirs), 1),

@@ -622,17 +622,24 @@ class ChatEncoder:
 
     # ---------------------------------------------------------- train/serve
 
+    def engine_prompt(self, messages: list[dict], tools: list | None = None) -> str:
+        """The text an engine renders for a chat request: messages as sent (tool-call
+        arguments parsed, as engines do), the generation prompt, nothing sanitized."""
+        return self.render(with_parsed_arguments(messages), tools, add_generation_prompt=True)
+
+    def engine_ids(self, text: str) -> list[int]:
+        """`text` encoded as an engine encodes a rendered chat: control tokens parsed."""
+        return off_main_thread(self.tok.backend_tokenizer.encode, text,
+                               add_special_tokens=False).ids
+
     def prompt_ids(self, messages: list[dict], tools: list | None = None, *,
                    engine_style: bool = False) -> np.ndarray:
         """Ids of `messages` rendered with the generation prompt, encoded as this encoder
         encodes a row's prompt; with `engine_style`, encoded whole with control tokens
         parsed, as an engine that does not sanitize message text encodes it."""
-        messages = with_parsed_arguments(messages)
         if engine_style:
-            text = self.render(messages, tools, add_generation_prompt=True)
-            enc = off_main_thread(self.tok.backend_tokenizer.encode, text,
-                                  add_special_tokens=False)
-            return np.array(enc.ids, dtype=np.int32)
+            return np.array(self.engine_ids(self.engine_prompt(messages, tools)), dtype=np.int32)
+        messages = with_parsed_arguments(messages)
         look = self.codec.has_lookalikes(messages, tools)
         msgs = self.codec.sanitize_messages(messages) if look else messages
         tls = self.codec.sanitize(tools) if (look and tools) else tools

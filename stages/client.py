@@ -207,6 +207,9 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
     return body
 
 
+_MAX_TOKENS_MARK = 2**40 + 7  # no real max_tokens: marks where it goes in the encoded body
+
+
 class BodyEncoder:
     """`build_body` as bytes, fast: the fields every request shares are encoded once.
 
@@ -215,19 +218,25 @@ class BodyEncoder:
 
     def __init__(self, model: str, sampling: Sampling, engine: str):
         probe = {"id": "\0rid\0", "messages": "\0messages\0"}
-        text = json.dumps(build_body(probe, model, sampling, engine), ensure_ascii=False)
+        marked = dataclasses.replace(sampling, max_tokens=_MAX_TOKENS_MARK)
+        text = json.dumps(build_body(probe, model, marked, engine), ensure_ascii=False)
         self._head, rest = text.split('"\\u0000messages\\u0000"')
+        self._to_max_tokens, rest = rest.split(str(_MAX_TOKENS_MARK), 1)  # max_tokens precedes seed
+        self._max_tokens = str(sampling.max_tokens)
         if '"\\u0000rid\\u0000"' in rest:
             self._mid, self._tail = rest.split('"\\u0000rid\\u0000"')
         else:
             self._mid, self._tail = rest, None
         self._dumps = json.JSONEncoder(ensure_ascii=False).encode
 
-    def encode(self, prompt: dict) -> bytes:
+    def encode(self, prompt: dict, max_tokens: Optional[int] = None) -> bytes:
+        """The body; `max_tokens` replaces generate.max_tokens (a prompt near the context)."""
         parts = [self._head, self._dumps(prompt["messages"])]
         if prompt.get("tools"):
             parts.append(', "tools": ')
             parts.append(self._dumps(prompt["tools"]))
+        parts.append(self._to_max_tokens)
+        parts.append(self._max_tokens if max_tokens is None else str(int(max_tokens)))
         parts.append(self._mid)
         if self._tail is not None:
             parts.append(self._dumps(prompt["id"]))

@@ -17,9 +17,10 @@ item it shares most n-grams with.
 
 Hashing is vectorised over a whole batch of texts (numpy, no Python loop per word): a
 word's hash mixes the 8-byte little-endian words of its folded UTF-8 bytes; a run of
-words hashes as a polynomial of its words' hashes mod 2^64, from prefix sums. The index is
-the n-gram hashes sorted with the item of each, and two bit filters of shorter runs,
-m = n - k + 1 words with k = n // 3, that answer "surely absent" for almost every probe
+words hashes as a polynomial of its words' hashes mod 2^64 (from prefix sums where an
+index needs the runs at every position, by Horner's rule for a prompt's probes). The
+index is the n-gram hashes sorted with the item of each, and two bit filters of shorter runs,
+m = n - k + 1 words with k = n // 2, that answer "surely absent" for almost every probe
 of a clean prompt without touching the sorted array: ~18 bytes per indexed n-gram,
 whatever the size of the mix. A prompt is probed only at every k-th word: an n-gram it
 shares with an item starts at most k - 1 words before a probed position whose m-word run
@@ -113,11 +114,12 @@ def _build_patterns() -> tuple[re.Pattern, re.Pattern]:
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer, in place: polynomial hashes mod 2^64 are linear, this is not."""
-    x ^= x >> _S30
+    t = x >> _S30
+    x ^= t
     x *= _M1
-    x ^= x >> _S27
+    x ^= np.right_shift(x, _S27, out=t)
     x *= _M2
-    x ^= x >> _S31
+    x ^= np.right_shift(x, _S31, out=t)
     return x
 
 
@@ -126,6 +128,7 @@ class _Powers:
 
     def __init__(self, base: int):
         self.base = base
+        self.root = np.uint64(base)
         self.inverse = pow(base, -1, 1 << 64)
         self.pw = self.inv = np.ones(0, np.uint64)
 
@@ -147,11 +150,10 @@ _WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)  # odd: invertible mod 2^64
 
 
 class _Words:
-    """The words of a batch of texts in one row (`words` of them), kept as prefix sums of
-    their hashes so that any run of words hashes in O(1). A break word stands before,
-    between and after the texts (`breaks[s]`: the one before text s), so a run of words
-    across two texts holds one and matches no indexed run; `count[s]` is the number of
-    words of text s.
+    """The words of a batch of texts in one row (`words` of them), as the hash of each
+    (`h`). A break word stands before, between and after the texts (`breaks[s]`: the one
+    before text s), so a run of words across two texts holds one and matches no indexed
+    run; `count[s]` is the number of words of text s.
 
     One pass of bytes.translate folds case and punctuation; a word is a run of non-zero
     bytes, hashed from the 8-byte little-endian words that cover it (most words fit in
@@ -164,11 +166,10 @@ class _Words:
             joined = _BREAK.join(["", *(t if t.isascii() else _canonical(t) for t in texts), _PAD])
         raw = joined.encode("utf-8").translate(_BYTES)
         nonzero = np.frombuffer(raw, np.uint8) != 0
-        at = np.flatnonzero(nonzero[1:] > nonzero[:-1])  # word j starts at byte at[j] + 1
-        # the 8 bytes at each byte offset from 1 on: unaligned, read in place by indexing
-        # (take would first copy the whole view to aligned memory)
-        reads = np.ndarray((len(raw) - 8,), "<u8", raw, 1, (1,))
-        h = reads[at]
+        at = np.flatnonzero(nonzero[1:] > nonzero[:-1])
+        at += 1  # word j starts at byte at[j]
+        chunks = np.frombuffer(raw, "<u8", len(raw) // 8)
+        h = _read(chunks, at)
         longer = np.flatnonzero(_cut(h))
         breaks = np.flatnonzero(h == 1)
         if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
@@ -176,34 +177,57 @@ class _Words:
             return
         k, scale = 8, _CHUNK
         while len(longer):  # the next 8 bytes of words longer than k - 1 bytes
-            part = reads[at[longer] + k]
+            part = _read(chunks, at[longer] + k)
             goes_on = _cut(part)
             part *= scale  # a polynomial of the chunks, mixed below with the rest
             h[longer] += part
             longer = longer[goes_on]
             k, scale = k + 8, np.uint64(int(scale) * int(_CHUNK) % 2**64)
-        _mix(h)
+        self.h = _mix(h)
         self.raw, self.at, self.breaks = raw, at, breaks
         self.count = np.diff(breaks) - 1
-        self.words = w = len(h)
-        pw, self.inv = _WORD_POWERS.upto(w + 1)
-        h *= pw[:w]
-        self.prefix = np.empty(w + 1, np.uint64)
-        self.prefix[0] = 0
-        np.cumsum(h, out=self.prefix[1:])
+        self.words = len(h)
+        self._prefix: Optional[np.ndarray] = None
 
-    def runs(self, first, length) -> np.ndarray:
-        """Hashes of the word runs first[k] .. first[k] + length - 1."""
-        return (self.prefix[first + length] - self.prefix[first]) * self.inv[first]
+    # A run of words first .. first + length - 1 hashes as the polynomial
+    # sum(h[first + i] * base**i) mod 2^64, computed the cheapest way for what is asked.
+
+    def runs(self, first: np.ndarray, length) -> np.ndarray:
+        """Hashes of the word runs first[k] .. first[k] + length[k] - 1 (length: one for all,
+        or one per run): summed from the words when they are few, else from prefix sums."""
+        longest = int(length) if np.ndim(length) == 0 else int(length.max(initial=0))
+        if len(first) * longest > self.words:
+            p, inv = self.prefix()
+            return (p[first + length] - p[first]) * inv[first]
+        offsets = np.arange(longest)
+        terms = self.h.take(first[:, None] + offsets, mode="clip")
+        terms *= _WORD_POWERS.upto(longest)[0][:longest]
+        if np.ndim(length):
+            terms[offsets >= length[:, None]] = 0
+        return terms.sum(axis=1, dtype=np.uint64)
+
+    def prefix(self) -> tuple[np.ndarray, np.ndarray]:
+        """Prefix sums of h[j] * base**j, and the powers base**-j that bring a run back."""
+        pw, inv = _WORD_POWERS.upto(self.words + 1)
+        if self._prefix is None:
+            self._prefix = np.empty(self.words + 1, np.uint64)
+            self._prefix[0] = 0
+            np.cumsum(self.h * pw[: self.words], out=self._prefix[1:])
+        return self._prefix, inv
 
     def every(self, m: int, step: int) -> np.ndarray:
-        """Hashes of the m-word runs starting at words 0, step, 2 step, ... (those that fit)."""
+        """Hashes of the m-word runs starting at words 0, step, 2 step, ... (those that fit),
+        by Horner's rule over strided views: no pass over the words that is not needed."""
         fit = self.words - m + 1
         if fit <= 0:
             return np.zeros(0, np.uint64)
-        end = step * ((fit - 1) // step + 1)
-        p = self.prefix
-        return (p[m: m + end: step] - p[:end: step]) * self.inv[:end: step]
+        stop = step * ((fit - 1) // step) + 1
+        h, base = self.h, _WORD_POWERS.root
+        out = h[m - 1: m - 1 + stop: step].copy()
+        for i in range(m - 2, -1, -1):
+            out *= base
+            out += h[i: i + stop: step]
+        return out
 
     def windows(self, texts: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
         """(first word, text) of every m-word run inside each of `texts` (m words or more)."""
@@ -217,8 +241,23 @@ class _Words:
 
     def phrase(self, first: int, n: int) -> str:
         raw = self.raw
-        starts = (self.at[first: first + n] + 1).tolist()
+        starts = self.at[first: first + n].tolist()
         return " ".join(raw[s: raw.index(0, s)].decode("utf-8", "replace") for s in starts)
+
+
+def _read(chunks: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The 8 bytes from each byte offset `at` on, as little-endian words: two aligned words
+    shifted together (numpy gathers aligned words much faster than unaligned ones)."""
+    shift = (at & 7).view(np.uint64)
+    shift <<= 3
+    word = at >> 3
+    low = chunks.take(word)
+    low >>= shift
+    word += 1
+    high = chunks.take(word)
+    high <<= 64 - shift  # a shift by 64 gives 0: the low word alone
+    low |= high
+    return low
 
 
 def _cut(x: np.ndarray) -> np.ndarray:
@@ -241,7 +280,7 @@ def words(text: str) -> list[str]:
 
 def _step(n: int) -> int:
     """Words between probes of a prompt (k): the filters hold runs of n - k + 1 words."""
-    return max(1, n // 3)
+    return max(1, n // 2)
 
 
 # ------------------------------------------------------------------------ the index
@@ -323,33 +362,37 @@ class Index:
         if not texts:
             return out
         w = _Words(texts)
-        owner = np.repeat(np.arange(len(counts)), counts)
         if len(self.hashes):
             k = self.step
             probe = w.every(self.n - k + 1, k)
             cand = np.flatnonzero(_bits_set(self.coarse, probe, _coarse_slots))
-            cand = cand[_bits_set(self.fine, probe[cand], _fine_slots)]
+            if len(cand):
+                cand = cand[_bits_set(self.fine, probe[cand], _fine_slots)]
             if len(cand):  # the n-grams holding a probe that passed: k of them end to end per probe
                 first = (cand[:, None] * k - np.arange(k - 1, -1, -1)).ravel()
                 first = first[(first >= 0) & (first <= w.words - self.n)]
-                self._confirm(w, first, w.runs(first, self.n), owner, out)
+                self._confirm(w, first, counts, out)
         if len(self.short_hashes):
-            self._exact(w, owner, out)
+            self._exact(w, counts, out)
         return out
 
-    def _confirm(self, w: _Words, first, h, owner, out) -> None:
-        """The n-grams first[k] (in text order), hashed h[k], looked up."""
+    def _confirm(self, w: _Words, first, counts, out) -> None:
+        """The n-grams starting at words first[k] (in text order), looked up."""
+        h = w.runs(first, self.n)
         lo = np.searchsorted(self.hashes, h)
-        found = np.flatnonzero(self.hashes.take(np.minimum(lo, len(self.hashes) - 1)) == h)
+        found = np.flatnonzero(self.hashes.take(lo, mode="clip") == h)
         if not len(found):
             return
         # one entry per (shared n-gram, eval item), at most 64 items per n-gram (boilerplate)
-        lo, first = lo[found], first[found]
-        reps = np.minimum(np.searchsorted(self.hashes, h[found], side="right") - lo, 64)
-        pair_first = np.repeat(first, reps)
-        offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
-        items = self.items[np.repeat(lo, reps) + offset].astype(np.int64)
-        prompts = owner[w.text_of(pair_first)]
+        lo, first, h = lo[found], first[found], h[found]
+        pair_first, rows = first, lo
+        if (self.hashes.take(lo + 1, mode="clip") == h).any():  # an n-gram of several items
+            reps = np.minimum(np.searchsorted(self.hashes, h, side="right") - lo, 64)
+            pair_first = np.repeat(first, reps)
+            offset = np.arange(len(pair_first)) - np.repeat(np.cumsum(reps) - reps, reps)
+            rows = np.repeat(lo, reps) + offset
+        items = self.items.take(rows).astype(np.int64)
+        prompts = _owner(counts)[w.text_of(pair_first)]
         pairs, at, shared = np.unique((prompts << 32) | items, return_index=True, return_counts=True)
         prompt, item = pairs >> 32, pairs & 0xFFFFFFFF
         # per prompt, the item sharing most n-grams (the lowest item of a tie)
@@ -358,24 +401,32 @@ class Index:
         need = self.policy.min_overlap
         if need is not None:
             per_text = np.maximum(w.count - self.n + 1, 0)
-            total = np.bincount(owner, weights=per_text, minlength=len(out))
+            total = np.bincount(_owner(counts), weights=per_text, minlength=len(out))
             best = best[shared[best] >= need * total[prompt[best]]]
         for b in best.tolist():
             out[int(prompt[b])] = (int(item[b]), w.phrase(int(pair_first[at[b]]), self.n))
 
-    def _exact(self, w: _Words, owner, out) -> None:
+    def _exact(self, w: _Words, counts, out) -> None:
         short = np.flatnonzero((w.count > 0) & (w.count < self.n))
         if not len(short):
             return
         first = w.breaks[short] + 1
         h = w.runs(first, w.count[short])
         pos = np.searchsorted(self.short_hashes, h)
-        pos = np.minimum(pos, len(self.short_hashes) - 1)
-        for k in np.flatnonzero(self.short_hashes[pos] == h).tolist():
+        found = np.flatnonzero(self.short_hashes.take(pos, mode="clip") == h)
+        if not len(found):
+            return
+        owner = _owner(counts)
+        for k in found.tolist():
             s = int(short[k])
             p = int(owner[s])
             if out[p] is None:
                 out[p] = (int(self.short_items[pos[k]]), w.phrase(int(first[k]), int(w.count[s])))
+
+
+def _owner(counts: Sequence[int]) -> np.ndarray:
+    """The prompt of each text, for prompts of counts[p] texts."""
+    return np.repeat(np.arange(len(counts)), counts)
 
 
 def _coarse_slots(h: np.ndarray, nbits: int):
@@ -399,14 +450,19 @@ def _bitmap(hashes: np.ndarray, bits_per_entry: int, slots_of) -> np.ndarray:
     """A bit array with the bits `slots_of` gives each of `hashes` set."""
     nbits = 1 << max(6, (max(len(hashes), 1) * bits_per_entry - 1).bit_length())
     bits = np.zeros(nbits // 8, np.uint8)
-    starts = list(range(0, nbits, _BITMAP_CHUNK))
+    size = min(_BITMAP_CHUNK, nbits)
+    chunk = np.empty(size, bool)  # one buffer for every chunk: clearing it beats fresh pages
+    starts = list(range(0, nbits, size))
     for slot in slots_of(hashes, nbits):
-        slot.sort()  # then one chunk of the bit array at a time
-        bounds = np.searchsorted(slot, starts + [nbits]).tolist()
+        bounds = [0, len(slot)]
+        if len(starts) > 1:
+            slot.sort()  # then one chunk of the bit array at a time
+            bounds = np.searchsorted(slot, starts + [nbits]).tolist()
         for i, lo in enumerate(starts):
-            chunk = np.zeros(min(_BITMAP_CHUNK, nbits), bool)
-            chunk[slot[bounds[i]: bounds[i + 1]] - lo] = True
-            bits[lo // 8: lo // 8 + len(chunk) // 8] |= np.packbits(chunk, bitorder="little")
+            chunk.fill(False)
+            part = slot[bounds[i]: bounds[i + 1]]
+            chunk[part - lo if lo else part] = True
+            bits[lo // 8: lo // 8 + size // 8] |= np.packbits(chunk, bitorder="little")
         del slot
     return bits
 
@@ -436,7 +492,6 @@ def _sorted_unique(parts: list, item_parts: list) -> tuple[np.ndarray, np.ndarra
         rows = np.union1d(tie, tie + 1)
         by_item = np.lexsort((items[rows], hashes[rows]))
         hashes[rows], items[rows] = hashes[rows][by_item], items[rows][by_item]
-    if len(hashes) > 1:
         keep = np.concatenate(([True], (hashes[1:] != hashes[:-1]) | (items[1:] != items[:-1])))
         hashes, items = hashes[keep], items[keep]
     return hashes, items

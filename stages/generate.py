@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from stages import cli, outputs, replies, secrets
+from stages import context as fitting
 from stages import messages as contract
 from stages import params as P
 from stages.client import (
@@ -60,6 +62,7 @@ from stages.client import (
     BodyEncoder,
     ChatClient,
     Failure,
+    Reply,
     RetryPolicy,
     Sampling,
     build_body,
@@ -440,9 +443,10 @@ class Generation:
 
     def __init__(
         self, cfg: P.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
-        client: ChatClient,
+        client: ChatClient, budget: Optional[fitting.ContextBudget] = None,
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
+        self.budget = budget  # None: max_tokens as set, the engine's context error clamps
         self.sampling = Sampling.of(cfg)
         self.encoder = BodyEncoder(server.request_model, self.sampling, server.engine)
         self.done = int(np.count_nonzero(plan.seg >= 0))
@@ -479,36 +483,51 @@ class Generation:
 
     async def _one(self, fd: int, i: int) -> None:
         prompt = json.loads(self.plan.line(fd, i))
-        data = self.encoder.encode(prompt)
+        fit = self.budget.fit(prompt) if self.budget is not None else None
+        if isinstance(fit, fitting.TooLong):  # a permanent failure, without a request
+            message = fit.message(self.budget.counter.spec)
+            self._failed(i, Failure("context_overflow", None, message, 0, True))
+            return
+        data = self.encoder.encode(prompt, fit)
         if self.sent == 0 and self.cfg.limit is not None:
-            _print_first_request(prompt, self.server, self.sampling, self.cfg)
+            sampling = self.sampling if fit is None else dataclasses.replace(self.sampling, max_tokens=fit)
+            _print_first_request(prompt, self.server, sampling, self.cfg)
         self.sent += 1
         try:
             reply = await self.client.complete(data)
         except Failure as f:
-            self.finished += 1
-            record = {
-                "ok": False, "kind": f.kind, "status": f.status,
-                "message": f.message, "attempts": f.attempts,
-            }  # fmt: skip
-            n = len(self.plan.index.twins(i))
-            self.failed += n
-            self.breaker.failure(f)
-            if not f.permanent:
-                self.transient[i] = record
-                self.done += n
-            elif self.any_success:
-                self._mark(i, record)
-            else:
-                self.held.append((i, record))
-                self.done += n
-                if len(self.held) >= BREAKER:
-                    raise StageError(
-                        f"the first {BREAKER} requests all failed permanently, e.g. HTTP "
-                        f"{f.status} {f.message[:200]!r}: check generate.* sampling params and "
-                        "the model (nothing was cached as failed)"
-                    ) from None
+            self._failed(i, f)
             return
+        self._succeeded(i, reply)
+
+    def _failed(self, i: int, f: Failure) -> None:
+        """Prompt `i` gave up: transient ones are reported, permanent ones cached once a
+        success shows the setup works."""
+        self.finished += 1
+        record = {
+            "ok": False, "kind": f.kind, "status": f.status,
+            "message": f.message, "attempts": f.attempts,
+        }  # fmt: skip
+        n = len(self.plan.index.twins(i))
+        self.failed += n
+        self.breaker.failure(f)
+        if not f.permanent:
+            self.transient[i] = record
+            self.done += n
+        elif self.any_success:
+            self._mark(i, record)
+        else:
+            self.held.append((i, record))
+            self.done += n
+            if len(self.held) >= BREAKER:
+                status = f"HTTP {f.status} " if f.status else ""
+                raise StageError(
+                    f"the first {BREAKER} requests all failed permanently, e.g. "
+                    f"{status}{f.message[:200]!r}: check generate.* sampling params and "
+                    "the model (nothing was cached as failed)"
+                ) from None
+
+    def _succeeded(self, i: int, reply: Reply) -> None:
         self.finished += 1
         self.completed += 1
         self.breaker.success()
@@ -767,6 +786,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "sent": gen.sent if gen else 0,
         "retries": gen.client.retries if gen else 0,
         "clamped": gen.client.clamped if gen else 0,
+        "context": gen.budget.report() if gen and gen.budget else None,
         "wall_time_s": round(time.monotonic() - t0, 3),
         **(gen.metrics() if gen else Generation.metrics_empty()),
         "model": label,
@@ -897,13 +917,14 @@ async def _send(
     retry = RetryPolicy.of(cfg)
     if cfg.server.launch is None:
         await server.ready()  # a router with no worker answers 503
+        budget = await _budget(cfg, server.urls, server.request_model, key)
         async with ChatClient(
             server.urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
             unreachable_deadline=cfg.server.unreachable_deadline,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
-            gen = Generation(cfg, plan, cache, server, client)
+            gen = Generation(cfg, plan, cache, server, client, budget)
             await gen.run(pending, watch=_watch_url)
             return gen
     launched = servers.LaunchedServer(cfg.server.launch, SERVER_LOG, key)
@@ -912,6 +933,7 @@ async def _send(
         # in a thread: an engine can take minutes to start and Ctrl-C must still work
         await asyncio.to_thread(launched.start)
         server.request_model = cfg.server.model or launched.model_name
+        budget = await _budget(cfg, [launched.url], server.request_model, key)
         watchdog = servers.Watchdog(launched, cfg.server.watchdog_seconds, cfg.server.max_restarts)
         async with ChatClient(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
@@ -923,7 +945,7 @@ async def _send(
             async def watch(gen: Generation) -> None:
                 await watchdog.watch(lambda: (gen.finished, client.in_flight))
 
-            gen = Generation(cfg, plan, cache, server, client)
+            gen = Generation(cfg, plan, cache, server, client, budget)
             await gen.run(pending, watch=watch)
             return gen
     except StageError as e:
@@ -932,6 +954,19 @@ async def _send(
         raise StageError(f"{e} (server log: {SERVER_LOG})") from None
     finally:
         launched.stop()
+
+
+async def _budget(
+    cfg: P.Generate, urls: list[str], model: str, key: Optional[str]
+) -> Optional[fitting.ContextBudget]:
+    """How this run fits max_tokens into the context (stages/context.py), or None."""
+    from stages import servers
+
+    context = cfg.context_length
+    if context is None and cfg.tokenizer is not None:
+        context = await asyncio.to_thread(servers.served_context, urls, model, key)
+    return await asyncio.to_thread(fitting.budget, context, cfg.max_tokens, cfg.min_new_tokens,
+                                   cfg.tokenizer, cfg.enable_thinking)
 
 
 async def _watch_url(gen: Generation) -> None:

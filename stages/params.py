@@ -77,6 +77,9 @@ def _number(bound) -> str:
     return f"{bound:g}" if isinstance(bound, float) else str(bound)
 
 
+BUNDLED_TOKENIZER = "bundled:qwen3.6"  # built offline (stages/tokenizer.py)
+
+
 # --------------------------------------------------------------------------- prepare
 
 
@@ -189,6 +192,11 @@ class Generate:
     max_tokens: int = ranged(4096, ge=1, le=INT32)
     # a prompt that leaves the engine fewer new tokens than this is a context_overflow
     min_new_tokens: int = ranged(256, ge=1, le=INT32)
+    # the engine's context length; null: its /v1/models `max_model_len` (SGLang, vLLM)
+    context_length: Optional[int] = ranged(None, ge=1, le=INT32)
+    # counts each prompt as the engine will (render + encode) to fit max_tokens into the
+    # context before sending; null: only the engine's context error clamps
+    tokenizer: Optional[str] = path_field(BUNDLED_TOKENIZER)
     temperature: float = ranged(0.6, ge=0, le=100.0)
     top_p: float = ranged(0.95, gt=0, le=1.0)
     top_k: int = ranged(20, ge=-1, le=INT32)  # -1: no top-k (SGLang, vLLM)
@@ -216,7 +224,7 @@ class Generate:
 
 @dataclass
 class Tokenize:
-    tokenizer: str = path_field("bundled:qwen3.6")
+    tokenizer: str = path_field(BUNDLED_TOKENIZER)
     chat_template: Optional[str] = path_field(None)
     trust_remote_code: bool = False
     multi_turn: Literal["last", "all", "expand"] = "last"

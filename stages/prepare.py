@@ -157,10 +157,12 @@ class _RowMaker:
         make = self.make
         if self.evals is None:
             return [make(item) for item in items]
-        texts: list[str] = []
-        counts: list[int] = []
-        results = [make(item, texts, counts) for item in items]
-        hits = self.evals.check(texts, counts)  # one per candidate, in order
+        asked: list[list] = []
+        results = [make(item, asked) for item in items]
+        # what decontamination checks: all but the answers kept as context, which stay as
+        # empty texts (no words) so that each candidate keeps one text per message
+        texts = [m["content"] if m["role"] != "assistant" else "" for ms in asked for m in ms]
+        hits = self.evals.check(texts, [len(ms) for ms in asked])  # one per candidate, in order
         if hits.count(None) == len(hits):
             return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]
@@ -170,7 +172,7 @@ class _RowMaker:
                 results[i] = decontam.Match(pid, *self.evals.where(hit[0]), hit[1])
         return results
 
-    def make(self, item, texts: Optional[list] = None, counts: Optional[list] = None):
+    def make(self, item, asked: Optional[list] = None):
         if type(item) is bytes:
             try:
                 item = orjson.loads(item)
@@ -204,10 +206,8 @@ class _RowMaker:
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
         multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
-        if texts is not None:  # what decontamination checks: all but the answers kept as context
-            asked = [m["content"] for m in messages if m["role"] != "assistant"]
-            texts.extend(asked)
-            counts.append(len(asked))
+        if asked is not None:
+            asked.append(messages)
         return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
 
 

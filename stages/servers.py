@@ -417,6 +417,28 @@ def _model_ids(data: Any) -> list[str]:
             if isinstance(i, str) and 0 < len(i) <= P.MAX_PATH and writable(i)]
 
 
+def served_context(urls: list[str], model: str, api_key: Optional[str]) -> Optional[int]:
+    """The context length `model` is served with: `max_model_len` of its /v1/models entry
+    (SGLang's and vLLM's model card), the smallest over `urls`; None when a URL does not
+    say (transformers serve, a router without the field) or cannot be asked."""
+    found = []
+    for url in urls:
+        try:
+            status, raw = _request(f"{url}/v1/models", None, api_key)
+            cards = json.loads(raw)["data"] if status == 200 else []
+            cards = [c for c in cards if isinstance(c, dict)]
+            # the card of `model`, else the only one listed
+            mine = [c for c in cards if c.get("id") == model] or cards[:1] * (len(cards) == 1)
+            card = mine[0] if mine else None
+        except (OSError, urllib.error.URLError, ValueError, RecursionError, KeyError, TypeError):
+            return None
+        n = card.get("max_model_len") if card else None
+        if type(n) is not int or not 0 < n <= P.INT32:
+            return None
+        found.append(n)
+    return min(found) if found else None
+
+
 # ------------------------------------------------------------------------ launched
 
 

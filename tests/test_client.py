@@ -1,6 +1,7 @@
 """The chat client against the fake SGLang server: bodies, error kinds, retries, URLs."""
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -108,6 +109,9 @@ def test_the_fast_encoder_gives_the_same_bytes_as_json_dumps():
         for p in cases:
             expected = json.dumps(build_body(p, 'mo"del', SAMPLING, engine), ensure_ascii=False).encode()
             assert enc.encode(p) == expected
+            fitted = dataclasses.replace(SAMPLING, max_tokens=17)  # a prompt near the context
+            expected = json.dumps(build_body(p, 'mo"del', fitted, engine), ensure_ascii=False).encode()
+            assert enc.encode(p, 17) == expected
 
 
 def test_error_classes():

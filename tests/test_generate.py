@@ -817,19 +817,71 @@ def test_no_worker_within_the_deadline_is_one_line(tmp_path):
     assert cache_entries(tmp_path) == []
 
 
-def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tmp_path):
-    # the fake counts 4 + words per message and answers over max_context with SGLang's
-    # exact 400 text; 64 new tokens asked, context 96
-    rows = make_prompts(tmp_path, 30)
-    rows[3]["messages"] = [{"role": "user", "content": "w " * 40}]  # 44 tokens: clamped to 52
-    rows[7]["messages"] = [{"role": "user", "content": "w " * 80}]  # 84: leaves 12 < 16
-    rows[9]["messages"] = [{"role": "user", "content": "w " * 100}]  # 104: over the context
-    (tmp_path / "data/prompts/prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ref = tmp_path / "ref"
+def long_prompts(wd: Path, words: tuple[int, int, int]) -> tuple[list[dict], Path]:
+    """30 prompts, three of them `words` long, and a copy of them in wd/ref."""
+    rows = make_prompts(wd, 30)
+    for i, n in zip((3, 7, 9), words):
+        rows[i]["messages"] = [{"role": "user", "content": "w " * n}]
+    (wd / "data/prompts/prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = wd / "ref"
     ref.mkdir()
-    shutil.copytree(tmp_path / "data", ref / "data")
-    with spawn({"max_context": 96, "record_bodies": True}) as fake, spawn({}) as roomy:
+    shutil.copytree(wd / "data", ref / "data")
+    return rows, ref
+
+
+def engine_count(messages: list[dict]) -> int:
+    """Prompt tokens as an engine counts them: transformers' own chat template path."""
+    from stages.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("bundled:qwen3.6")
+    return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False, enable_thinking=True))
+
+
+def test_prompts_are_fitted_to_the_served_context_before_sending(tmp_path):
+    # the context comes from the fake's /v1/models max_model_len; each prompt is counted
+    # locally: one near the context is sent once with max_tokens lowered to what is left
+    # (no 400 first), ones leaving fewer than min_new_tokens are never sent (the fake
+    # counts 4 + words per message, fewer than the render has, and refuses with a 400)
+    rows, ref = long_prompts(tmp_path, (940, 980, 1000))
+    near = engine_count(rows[3]["messages"])
+    assert 16 <= 1000 - near < 64 and 1000 - engine_count(rows[7]["messages"]) < 16
+    with spawn({"max_context": 1000, "record_bodies": True}) as fake, spawn({}) as roomy:
         write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16, max_permanent_failures=2)
+        write_params(ref, server=url_server(roomy.url), min_new_tokens=16)
+        r = here(tmp_path)
+        here(ref)
+        reqs = fake.stats()["requests"]
+    assert reqs["p00003"]["attempts"] == 1 and reqs["p00003"]["body"]["max_tokens"] == 1000 - near
+    assert "p00007" not in reqs and "p00009" not in reqs  # zero requests
+    assert all(reqs[r["id"]]["attempts"] == 1 and reqs[r["id"]]["body"]["max_tokens"] == 64
+               for i, r in enumerate(rows) if i not in (3, 7, 9))  # fmt: skip
+    completions, failures = outputs(tmp_path)
+    assert [(f["id"], f["kind"], f["status"], f["attempts"]) for f in failures] == [
+        ("p00007", "context_overflow", None, 0), ("p00009", "context_overflow", None, 0),
+    ]  # fmt: skip
+    assert f"is {engine_count(rows[9]['messages'])} tokens" in failures[1]["message"]
+    assert "generate.min_new_tokens=16" in failures[0]["message"]
+    assert r["failed_by_kind"] == {"context_overflow": 2} and len(completions) == 28
+    assert r["clamped"] == 0 and r["sent"] == 28
+    fit = r["context"]
+    assert (fit["context_length"], fit["tokenizer"], fit["fitted"], fit["refused"]) == (
+        1000, "bundled:qwen3.6", 1, 2)
+    assert 3 <= fit["encoded"] < 10  # the byte bound settles short prompts unencoded
+    # a fitted max_tokens is per request: every prompt keeps the key it has without one
+    assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
+
+
+@pytest.mark.parametrize("fit", [{"tokenizer": None}, {"context_length": 4000}],
+                         ids=["no-local-count", "context-param-too-large"])  # fmt: skip
+def test_the_engines_context_error_still_clamps_when_the_local_fit_cannot(tmp_path, fit):
+    # no tokenizer to count with, or a context_length larger than the server's: the
+    # engine's 400 names both numbers and the request is resent once with what fits
+    # (the fake counts 4 + words per message: 44, 84 and 104 tokens; context 96)
+    rows, ref = long_prompts(tmp_path, (40, 80, 100))
+    with spawn({"max_context": 96, "record_bodies": True}) as fake, spawn({}) as roomy:
+        write_params(tmp_path, server=url_server(fake.url), min_new_tokens=16,
+                     max_permanent_failures=2, **fit)  # fmt: skip
         write_params(ref, server=url_server(roomy.url), min_new_tokens=16)
         r = here(tmp_path)
         here(ref)
@@ -845,7 +897,6 @@ def test_long_prompts_are_clamped_to_the_context_and_the_rest_keep_their_keys(tm
     assert "maximum context length of 96 tokens" in failures[0]["message"]
     assert r["failed_by_kind"] == {"context_overflow": 2} and len(completions) == 28
     assert r["clamped"] == 1
-    # a clamp is per request: every prompt keeps the key it has without one
     assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
 
 

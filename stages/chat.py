@@ -337,16 +337,21 @@ class ChatEncoder:
         # tracks the alignment of every character).
         skip = self._nfc and all(t.isascii() or unicodedata.is_normalized("NFC", t)
                                  for t in texts)
-        old = plain.encode_special_tokens, plain.normalizer
-        plain.encode_special_tokens = True
-        if skip:
-            plain.normalizer = None
-        try:
-            return off_main_thread(plain.encode_batch_fast, texts, add_special_tokens=False)
-        finally:
-            plain.encode_special_tokens = old[0]
+
+        def encode():  # switched on the helper thread: the encodes queued there (engine_ids)
+            # run before or after, never inside the switches
+            old = plain.encode_special_tokens, plain.normalizer
+            plain.encode_special_tokens = True
             if skip:
-                plain.normalizer = old[1]
+                plain.normalizer = None
+            try:
+                return plain.encode_batch_fast(texts, add_special_tokens=False)
+            finally:
+                plain.encode_special_tokens = old[0]
+                if skip:
+                    plain.normalizer = old[1]
+
+        return off_main_thread(encode)
 
     # ------------------------------------------------------------- rendering
 

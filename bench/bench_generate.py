@@ -64,11 +64,13 @@ def run_stage(wd: Path, sample_rss: bool = False) -> tuple[dict, int]:
     """Run the stage as its own process from an empty cache; (report, peak RSS bytes)."""
     import psutil
 
+    from stages import cli
+
     shutil.rmtree(wd / ".cache", ignore_errors=True)
     shutil.rmtree(wd / "data/completions", ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env,
+        [sys.executable, *cli.pipeline_command("generate")[1:]], cwd=wd, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     peak = 0

@@ -69,7 +69,9 @@ def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
     }  # fmt: skip
     (wd / "params.yaml").write_text(yaml.safe_dump({"generate": gen}), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "stages.generate"], cwd=wd, env=env,
+    from stages import cli
+
+    done = subprocess.run([sys.executable, *cli.pipeline_command("generate")[1:]], cwd=wd, env=env,
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"generate stage failed: {done.stderr[-2000:]}")
@@ -123,7 +125,7 @@ def main() -> dict:
         "startup_timeout": 900,
     }, "bench")  # fmt: skip
     t0 = time.monotonic()
-    with servers.LaunchedServer(launch, WORK / "vllm.log") as server:
+    with servers.EngineProcess(launch, WORK / "vllm.log") as server:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
         ours, theirs = [], []

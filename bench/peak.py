@@ -15,15 +15,19 @@ STAGE = """
 import json, sys
 from stages import cli
 name = sys.argv[1]
-code = cli.main(name, "", __import__("stages." + name, fromlist=["run"]).run, sys.argv[2:])
+stage = __import__("stages." + name, fromlist=["run"])
+code = cli.main(name, "", stage.run, stage.PATHS, sys.argv[2:])
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(json.dumps({"rc": code, "peak_mb": int(status["VmHWM"].split()[0]) / 1024}))
 """
 
 
 def stage_command(name: str, *args: str) -> list[str]:
-    """`python -m stages.NAME ARGS`, as a command that prints its own peak at the end."""
-    return [sys.executable, "-c", STAGE, name, *args]
+    """dvc.yaml's `python -m stages.NAME PATHS` + ARGS, as a command that prints its own
+    peak at the end."""
+    from stages import cli
+
+    return [sys.executable, "-c", STAGE, name, *cli.pipeline_command(name)[3:], *args]
 
 
 def outcome(stdout: str) -> tuple[int, float]:

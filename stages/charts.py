@@ -2,7 +2,7 @@
 open in any browser, image viewer or Git host, offline. (`dvc plots show` writes HTML
 that loads vega from a CDN: blank on an air-gapped host.)
 
-validate writes one per plot (PICTURES) under PLOTS; the dataset card links them.
+validate writes one per plot (PICTURES) under plots(reports); the dataset card links them.
 One chart stacks panels that share the x axis: all rows first, then one per source.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
-PLOTS = Path("reports/plots")  # validate's plots: CSV folders for DVC, these SVGs beside
 PICTURES = {  # name: (title, x label)
     "token_length": ("Token length per row", "tokens per row"),
     "supervised_fraction": ("Supervised fraction per row", "supervised tokens / tokens"),
@@ -70,9 +69,14 @@ def histogram_svg(title: str, x_label: str, edges: list[float],
     return "\n".join(out) + "\n"
 
 
-def picture(name: str) -> Path:
+def plots(reports: Path) -> Path:
+    """validate's plots, in the stage reports folder: CSV folders for DVC, the SVGs beside."""
+    return Path(reports) / "plots"
+
+
+def picture(reports: Path, name: str) -> Path:
     """Where validate writes the SVG of plot `name` (a key of PICTURES)."""
-    return PLOTS / f"{name}.svg"
+    return plots(reports) / f"{name}.svg"
 
 
 def _edge(value: float) -> str:

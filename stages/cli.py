@@ -1,15 +1,26 @@
-"""The command line every stage shares: `python -m stages.<name> [--params FILE]`."""
+"""The command line every stage shares: `python -m stages.<name> --PATH ... [--params FILE]`.
+
+Where a stage reads and writes is given on its command line, and dvc.yaml's `cmd` is
+where those paths are written; code that runs a stage without DVC (tests, the demo, the
+benchmarks) reads them from there with `pipeline_command` and `pipeline_paths`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
+from pathlib import Path
 from typing import Callable
+
+import yaml
 
 from stages import params as P
 from stages.errors import StageError
+
+PIPELINE = Path(__file__).resolve().parents[1] / "dvc.yaml"
 
 
 class Terminated(KeyboardInterrupt):
@@ -20,7 +31,30 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
-def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> int:
+def parser(section: str, doc: str, paths: dict[str, str]) -> argparse.ArgumentParser:
+    """The stage's options: one required `--NAME PATH` per entry of `paths` (name: help)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m stages.{section}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for name, help in paths.items():
+        parser.add_argument(f"--{name}", type=Path, required=True, metavar="PATH", help=help)
+    parser.add_argument(
+        "--params",
+        default="params.yaml",
+        metavar="FILE",
+        help=f"params file whose '{section}' section is used (default: params.yaml)",
+    )
+    return parser
+
+
+def only_paths(args: argparse.Namespace, paths: dict[str, str]) -> argparse.Namespace:
+    return argparse.Namespace(**{name: getattr(args, name) for name in paths})
+
+
+def main(section: str, doc: str, run: Callable[[object, argparse.Namespace], object],
+         paths: dict[str, str], argv=None) -> int:
     """Parse the command line, load and check the stage's params, run it.
 
     Every failure the user can act on is one line on stderr and exit status 1;
@@ -28,25 +62,14 @@ def main(section: str, doc: str, run: Callable[[object], object], argv=None) -> 
     stages write to temporary paths and rename at the end; the temporaries are removed
     on the way out (by default SIGTERM would end the process without that).
     """
-    parser = argparse.ArgumentParser(
-        prog=f"python -m stages.{section}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--params",
-        default="params.yaml",
-        metavar="FILE",
-        help=f"params file whose '{section}' section is used (default: params.yaml)",
-    )
-    args = parser.parse_args(argv)
+    args = parser(section, doc, paths).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {section}: %(message)s", datefmt="%H:%M:%S"
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         cfg = P.load(section, args.params)
-        run(cfg)
+        run(cfg, only_paths(args, paths))
     except StageError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 1
@@ -77,5 +100,19 @@ def one_line(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def entry(section: str, doc: str, run: Callable[[object], object]) -> None:
-    sys.exit(main(section, doc, run))
+def entry(section: str, doc: str, run: Callable[[object, argparse.Namespace], object],
+          paths: dict[str, str]) -> None:
+    sys.exit(main(section, doc, run, paths))
+
+
+def pipeline_command(section: str, pipeline: Path = PIPELINE) -> list[str]:
+    """The stage's `cmd` in dvc.yaml, as argv."""
+    doc = yaml.safe_load(pipeline.read_text(encoding="utf-8"))
+    return shlex.split(doc["stages"][section]["cmd"])
+
+
+def pipeline_paths(section: str, paths: dict[str, str],
+                   pipeline: Path = PIPELINE) -> argparse.Namespace:
+    """The paths dvc.yaml gives the stage, for running it without DVC."""
+    argv = pipeline_command(section, pipeline)[3:]  # after `python -m stages.<section>`
+    return only_paths(parser(section, "", paths).parse_args(argv), paths)

@@ -20,12 +20,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stages import charts, cli
+from stages import params as P
 from stages.errors import StageError
 
-BASE = Path("data/base")
 BASE_ROWS = 24
-MERGED = Path("data/merged")
-REPORTS = Path("reports")
+
+
+def where() -> tuple[Path, Path]:
+    """The merged set and the reports folder, as dvc.yaml gives them to validate."""
+    from stages import validate
+
+    paths = cli.pipeline_paths("validate", validate.PATHS)
+    return paths.merged, paths.reports
 
 
 def setup() -> None:
@@ -33,8 +40,9 @@ def setup() -> None:
 
     tokenizer.load_tokenizer("bundled:qwen3.6")
     tinymodel.ensure_model()
-    if not (BASE / "state.json").exists():
-        build_base(BASE)
+    base = P.load("merge", "params.yaml").base
+    if base and not (Path(base) / "state.json").exists():
+        build_base(Path(base))
 
 
 def base_conversations(n: int = BASE_ROWS, seed: int = 1234) -> list[dict]:
@@ -106,14 +114,15 @@ def repro() -> list[str]:
     return ran
 
 
-def _report(stage: str) -> dict:
-    path = REPORTS / f"{stage}.json"
+def _report(reports: Path, stage: str) -> dict:
+    path = reports / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def summary(ran: list[str] | None) -> str:
+    merged, reports = where()
     prep, gen, tok, mer, val = (
-        _report(s) for s in ("prepare", "generate", "tokenize", "merge", "validate")
+        _report(reports, s) for s in ("prepare", "generate", "tokenize", "merge", "validate")
     )
     lines = ["", "=== demo summary ==="]
     if ran is not None:
@@ -135,20 +144,20 @@ def summary(ran: list[str] | None) -> str:
         f" = {mer.get('merged', {}).get('rows', '?')} rows, {mer.get('merged', {}).get('tokens', '?')} tokens"
     )
     lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
-    lines += training_lines(val)
-    lines.append(f"merged dataset: {MERGED.resolve()}")
-    card = MERGED / "README.md"
+    lines += training_lines(val, reports)
+    lines.append(f"merged dataset: {merged.resolve()}")
+    card = merged / "README.md"
     if card.exists():
         lines.append(f"its lineage card (version {mer.get('version', '?')}): {card} "
-                     "(facts for machines: data/merged/lineage.json)")
+                     f"(facts for machines: {merged / 'lineage.json'})")
     lines.append(
         "load it:  python -c \"from stages.loader import batches; "
-        "print(next(batches('data/merged', 4096, packed=True)))\""
+        f"print(next(batches('{merged}', 4096, packed=True)))\""
     )
     return "\n".join(lines)
 
 
-def training_lines(val: dict) -> list[str]:
+def training_lines(val: dict, reports: Path) -> list[str]:
     """The training check, the token budget and the pictures, from reports/validate.json."""
     lines = []
     check, budget = val.get("train_check") or {}, val.get("budget")
@@ -176,7 +185,7 @@ def training_lines(val: dict) -> list[str]:
         )
         lines.append(f"          {packed['supervised_tokens_per_step']:.0f} supervised tokens per "
                      f"packed step (by source: reports/validate.json)")
-    pictures = sorted(str(p) for p in (REPORTS / "plots").glob("*.svg"))
+    pictures = sorted(str(p) for p in charts.plots(reports).glob("*.svg"))
     if pictures:
         lines.append(f"pictures  {', '.join(pictures)}")
     return lines

@@ -6,7 +6,7 @@ stage starts on loopback, watches, restarts when it hangs, and stops at the end)
 writes, in prompt order:
 
   data/completions/completions.jsonl  the prompt + the assistant answer, finish_reason,
-                                      truncated, usage, model, sampling fingerprint,
+                                      truncated, usage, model, sampling hash,
                                       and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
@@ -75,8 +75,8 @@ from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_
 
 log = logging.getLogger("stages.generate")
 
-PROMPTS = Path("data/prompts/prompts.jsonl")
-OUT = Path("data/completions")
+PATHS = {"prompts": "prepare's folder", "out": "folder the completions are written to",
+         "reports": "folder of the stage reports"}
 SERVER_LOG = Path(".cache/logs/generate-server.log")
 # This many permanent failures before the first success means the setup is wrong
 # (a param the server rejects, a wrong model): stop instead of caching them all.
@@ -276,7 +276,7 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 
 class ServerHandle:
     """The server this run talks to (launched or at URLs): its URLs, the model name, restart
-    hooks. Its params are `P.Server`; a launched engine process is `servers.LaunchedServer`."""
+    hooks. Its params are `P.Server`; a launched engine process is `servers.EngineProcess`."""
 
     def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
@@ -633,6 +633,7 @@ def write_outputs(
     model: str,
     sampling_hash: str,
     enable_thinking: bool,
+    out: Path,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only."""
     counts = {
@@ -643,8 +644,8 @@ def write_outputs(
     transient_kinds: dict[str, int] = {}
     by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-    with outputs.atomic_dir(OUT) as tmp, open(plan.path, "rb") as src, open(
-        tmp / "completions.jsonl", "w", encoding="utf-8", newline="\n"
+    with outputs.atomic_dir(out) as tmp, open(plan.path, "rb") as src, open(
+        tmp / contract.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
     ) as comp, open(tmp / "failures.jsonl", "w", encoding="utf-8", newline="\n") as fail:
         for i in range(plan.n):
             line = src.readline()
@@ -735,13 +736,14 @@ def failure_row(prompt: dict, rec: dict) -> dict:
 # ---------------------------------------------------------------------- the stage
 
 
-def run(cfg: P.Generate) -> dict:
+def run(cfg: P.Generate, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     check(cfg)
     key = api_key(cfg.server)
     redact = Redactor([key], urls=server_urls(cfg.server))
     with redacting_logs(redact):
         try:
-            return asyncio.run(_run(cfg, key, redact))
+            return asyncio.run(_run(cfg, key, redact, paths))
         except asyncio.CancelledError:  # our SIGTERM handler cancelled the run (Ctrl-C:
             raise cli.Terminated from None  # asyncio raises KeyboardInterrupt itself)
         except StageError as e:  # any message may quote a URL or a server's words
@@ -749,7 +751,7 @@ def run(cfg: P.Generate) -> dict:
             raise
 
 
-async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
+async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> dict:
     try:  # SIGTERM (a killed `dvc repro`) stops like Ctrl-C: cache closed, server stopped
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     except (RuntimeError, ValueError):  # not the main thread
@@ -763,8 +765,8 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
     sampling = Sampling.of(cfg)
     sampling_hash = short_hash(sampling.as_dict())
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
-    plan = PromptLocations(PROMPTS, cfg.limit, namespace)
-    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_fingerprint": sampling_hash}
+    plan = PromptLocations(paths.prompts / contract.PROMPTS_FILE, cfg.limit, namespace)
+    meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -778,7 +780,8 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         if pending:
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
-        counts = write_outputs(plan, cache, transient, label, sampling_hash, cfg.enable_thinking)
+        counts = write_outputs(plan, cache, transient, label, sampling_hash, cfg.enable_thinking,
+                               paths.out)
     report = {
         "requests": plan.n,
         **counts,
@@ -797,13 +800,13 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor) -> dict:
         "cache_dir": str(cache.dir),
         "cache_damaged": damaged,
     }
-    outputs.write_report("generate", server.redact.scrub(report))
+    outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
     failed = counts["failed"]
     log.info(
         "done: %d completed (%d truncated), %d failed %s -> %s",
-        counts["completed"], counts["truncated"], failed, counts["failed_by_kind"] or "", OUT,
+        counts["completed"], counts["truncated"], failed, counts["failed_by_kind"] or "", paths.out,
     )  # fmt: skip
-    problem = verdict(counts, plan.n, cfg, transient)
+    problem = verdict(counts, plan.n, cfg, transient, paths.out)
     if problem:
         raise StageError(problem)
     if counts["failed_transient"]:
@@ -854,7 +857,8 @@ def allowed(limit: int | float, n: int) -> int:
     return limit if isinstance(limit, int) else int(limit * n)
 
 
-def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict]) -> Optional[str]:
+def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict],
+            out: Path) -> Optional[str]:
     """Why this run is not a finished dataset version (one line), or None when it is.
 
     Transient failures may pass when sent again: beyond `max_transient_failures` the work
@@ -882,7 +886,7 @@ def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict]) -
         return (
             f"{n_permanent} of {n} requests failed permanently ({kinds}), above the "
             f"{allowed(limit, n)} that generate.max_permanent_failures={limit} allows: see "
-            f"{OUT / 'failures.jsonl'}; fix the prompts or params and set "
+            f"{out / 'failures.jsonl'}; fix the prompts or params and set "
             "generate.retry_failed: true to resend them, or raise the tolerance"
         )
     return None
@@ -927,7 +931,7 @@ async def _send(
             gen = Generation(cfg, plan, cache, server, client, budget)
             await gen.run(pending, watch=_watch_url)
             return gen
-    launched = servers.LaunchedServer(cfg.server.launch, SERVER_LOG, key)
+    launched = servers.EngineProcess(cfg.server.launch, SERVER_LOG, key)
     server.launched = launched
     try:
         # in a thread: an engine can take minutes to start and Ctrl-C must still work
@@ -1011,4 +1015,4 @@ async def _watch_url(gen: Generation) -> None:
 
 
 if __name__ == "__main__":
-    cli.entry("generate", __doc__, run)
+    cli.entry("generate", __doc__, run, PATHS)

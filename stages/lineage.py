@@ -3,7 +3,7 @@
 data/merged/lineage.json holds the facts; data/merged/README.md is the same facts as a
 Hugging Face dataset card (a YAML header `huggingface_hub.DatasetCard.load` reads, then
 text a person reads): rows and tokens, what each source lost at each stage and why, the
-target model as served, sampling, tokenizer and chat-template fingerprints, the code
+target model as served, sampling and chat-template hashes, the tokenizer, the code
 commit, the DVC hashes of the upstream outs, and the history of every version this one
 extends. The history is carried forward from the base's own lineage.json (or the YAML
 header of its card), so a set merged five times lists five versions.
@@ -18,13 +18,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
-from stages import charts, outputs, params, secrets
+from stages import charts, params, secrets
 from stages.errors import StageError, json_object, json_type, writable
 from stages.schema import STATE_FILE
 
@@ -32,12 +33,8 @@ log = logging.getLogger("merge")
 
 CARD_FILE = "README.md"
 LINEAGE_FILE = "lineage.json"
-FORMAT = 1
-REPORTS = Path("reports")
+FORMAT = 2  # 2: the state hash is `state_hash` (was dataset_fingerprint), sampling.hash
 LOCK = Path("dvc.lock")
-# the stages whose outs made the new rows, and those outs
-UPSTREAM = {"prepare": "data/prompts", "generate": "data/completions",
-            "tokenize": "data/tokenized"}
 SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
                    (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
                    (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B")]
@@ -46,10 +43,16 @@ SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"
 # ------------------------------------------------------------------------ facts
 
 
+def upstream(paths) -> dict[str, str]:
+    """The stages whose outs made the new rows, and those outs (merge's `paths`)."""
+    return {"prepare": str(paths.prompts), "generate": str(paths.completions),
+            "tokenize": str(paths.tokenized)}
+
+
 def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
-          dataset_fingerprint: str) -> dict:
+          state_hash: str, paths) -> dict:
     """The lineage of the version merge is writing (a JSON-ready dict, secrets removed)."""
-    reports = {stage: read_report(stage) for stage in UPSTREAM}
+    reports = {stage: read_report(paths.reports, stage) for stage in upstream(paths)}
     generate = reports["generate"]
     merged = merge_report["merged"]
     earlier = base_history(base, merge_report["base"])
@@ -65,7 +68,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "new_rows": merge_report["new"]["rows"] - merge_report["duplicates"]["dropped_new_rows"],
         "tokens": merged["tokens"],
         "model": generate.get("model"),
-        "dataset_fingerprint": dataset_fingerprint,
+        "state_hash": state_hash,
     }
     lineage = {
         "format": FORMAT,
@@ -74,29 +77,29 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "tokens": merged["tokens"],
         "supervised_tokens": merged["loss_tokens"],
         "shards": merged["shards"],
-        "dataset_fingerprint": dataset_fingerprint,
+        "state_hash": state_hash,
         "base": {**merge_report["base"], "lineage": bool(earlier),
-                 "dataset_fingerprint": _state_fingerprint(base)},
+                 "state_hash": _state_hash(base)},
         "new": merge_report["new"],
         "duplicates": merge_report["duplicates"],
         "sources": sources(reports),
         "model": served_model(generate),
         "sampling": {"params": generate.get("sampling_params"),
-                     "fingerprint": generate.get("sampling")},
+                     "hash": generate.get("sampling")},
         "tokenizer": {
             "tokenizer": fingerprint.get("tokenizer"),
             "chat_template_sha256": fingerprint.get("chat_template_sha256"),
             "policy": fingerprint.get("policy"),
             "versions": fingerprint.get("versions"),
         },
-        "dvc": dvc_hashes(),
+        "dvc": dvc_hashes(upstream(paths)),
         "history": earlier + [version],
     }
     return secrets.scrub(lineage)
 
 
-def read_report(stage: str) -> dict:
-    path = REPORTS / f"{stage}.json"
+def read_report(folder: Path, stage: str) -> dict:
+    path = Path(folder) / f"{stage}.json"
     try:
         return json_object(path.read_bytes(), str(path))
     except FileNotFoundError:
@@ -185,14 +188,14 @@ def git_commit() -> tuple[Optional[str], Optional[bool]]:
 # ------------------------------------------------------------------- DVC hashes
 
 
-def dvc_hashes() -> dict:
+def dvc_hashes(outs: dict[str, str]) -> dict:
     """{out: {md5, from}} for each upstream out: dvc.lock's entry when it describes the
     folder on disk (same file count and size). Under `dvc repro` every upstream stage is
     locked before merge runs; a merge run by hand records the hash as unknown rather than
     re-reading every new byte (on a 463 MB new set that cost 0.8 s of a 1.4 s merge)."""
     locked = _lock_outs()
     hashes = {}
-    for stage, out in UPSTREAM.items():
+    for stage, out in outs.items():
         folder = Path(out)
         if not folder.is_dir():
             hashes[out] = None
@@ -234,7 +237,7 @@ def base_history(base: Optional[Path], base_totals: dict) -> list[dict]:
         return []
     return [{"version": 0, "created": None, "git_commit": None, "rows": base_totals["rows"],
              "base_rows": None, "new_rows": None, "tokens": base_totals.get("tokens"),
-             "model": None, "dataset_fingerprint": _state_fingerprint(base),
+             "model": None, "state_hash": _state_hash(base),
              "note": f"base {base} had no lineage card"}]
 
 
@@ -258,7 +261,8 @@ def _read_history(base: Path) -> Optional[list[dict]]:
 # what each field of a history entry may hold (besides null); `version` is required
 _HISTORY_FIELDS = {"version": int, "rows": int, "base_rows": int, "new_rows": int,
                    "tokens": int, "created": str, "git_commit": str, "model": str,
-                   "note": str, "dataset_fingerprint": str}
+                   "note": str, "state_hash": str}
+OLD_KEYS = {"dataset_fingerprint": "state_hash"}  # format 1's name, in earlier versions' history
 MAX_HEADER_BYTES = 16 << 20
 
 
@@ -269,6 +273,9 @@ def _checked(history: Any, path: Path) -> list[dict]:
     if not isinstance(history, list) or not all(isinstance(v, dict) for v in history):
         raise StageError(f"{path}: history is not a list of versions (merge.base's lineage)")
     for i, v in enumerate(history):
+        for old, new in OLD_KEYS.items():
+            if old in v:
+                v.setdefault(new, v.pop(old))
         if v.get("version") is None:
             raise StageError(f"{path}: history[{i}].version is missing (merge.base's lineage)")
         for key, kind in _HISTORY_FIELDS.items():
@@ -315,7 +322,8 @@ def _front_matter(text: str, path: Path) -> dict:
     return {}
 
 
-def _state_fingerprint(folder: Optional[Path]) -> Optional[str]:
+def _state_hash(folder: Optional[Path]) -> Optional[str]:
+    """state.json's `_fingerprint` (datasets' name for it)."""
     try:
         state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     except (TypeError, OSError, ValueError):
@@ -327,11 +335,12 @@ def _state_fingerprint(folder: Optional[Path]) -> Optional[str]:
 # ------------------------------------------------------------------------ write
 
 
-def write(folder: Path, lineage: dict) -> None:
-    """lineage.json and README.md into `folder` (merge's temporary output folder)."""
+def write(folder: Path, lineage: dict, paths) -> None:
+    """lineage.json and README.md into `folder` (merge's temporary output folder for
+    `paths.out`)."""
     (folder / LINEAGE_FILE).write_text(
         json.dumps(lineage, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (folder / CARD_FILE).write_text(card(lineage), encoding="utf-8")
+    (folder / CARD_FILE).write_text(card(lineage, paths), encoding="utf-8")
 
 
 # libyaml's emitter writes the same text 4x faster (a history of 10,000 versions: 13 s
@@ -339,7 +348,7 @@ def write(folder: Path, lineage: dict) -> None:
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-def card(lin: dict) -> str:
+def card(lin: dict, paths) -> str:
     header = {
         "pretty_name": f"distill-data training set, version {lin['version']}",
         "size_categories": [_size_category(lin["rows"])],
@@ -358,8 +367,8 @@ def card(lin: dict) -> str:
     parts = [
         "---\n" + yaml.dump(header, Dumper=_DUMPER, sort_keys=False, allow_unicode=True)
         + "---\n",
-        _intro(lin), _contents(lin), _sources_table(lin["sources"]), _model(lin),
-        _tokenizer(lin["tokenizer"]), _training(), _provenance(lin), _history(lin["history"]),
+        _intro(lin, paths.out), _contents(lin), _sources_table(lin["sources"]), _model(lin),
+        _tokenizer(lin["tokenizer"]), _training(paths), _provenance(lin), _history(lin["history"]),
         _older_versions(),
     ]
     return "\n".join(parts)
@@ -383,14 +392,14 @@ def _reasons(counts: Optional[dict]) -> str:
     return ", ".join(f"{_cell(k)} {_n(v)}" for k, v in _mapping(counts).items()) or "–"
 
 
-def _intro(lin: dict) -> str:
+def _intro(lin: dict, merged: Path) -> str:
     commit = lin["git_commit"] or "unknown"
     if lin["git_dirty"]:
         commit += " plus uncommitted edits to the code"
     return (
         f"# distill-data training set, version {lin['version']}\n\n"
         f"Written by the merge stage on {lin['created']} from code at git commit {commit}. "
-        "Open it with `datasets.load_from_disk(\"data/merged\")`; the same facts are in "
+        f"Open it with `datasets.load_from_disk(\"{merged}\")`; the same facts are in "
         f"`{LINEAGE_FILE}` beside this card.\n"
     )
 
@@ -457,7 +466,7 @@ def _model(lin: dict) -> str:
     lines.append(f"- output tokens: {_n(m['output_tokens'])}")
     sampled = sampling["params"] or {}
     lines.append(f"- sampling: {', '.join(f'{k} {v}' for k, v in sampled.items()) or 'unknown'}"
-                 f" (fingerprint `{sampling['fingerprint']}`)\n")
+                 f" (hash `{sampling['hash']}`)\n")
     return "\n".join(lines)
 
 
@@ -476,14 +485,14 @@ def _tokenizer(tok: dict) -> str:
     return "\n".join(lines)
 
 
-FROM_CARD = Path("../..")  # the card is data/merged/README.md; links lead to the repo root
-
-
-def _training() -> str:
+def _training(paths) -> str:
     """Where validate's verdict on this version is: it runs after merge and never writes
     into data/merged, so the card links its reports (same git commit as this version)."""
-    report = FROM_CARD / outputs.REPORTS / "validate.json"
-    pictures = [f"![{title}]({FROM_CARD / charts.picture(name)})"
+    def link(path: Path) -> str:  # from the card, in the merged folder
+        return os.path.relpath(path, paths.out)
+
+    report = Path(link(paths.reports / "validate.json"))
+    pictures = [f"![{title}]({link(charts.picture(paths.reports, name))})"
                 for name, (title, _) in charts.PICTURES.items()]
     return (
         "## Ready to train\n\n"
@@ -499,8 +508,8 @@ def _training() -> str:
 
 def _provenance(lin: dict) -> str:
     lines = ["## Provenance\n", f"- git commit: `{lin['git_commit'] or 'unknown'}`",
-             f"- dataset fingerprint (state.json): `{lin['dataset_fingerprint']}`; base: "
-             f"`{lin['base']['dataset_fingerprint']}`", "",
+             f"- state hash (state.json `_fingerprint`): `{lin['state_hash']}`; base: "
+             f"`{lin['base']['state_hash']}`", "",
              "| stage | out | DVC md5 | from |", "|---|---|---|---|"]
     for out, h in lin["dvc"].items():
         if h:

@@ -229,7 +229,7 @@ def grouped(chunks: Iterable[list[Row]], tokens_per_batch: int,
         start += size
 
 
-def batches(folder: str | Path = "data/merged", tokens_per_batch: int = 16384,
+def batches(folder: str | Path, tokens_per_batch: int = 16384,
             packed: bool = False, pad_id: int = 0, tensors: bool = True,
             seed: Optional[int] = None) -> Iterator[dict]:
     """Training batches of the dataset folder (see the module docstring); `seed`: a new

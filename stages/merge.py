@@ -1,6 +1,7 @@
 """Append data/tokenized to a base training set without rewriting the base.
 
-  python -m stages.merge [--params params.yaml]
+  python -m stages.merge --tokenized PATH --out PATH ... [--params params.yaml]
+  (the paths: dvc.yaml's cmd)
 
 Reads `merge.base` (a datasets save_to_disk folder or a folder of .arrow stream shards;
 null, absent or empty for a first version) and data/tokenized, and writes data/merged:
@@ -61,8 +62,11 @@ from stages.schema import (
 
 log = logging.getLogger("merge")
 
-NEW = Path("data/tokenized")
-OUT = Path("data/merged")
+PATHS = {"tokenized": "tokenize's dataset (the new rows)",
+         "out": "folder the merged set is written to",
+         "reports": "folder of the stage reports (the earlier stages' are read for the card)",
+         "prompts": "prepare's folder (for its dvc.lock hash)",
+         "completions": "generate's folder (for its dvc.lock hash)"}
 FINGERPRINT_KEYS = ("tokenizer", "chat_template_sha256")
 
 
@@ -82,39 +86,32 @@ class Shard:
         return 0 if self.drop is None else pc.sum(self.drop).as_py() or 0
 
 
-def run(cfg: P.Merge) -> dict:
+def run(cfg: P.Merge, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     start = time.perf_counter()
     base = Path(cfg.base) if cfg.base else None
-    _check_paths(base)
-    new_fp_path = NEW / FINGERPRINT_FILE
-    new_fp = _read_fingerprint(new_fp_path, required=True)
-    base_fp = None
-    if base is not None and base.is_dir():
-        base_fp = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
-        if base_fp is None:
-            log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
-        else:
-            _compare_fingerprints(base / FINGERPRINT_FILE, base_fp, new_fp_path, new_fp)
-    elif base is not None:
-        log.warning("merge.base %s does not exist: writing a first version", base)
+    _check_paths(base, paths)
+    new_fp_path = paths.tokenized / FINGERPRINT_FILE
+    new_fp, base_fp = _fingerprints(new_fp_path, base)
 
-    new = [Shard(p) for p in list_shards(NEW)]
+    new = [Shard(p) for p in list_shards(paths.tokenized)]
     for shard in new:
         diffs = schema_differences(read_schema(shard.path))
         if diffs:
             raise StageError(f"{shard.path}: {'; '.join(diffs)} (re-run the tokenize stage)")
     base_shards = [Shard(p) for p in (list_shards(base) if base and base.is_dir() else [])]
     for shard in base_shards:
-        shard.cast = _check_base_schema(shard.path, cfg.allow_cast)
+        shard.cast = _check_base_schema(shard.path, cfg.allow_cast, paths.tokenized)
 
-    new_ids = _scan_new(new)
+    new_ids = _scan_new(new, paths.tokenized)
     dup_ids = _scan_base(base_shards, new_ids)
-    duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new)
+    duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new, paths.tokenized)
 
     if sum(s.rows - s.dropped for s in base_shards + new) == 0:
-        raise StageError(f"merge: no rows to write: the base is empty and {NEW} has 0 rows")
+        raise StageError(
+            f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
 
-    with outputs.atomic_dir(OUT) as tmp:
+    with outputs.atomic_dir(paths.out) as tmp:
         placed = _write(tmp, base_shards, new, cfg.link)
         fingerprint = _merged_fingerprint(base_fp, new_fp)
         if fingerprint == new_fp:
@@ -124,33 +121,33 @@ def run(cfg: P.Merge) -> dict:
         names = [name for name, _, _ in placed if name is not None]
         content = state_hash(tmp, names)
         write_metadata(tmp, names, content)
-        report = _report(cfg, base, base_shards, new, placed, duplicates)
-        lin = lineage.build(report, fingerprint, base, content)
-        lineage.write(tmp, lin)
+        report = _report(cfg, base, base_shards, new, placed, duplicates, paths.tokenized)
+        lin = lineage.build(report, fingerprint, base, content, paths)
+        lineage.write(tmp, lin, paths)
         _check_loads(tmp, report["merged"]["rows"])
     report["version"] = lin["version"]
     report["seconds"] = round(time.perf_counter() - start, 3)
-    outputs.write_report("merge", report)
+    outputs.write_report(paths.reports, "merge", report)
     log.info(
         "merged %d base + %d new rows -> %d rows in %d shards (%s)",
         report["base"]["rows"], report["new"]["rows"], report["merged"]["rows"],
         report["merged"]["shards"],
         ", ".join(f"{k} {v}" for k, v in report["shards"].items() if v),
     )
-    log.info("lineage card: %s (version %d; %s for machines)", OUT / lineage.CARD_FILE,
-             lin["version"], OUT / lineage.LINEAGE_FILE)
+    log.info("lineage card: %s (version %d; %s for machines)", paths.out / lineage.CARD_FILE,
+             lin["version"], paths.out / lineage.LINEAGE_FILE)
     return report
 
 
 def _report(cfg: P.Merge, base: Optional[Path], base_shards: list[Shard], new: list[Shard],
-            placed: list, duplicates: dict) -> dict:
+            placed: list, duplicates: dict, new_dir: Path) -> dict:
     how = {}
     for _, action, _ in placed:
         how[action] = how.get(action, 0) + 1
     return {
         "base": {"path": cfg.base, "present": bool(base and base.is_dir()),
                  **_totals(base_shards)},
-        "new": {"path": str(NEW), **_totals(new)},
+        "new": {"path": str(new_dir), **_totals(new)},
         "merged": _totals([shard for _, _, shard in placed]),
         "duplicates": duplicates,
         "shards": {key: how.get(key, 0) for key in (
@@ -163,18 +160,34 @@ def _report(cfg: P.Merge, base: Optional[Path], base_shards: list[Shard], new: l
 # ------------------------------------------------------------------------ checks
 
 
-def _check_paths(base: Optional[Path]) -> None:
-    if not NEW.is_dir():
-        raise StageError(f"{NEW}: not found (run the tokenize stage first)")
+def _check_paths(base: Optional[Path], paths) -> None:
+    if not paths.tokenized.is_dir():
+        raise StageError(f"{paths.tokenized}: not found (run the tokenize stage first)")
     if base is None:
         return
     if base.is_symlink() and not base.exists():  # not "no base yet": a link gone wrong
         raise StageError(f"merge.base {base}: links to {os.readlink(base)}, which does not exist")
     if base.exists() and not base.is_dir():
         raise StageError(f"merge.base {base}: is a file, expected a dataset folder")
-    for other in (OUT, NEW):
+    for other in (paths.out, paths.tokenized):
         if base.exists() and other.exists() and base.resolve() == other.resolve():
             raise StageError(f"merge.base {base}: must not be {other}")
+
+
+def _fingerprints(new_path: Path, base: Optional[Path]) -> tuple[dict, Optional[dict]]:
+    """The new rows' fingerprint.json and the base's (None when it has none); StageError
+    when they name another tokenizer or chat template."""
+    new = _read_fingerprint(new_path, required=True)
+    if base is None or not base.is_dir():
+        if base is not None:
+            log.warning("merge.base %s does not exist: writing a first version", base)
+        return new, None
+    found = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
+    if found is None:
+        log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
+    else:
+        _compare_fingerprints(base / FINGERPRINT_FILE, found, new_path, new)
+    return new, found
 
 
 def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
@@ -233,7 +246,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_base_schema(path: Path, allow_cast: bool) -> bool:
+def _check_base_schema(path: Path, allow_cast: bool, new_dir: Path) -> bool:
     """True when the shard must be written converted; StageError when it cannot be."""
     schema = read_schema(path)
     diffs = schema_differences(schema)
@@ -243,7 +256,7 @@ def _check_base_schema(path: Path, allow_cast: bool) -> bool:
     fixable = set(got) == set(ARROW_SCHEMA.names) and all(
         castable(got[f.name], f.type) for f in ARROW_SCHEMA
     )
-    detail = "; ".join(d.replace("expected", f"{NEW} has") for d in diffs)
+    detail = "; ".join(d.replace("expected", f"{new_dir} has") for d in diffs)
     if not allow_cast:
         hint = " (set merge.allow_cast: true to write converted copies)" if fixable else ""
         raise StageError(f"base shard {path}: {detail}{hint}")
@@ -285,7 +298,7 @@ def _strings(chunks: list) -> pa.ChunkedArray:
     )
 
 
-def _scan_new(new: list[Shard]) -> pa.Array:
+def _scan_new(new: list[Shard], new_dir: Path) -> pa.Array:
     ids = []
     for shard in new:
         shard_ids = shard.ids = _scan(shard)
@@ -299,7 +312,7 @@ def _scan_new(new: list[Shard]) -> pa.Array:
         counts = pc.value_counts(all_ids)
         repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
         raise StageError(
-            f"{NEW}: {len(repeated)} ids occur more than once, e.g. {repeated[0].as_py()!r}"
+            f"{new_dir}: {len(repeated)} ids occur more than once, e.g. {repeated[0].as_py()!r}"
         )
     log.info("new: %d rows in %d shards", len(all_ids), len(new))
     return unique
@@ -320,7 +333,8 @@ def _scan_base(base: list[Shard], new_ids: pa.Array) -> pa.Array:
     return pc.unique(pa.chunked_array([c for f in found for c in f.chunks]))
 
 
-def _apply_policy(policy: str, dup_ids: pa.Array, base: list[Shard], new: list[Shard]) -> dict:
+def _apply_policy(policy: str, dup_ids: pa.Array, base: list[Shard], new: list[Shard],
+                  new_dir: Path) -> dict:
     base_rows = sum(s.dropped for s in base)
     counts = {"policy": policy, "ids": len(dup_ids), "base_rows": base_rows,
               "new_rows": 0, "dropped_base_rows": 0, "dropped_new_rows": 0}
@@ -337,7 +351,7 @@ def _apply_policy(policy: str, dup_ids: pa.Array, base: list[Shard], new: list[S
     examples = ", ".join(repr(v) for v in dup_ids[:3].to_pylist())
     if policy == "error":
         raise StageError(
-            f"merge: {len(dup_ids)} ids are in both the base and {NEW} (e.g. {examples}); "
+            f"merge: {len(dup_ids)} ids are in both the base and {new_dir} (e.g. {examples}); "
             "merge.on_duplicate is 'error'"
         )
     keep, drop = (new, base) if policy == "keep-new" else (base, new)
@@ -468,4 +482,4 @@ def _check_loads(folder: Path, rows: int) -> None:
 
 
 if __name__ == "__main__":
-    cli.entry("merge", __doc__, run)
+    cli.entry("merge", __doc__, run, PATHS)

@@ -17,6 +17,10 @@ from stages.errors import json_type
 
 ROLES = ("system", "user", "assistant", "tool")
 
+# the files that carry these rows between stages, in the folders dvc.yaml names
+PROMPTS_FILE = "prompts.jsonl"  # prepare writes it, generate reads it
+COMPLETIONS_FILE = "completions.jsonl"  # generate writes it, tokenize reads it
+
 # optional keys of a message and the types they may hold (besides null)
 _OPTIONAL = {"reasoning_content": str, "name": str, "tool_call_id": str, "tool_calls": list}
 _NAMES = {str: "string", list: "list"}

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-REPORTS = Path("reports")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -100,8 +99,8 @@ def write_json(path: str | Path, obj) -> None:
         f.write("\n")
 
 
-def write_report(stage: str, obj: dict) -> Path:
-    """Write `reports/<stage>.json`, the stage's DVC metrics file."""
-    path = REPORTS / f"{stage}.json"
+def write_report(folder: Path, stage: str, obj: dict) -> Path:
+    """Write `<folder>/<stage>.json` (folder: `--reports`), the stage's DVC metrics file."""
+    path = Path(folder) / f"{stage}.json"
     write_json(path, obj)
     return path

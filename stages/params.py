@@ -166,7 +166,7 @@ class Launch:
 @dataclass
 class Server:
     """The `generate.server` params section (the live handle is generate.ServerHandle,
-    a launched engine process servers.LaunchedServer)."""
+    a launched engine process servers.EngineProcess)."""
 
     url: Union[str, list[str], None] = None
     launch: Optional[Launch] = None

@@ -44,20 +44,21 @@ import orjson
 import xxhash
 
 from stages import cli, decontam, outputs, sources
+from stages import messages as contract
 from stages import params as P
 from stages.errors import StageError, json_type
 
 log = logging.getLogger("prepare")
 
-OUT_DIR = Path("data/prompts")
-OUT_FILE = "prompts.jsonl"
+PATHS = {"out": "folder the prompts are written to", "reports": "folder of the stage reports"}
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
 LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
-def run(cfg: P.Prepare) -> dict:
+def run(cfg: P.Prepare, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     _check(cfg)
     started = time.monotonic()
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
@@ -65,25 +66,25 @@ def run(cfg: P.Prepare) -> dict:
     workers = _Workers(cfg.num_proc or _auto_workers())
     evals = _Evals(cfg, workers.n > 1)
     try:
-        with outputs.atomic_dir(OUT_DIR) as tmp:
-            with open(tmp / OUT_FILE, "wb", buffering=1 << 20) as out:
+        with outputs.atomic_dir(paths.out) as tmp:
+            with open(tmp / contract.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
                 for index, src in enumerate(cfg.sources):
                     per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers, evals)
             report = _report(cfg, per_source, len(seen), time.monotonic() - started)
             report["decontamination"] = evals.report()
             if report["totals"]["kept"] == 0:
-                outputs.write_report("prepare", report)
+                written = outputs.write_report(paths.reports, "prepare", report)
                 raise StageError(
-                    "prepare: no prompt left after cleaning (see reports/prepare.json for the reasons)"
+                    f"prepare: no prompt left after cleaning (see {written} for the reasons)"
                 )
     finally:
         workers.close()
         evals.close()
-    outputs.write_report("prepare", report)
+    outputs.write_report(paths.reports, "prepare", report)
     t = report["totals"]
     log.info(
         "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
-        t["kept"], OUT_DIR / OUT_FILE, t["read"], t["dropped"], report["seconds"],
+        t["kept"], paths.out / contract.PROMPTS_FILE, t["read"], t["dropped"], report["seconds"],
     )
     return report
 
@@ -484,7 +485,7 @@ class _LimitSampler:
 # JSON; Unicode NFC and every whitespace character removed. So "2+2" and "2 + 2", or a
 # prompt re-wrapped or with a trailing newline, are duplicates. For ASCII text that is
 # one bytes.translate; only other text goes through NFC and str.split.
-_MARK = {role: f"\0{role}\0" for role in sources.ROLES}
+_MARK = {role: f"\0{role}\0" for role in contract.ROLES}
 _ASCII_WS = bytes(c for c in range(128) if chr(c).isspace())
 
 
@@ -609,4 +610,4 @@ def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> di
 
 
 if __name__ == "__main__":
-    cli.entry("prepare", __doc__, run)
+    cli.entry("prepare", __doc__, run, PATHS)

@@ -33,6 +33,10 @@ FEATURES = datasets.Features(
 
 ARROW_SCHEMA: pa.Schema = FEATURES.arrow_schema
 
+# What made a dataset's tokens (tokenizer, chat template, tokenize policy, versions): the
+# one thing "fingerprint" names here. Kept under this name: every dataset written so far
+# carries it, and merge reads the base's. (A folder's state hash is `state_hash`, stored
+# as state.json's `_fingerprint`, datasets' own key.)
 FINGERPRINT_FILE = "fingerprint.json"
 
 # ------------------------------------------------------------------- on disk

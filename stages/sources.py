@@ -32,7 +32,6 @@ from stages import messages as contract
 from stages.errors import StageError, json_object, json_type
 from stages.params import Prepare, Source
 
-ROLES = contract.ROLES
 
 # Role names seen in public chat datasets, lower-cased, mapped to OpenAI roles.
 # `function_call` (LLaMA-Factory ShareGPT) is the assistant's own call text.
@@ -168,7 +167,9 @@ class Reader:
         """(positions, items) in groups of a few hundred rows, in order; `current` and
         `unit` describe the file the group comes from."""
         if self.hub:
-            yield from _grouped(self._hub())
+            self.current, self.unit = _hub_label(self.src, self.hub_id), "row"
+            yield from _grouped(_hub_rows(self.src, self.hub_id, self.current, self.columns,
+                                          self.check))
             return
         for path in self.parts:
             self.current = str(path)
@@ -181,50 +182,62 @@ class Reader:
             else:
                 yield from _arrow_batches(path, self.columns, self.check)
 
-    def _hub(self) -> Iterator[tuple[int, Any]]:
-        src = self.src
-        label = self.hub_id + "".join(f"[{x}]" for x in (src.subset, src.split) if x)
-        if src.revision:
-            label += f"@{src.revision}"
-        self.current, self.unit = label, "row"
-        offline = _offline()
-        try:
-            import datasets
 
-            ds = datasets.load_dataset(
-                self.hub_id, src.subset, split=src.split, revision=src.revision,
-                streaming=not offline,
-            )
-            if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-                names = list(ds)
-                pick = "train" if "train" in ds else (names[0] if len(names) == 1 else None)
-                if pick is None:
-                    raise StageError(
-                        f"source {src.name}: {self.hub_id} has splits {', '.join(names)}; set split"
-                    )
-                ds = ds[pick]
-        except StageError:
-            raise
-        except Exception as e:
-            how = "from the local cache (HF_HUB_OFFLINE is set)" if offline else "from the Hub"
-            raise StageError(
-                f"source {src.name}: cannot load Hugging Face dataset {label} {how}: {_first_line(e)}"
-            ) from None
-        features = getattr(ds, "features", None)
-        if features:
-            names = list(features)
-            self.check(names, label)
-            ds = ds.select_columns([c for c in self.columns if c in names])
-        n = 0
-        if isinstance(ds, datasets.Dataset):  # memory-mapped cache: read in Arrow batches
-            for table in ds.with_format("arrow").iter(batch_size=_BATCH):
-                for row in table.to_pylist():
-                    yield n, row
-                    n += 1
-            return
-        for row in _guarded(ds, f"source {src.name}: reading {label} failed"):
-            yield n, row
-            n += 1
+def _hub_label(src: Source, hub_id: str) -> str:
+    """How messages name a Hub source: id[subset][split]@revision."""
+    label = hub_id + "".join(f"[{x}]" for x in (src.subset, src.split) if x)
+    return label + (f"@{src.revision}" if src.revision else "")
+
+
+def _hub_rows(src: Source, hub_id: str, label: str, columns: list[str],
+              check: Callable[[list[str], str], None]) -> Iterator[tuple[int, Any]]:
+    """(row index, row) of a Hugging Face dataset: streamed from the Hub, or read from the
+    local cache when offline."""
+    import datasets
+
+    ds = _hub_dataset(src, hub_id, label)
+    features = getattr(ds, "features", None)
+    if features:
+        names = list(features)
+        check(names, label)
+        ds = ds.select_columns([c for c in columns if c in names])
+    n = 0
+    if isinstance(ds, datasets.Dataset):  # memory-mapped cache: read in Arrow batches
+        for table in ds.with_format("arrow").iter(batch_size=_BATCH):
+            for row in table.to_pylist():
+                yield n, row
+                n += 1
+        return
+    for row in _guarded(ds, f"source {src.name}: reading {label} failed"):
+        yield n, row
+        n += 1
+
+
+def _hub_dataset(src: Source, hub_id: str, label: str):
+    """The source's split of a Hub dataset (the only one, or train, when `split` is unset)."""
+    offline = _offline()
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(
+            hub_id, src.subset, split=src.split, revision=src.revision, streaming=not offline,
+        )
+        if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            names = list(ds)
+            pick = "train" if "train" in ds else (names[0] if len(names) == 1 else None)
+            if pick is None:
+                raise StageError(
+                    f"source {src.name}: {hub_id} has splits {', '.join(names)}; set split"
+                )
+            ds = ds[pick]
+    except StageError:
+        raise
+    except Exception as e:
+        how = "from the local cache (HF_HUB_OFFLINE is set)" if offline else "from the Hub"
+        raise StageError(
+            f"source {src.name}: cannot load Hugging Face dataset {label} {how}: {_first_line(e)}"
+        ) from None
+    return ds
 
 
 # -- locating a source's files ---------------------------------------------------
@@ -611,10 +624,10 @@ class Layout:
         for entry in src.role_map:
             name, _, role = entry.rpartition(":")
             name, role = name.strip().lower(), role.strip()
-            if not name or role not in ROLES:
+            if not name or role not in contract.ROLES:
                 raise StageError(
                     f"source {src.name}: role_map entry {entry[:100]!r}: expected 'NAME:ROLE' with "
-                    f"ROLE one of {', '.join(ROLES)}"
+                    f"ROLE one of {', '.join(contract.ROLES)}"
                 )
             self.aliases[name] = role
         self.system_field = src.system_field
@@ -700,28 +713,10 @@ class Layout:
         turns = row.get(self.messages_field, _MISSING)
         if type(turns) is not list:
             return "missing_field" if turns is _MISSING else "null_field" if turns is None else "bad_value"
-        rk, ck, aliases = self.role_key, self.content_key, self.aliases
-        roles = []
-        for turn in turns:
-            if type(turn) is not dict:
-                return "bad_value"
-            name = turn.get(rk)
-            role = aliases.get(name) if type(name) is str else None
-            if role is None and type(name) is str:
-                role = aliases.get(name.strip().lower())
-            roles.append(role if role is not None else name)
-        # the model answers after the last user or tool turn (or the first user turn)
-        cut = -1
-        if self.first_user:
-            for i, role in enumerate(roles):
-                if role == "user":
-                    cut = i
-                    break
-        else:
-            for i in range(len(roles) - 1, -1, -1):
-                if roles[i] == "user" or roles[i] == "tool":
-                    cut = i
-                    break
+        roles = self._roles(turns)
+        if roles is None:
+            return "bad_value"
+        cut = self._cut(roles)
         if cut < 0 or "user" not in roles[: cut + 1]:
             return self._unknown(roles, len(roles)) or "no_user_turn"
         bad = self._unknown(roles, cut + 1)
@@ -730,6 +725,7 @@ class Layout:
         messages = []
         chars = 0
         calls = False
+        ck = self.content_key
         for i in range(cut + 1):
             role = roles[i]
             if self.first_user and i < cut and role != "system":
@@ -771,6 +767,29 @@ class Layout:
             return "bad_value"
         return self._finish(messages, system, tools, chars, calls)
 
+    def _roles(self, turns: list) -> Optional[list]:
+        """Each turn's role, aliases mapped (an unknown name kept as is); None when a turn
+        is not an object."""
+        rk, aliases = self.role_key, self.aliases
+        roles = []
+        for turn in turns:
+            if type(turn) is not dict:
+                return None
+            name = turn.get(rk)
+            role = aliases.get(name) if type(name) is str else None
+            if role is None and type(name) is str:
+                role = aliases.get(name.strip().lower())
+            roles.append(role if role is not None else name)
+        return roles
+
+    def _cut(self, roles: list) -> int:
+        """The turn the model answers after: the last user or tool turn (or the first user
+        turn); -1 when there is none."""
+        if self.first_user:
+            return next((i for i, role in enumerate(roles) if role == "user"), -1)
+        return next((i for i in range(len(roles) - 1, -1, -1)
+                     if roles[i] == "user" or roles[i] == "tool"), -1)
+
     @staticmethod
     def _finish(messages: list, system, tools, chars: int, calls: bool) -> Union[Prompt, str]:
         if system is not None and messages[0]["role"] != "system":
@@ -786,7 +805,7 @@ class Layout:
     def _unknown(self, roles: list, upto: int) -> Optional[str]:
         for i in range(upto):
             role = roles[i]
-            if role not in ROLES:
+            if role not in contract.ROLES:
                 if role is None:
                     return "missing_field"
                 self.unknown_roles[str(role)[:40]] += 1

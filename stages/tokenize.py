@@ -61,8 +61,8 @@ from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name,
 
 log = logging.getLogger(__name__)
 
-COMPLETIONS = Path("data/completions/completions.jsonl")
-OUT = Path("data/tokenized")
+PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
+         "reports": "folder of the stage reports"}
 COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
 # A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
 # so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
@@ -72,13 +72,14 @@ MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
 
 
-def run(cfg: P.Tokenize) -> dict:
+def run(cfg: P.Tokenize, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     try:
-        report = tokenize_file(COMPLETIONS, OUT, cfg)
+        report = tokenize_file(paths.completions / contract.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
-        outputs.write_report("tokenize", e.report)
+        outputs.write_report(paths.reports, "tokenize", e.report)
         raise
-    outputs.write_report("tokenize", report)
+    outputs.write_report(paths.reports, "tokenize", report)
     return report
 
 
@@ -288,6 +289,16 @@ def _new_stats() -> dict:
     return {"conversations": 0, "rows": 0, "tokens": 0, "loss_tokens": 0,
             "dropped": dict.fromkeys(COMPLETION_DROP_REASONS, 0), "cut_to_max_seq_len": 0,
             "lookalike_rows": 0}
+
+
+def _add_stats(into: dict, st: dict) -> None:
+    """Add one source's counts `st` (as _new_stats makes them) into `into`."""
+    for key, value in st.items():
+        if key == "dropped":
+            for reason, n in value.items():
+                into["dropped"][reason] += n
+        else:
+            into[key] += value
 
 
 @dataclasses.dataclass
@@ -503,13 +514,7 @@ class Totals:
 
     def add(self, r: ChunkResult) -> None:
         for src, st in r.stats.items():
-            mine = self.stats[src]
-            for key, value in st.items():
-                if key == "dropped":
-                    for reason, n in value.items():
-                        mine["dropped"][reason] += n
-                else:
-                    mine[key] += value
+            _add_stats(self.stats[src], st)
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
         servecheck.merge(self.served, r.served)
@@ -531,12 +536,7 @@ class Totals:
                             "length": _percentiles(self.lengths.get(src))}
         total = _new_stats()
         for st in self.stats.values():
-            for key, value in st.items():
-                if key == "dropped":
-                    for reason, n in value.items():
-                        total["dropped"][reason] += n
-                else:
-                    total[key] += value
+            _add_stats(total, st)
         all_lengths = array("i")
         for values in self.lengths.values():
             all_lengths.extend(values)
@@ -563,4 +563,4 @@ def _percentiles(values) -> dict:
 
 
 if __name__ == "__main__":
-    cli.entry("tokenize", __doc__, run)
+    cli.entry("tokenize", __doc__, run, PATHS)

@@ -1,6 +1,7 @@
 """Prove data/merged well-formed before a training run starts on it.
 
-  python -m stages.validate [--params params.yaml]
+  python -m stages.validate --merged PATH --reports PATH [--params params.yaml]
+  (the paths: dvc.yaml's cmd)
 
 Shard by shard, every row is reduced to a summary computed with columnar operations on
 the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
@@ -69,9 +70,8 @@ from stages.schema import (
 
 log = logging.getLogger("validate")
 
-DATA = Path("data/merged")
-MERGE_REPORT = Path("reports/merge.json")
-PLOTS = charts.PLOTS
+PATHS = {"merged": "merge's dataset", "reports": "folder of the stage reports (merge's is read, "
+         "this stage's and its plots are written)"}
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
 CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
@@ -103,38 +103,40 @@ class Findings:
         return [name for name, c in self.checks.items() if not c["passed"]]
 
 
-def run(cfg: P.Validate) -> dict:
+def run(cfg: P.Validate, paths) -> dict:
+    """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     start = time.perf_counter()
     P.check_ranges(cfg, "validate")
-    if not DATA.is_dir():
-        raise StageError(f"{DATA}: not found (run the merge stage first)")
+    data = paths.merged
+    if not data.is_dir():
+        raise StageError(f"{data}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
-    fingerprint = _fingerprint(findings) or {}
-    cfg, used = _limits(cfg, fingerprint)  # vocab_size and the limits resolved here
+    fingerprint = _fingerprint(findings, data) or {}
+    cfg, used = _limits(cfg, fingerprint, data)  # vocab_size and the limits resolved here
     try:
-        shards = list_shards(DATA)
+        shards = list_shards(data)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
         findings.add("shards_readable", 1, [str(e)])
         shards = []
-    _check_info(findings)
+    _check_info(findings, data)
 
-    scan = _scan(cfg, findings, shards)
-    expected = _check_row_count(findings, scan.rows)
-    budget, train_check = _training(cfg, findings)
+    scan = _scan(cfg, findings, shards, data)
+    expected = _check_row_count(findings, scan.rows, data, paths.reports / "merge.json")
+    budget, train_check = _training(cfg, findings, data)
 
-    _write_plots(scan.stats, scan.width)
+    _write_plots(scan.stats, scan.width, paths.reports)
     report = _report(cfg, findings, scan, shards, expected, used, budget, train_check)
     report["seconds"] = round(time.perf_counter() - start, 3)
-    outputs.write_report("validate", report)
+    written = outputs.write_report(paths.reports, "validate", report)
     failed = findings.failed()
     if failed:
-        raise StageError(_failure_message(findings, failed))
+        raise StageError(_failure_message(findings, failed, written))
     log.info("all %d checks passed on %d rows in %d shards", len(findings.checks),
              scan.rows, len(shards))
     return report
 
 
-def _scan(cfg: P.Validate, findings: Findings, shards: list) -> "Scanner":
+def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path) -> "Scanner":
     """Every row check over every shard, and the `datasets` load beside it."""
     vocab = cfg.vocab_size
     threads = cfg.threads or _idle_cpus()
@@ -143,7 +145,7 @@ def _scan(cfg: P.Validate, findings: Findings, shards: list) -> "Scanner":
             ThreadPoolExecutor(1, thread_name_prefix="load") as side, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
         scan = Scanner(cfg, vocab, findings, ids)
-        loads = side.submit(_load, DATA)  # mostly waiting on files: beside the scan
+        loads = side.submit(_load, data)  # mostly waiting on files: beside the scan
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()
@@ -186,14 +188,14 @@ def _report(cfg: P.Validate, findings: Findings, scan: "Scanner", shards: list, 
     }
 
 
-def _failure_message(findings: Findings, failed: list) -> str:
+def _failure_message(findings: Findings, failed: list, report: Path) -> str:
     parts = []
     for name in failed:
         c = findings.checks[name]
         example = f", e.g. {c['examples'][0]}" if c["examples"] else ""
         parts.append(f"{name} ({c['failures']}{example})")
     return (f"validate: {len(failed)} checks failed: {'; '.join(parts)} "
-            "(see reports/validate.json)")
+            f"(see {report})")
 
 
 # validate param -> where tokenize recorded it in fingerprint.json
@@ -202,10 +204,10 @@ RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
             "min_loss_tokens": ("policy", "min_loss_tokens")}
 
 
-def _limits(cfg: P.Validate, fingerprint: dict) -> tuple[P.Validate, dict]:
+def _limits(cfg: P.Validate, fingerprint: dict, data: Path) -> tuple[P.Validate, dict]:
     """`cfg` with each null limit taken from the data's fingerprint, and where each came
     from ("params" or the fingerprint's path and key)."""
-    path = DATA / FINGERPRINT_FILE
+    path = data / FINGERPRINT_FILE
     values, used = {}, {}
     for name, (section, key) in RECORDED.items():
         part = fingerprint.get(section)
@@ -240,13 +242,13 @@ def _idle_cpus() -> int:
 # ---------------------------------------------------------------- dataset checks
 
 
-def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict]:
+def _training(cfg: P.Validate, findings: Findings, data: Path) -> tuple[Optional[dict], dict]:
     """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
     on data that passed every other check: a trainer would stop at a broken row first."""
     tc = cfg.train_check
     if findings.failed():
         return None, {"skipped": "other checks failed"}
-    budget = loader.budget(DATA, tc.tokens_per_batch, tc.batches_per_step)
+    budget = loader.budget(data, tc.tokens_per_batch, tc.batches_per_step)
     if not tc.enabled:
         return budget, {"skipped": "validate.train_check.enabled is false"}
     missing = traincheck.missing_torch()
@@ -255,7 +257,7 @@ def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict
         return budget, {"skipped": missing}
     findings.expect("train_step")
     try:
-        result = traincheck.run(tc, DATA, cfg.max_seq_len)
+        result = traincheck.run(tc, data, cfg.max_seq_len)
     except traincheck.TrainCheckFailed as e:
         findings.add("train_step", 1, [str(e)])
         return budget, {"failed": str(e)}
@@ -268,8 +270,8 @@ def _training(cfg: P.Validate, findings: Findings) -> tuple[Optional[dict], dict
 
 
 
-def _fingerprint(findings: Findings) -> Optional[dict]:
-    path = DATA / FINGERPRINT_FILE
+def _fingerprint(findings: Findings, data: Path) -> Optional[dict]:
+    path = data / FINGERPRINT_FILE
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -290,8 +292,8 @@ def _fingerprint(findings: Findings) -> Optional[dict]:
     return doc
 
 
-def _check_info(findings: Findings) -> None:
-    path = DATA / INFO_FILE
+def _check_info(findings: Findings, data: Path) -> None:
+    path = data / INFO_FILE
     try:
         features = datasets.Features.from_dict(
             json.loads(path.read_text(encoding="utf-8"))["features"]
@@ -318,15 +320,16 @@ def _check_loads(findings: Findings, loaded, rows: int) -> None:
         findings.add("loads", 1, [f"load_from_disk: {loaded[0]} rows, features {loaded[1]}"])
 
 
-def _check_row_count(findings: Findings, rows: int) -> Optional[int]:
+def _check_row_count(findings: Findings, rows: int, data: Path,
+                     merge_report: Path) -> Optional[int]:
     try:
-        expected = json.loads(MERGE_REPORT.read_text(encoding="utf-8"))["merged"]["rows"]
+        expected = json.loads(merge_report.read_text(encoding="utf-8"))["merged"]["rows"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        findings.add("row_count", 1, [f"{MERGE_REPORT}: no merged.rows ({e!r})"])
+        findings.add("row_count", 1, [f"{merge_report}: no merged.rows ({e!r})"])
         return None
     if expected != rows:
         findings.add("row_count", abs(rows - expected),
-                     [f"{DATA} has {rows} rows, {MERGE_REPORT} says {expected}"])
+                     [f"{data} has {rows} rows, {merge_report} says {expected}"])
     return expected
 
 
@@ -666,7 +669,7 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
 # ------------------------------------------------------------------------- plots
 
 
-def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
+def _write_plots(stats: dict[str, np.ndarray], width: int, reports: Path) -> None:
     """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
     one SVG per plot beside them, all rows then each source (stages/charts.py).
 
@@ -682,8 +685,9 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
         ("token_length", "tokens", lengths, slice(3, 3 + lb)),
         ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
     ):
-        _write_svg(folder, [0] + edges, {s: stats[s][part].tolist() for s in sorted(stats)})
-        with outputs.atomic_dir(PLOTS / folder) as tmp:
+        _write_svg(reports, folder, [0] + edges,
+                   {s: stats[s][part].tolist() for s in sorted(stats)})
+        with outputs.atomic_dir(charts.plots(reports) / folder) as tmp:
             for source, file in names.items():
                 counts = stats[source][part].tolist()
                 if folder == "token_length" and counts[-1] == 0:
@@ -694,7 +698,7 @@ def _write_plots(stats: dict[str, np.ndarray], width: int) -> None:
                     w.writerows(zip(edges, counts))
 
 
-def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
+def _write_svg(reports: Path, name: str, edges: list, counts: dict[str, list[int]]) -> None:
     """reports/plots/NAME.svg: a panel for all rows, then one per source."""
     overall = [sum(column) for column in zip(*counts.values())]
     if name == "token_length":  # up to the longest rows, not max_seq_len: readable bars
@@ -703,7 +707,7 @@ def _write_svg(name: str, edges: list, counts: dict[str, list[int]]) -> None:
         counts = {s: c[:keep] for s, c in counts.items()}
     panels = [("all sources", overall)] + list(counts.items())
     title, x_label = charts.PICTURES[name]
-    with outputs.atomic_file(charts.picture(name)) as f:
+    with outputs.atomic_file(charts.picture(reports, name)) as f:
         f.write(charts.histogram_svg(title, x_label, edges, panels))
 
 
@@ -721,4 +725,4 @@ def _file_names(sources: list[str]) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    cli.entry("validate", __doc__, run)
+    cli.entry("validate", __doc__, run, PATHS)

@@ -1,11 +1,15 @@
-"""Run a stage's command line as a user would, and read how it failed."""
+"""Run a stage's command line as a user would (its paths from dvc.yaml), and read how it
+failed."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from stages import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,13 +28,24 @@ runpy.run_module("stages." + stage, run_name="__main__", alter_sys=True)
 """
 
 
+def command(stage: str) -> list[str]:
+    """dvc.yaml's cmd for `stage`, run by this interpreter."""
+    return [sys.executable, *cli.pipeline_command(stage)[1:]]
+
+
+def paths(stage: str):
+    """The paths dvc.yaml's cmd gives `stage`, for calling its `run(cfg, paths)` directly."""
+    return cli.pipeline_paths(stage, importlib.import_module(f"stages.{stage}").PATHS)
+
+
 def fail(stage: str, cwd: Path, params: str | Path = "params.yaml",
          timeout: float = 300) -> tuple[str, int]:
     """Run `python -m stages.<stage>` in `cwd`; it must exit 1 with exactly one `error:`
     line and no traceback. Returns that line and the run's peak RSS in KiB."""
     peak = Path(cwd) / ".peak-rss"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PEAK_RSS_FILE=str(peak))
-    proc = subprocess.run([sys.executable, "-c", _RUN, stage, "--params", str(params)],
+    argv = [*cli.pipeline_command(stage)[3:], "--params", str(params)]  # dvc.yaml's paths
+    proc = subprocess.run([sys.executable, "-c", _RUN, stage, *argv],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -13,7 +13,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +24,9 @@ from stages import params as P
 from stages.errors import StageError
 from tests.fakeserver import command as fake_command
 from tests.fakeserver import free_port, secret_pieces, spawn
+from tests import stagecli
+
+PATHS = stagecli.paths("generate")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
@@ -97,14 +99,14 @@ def env(**extra) -> dict:
 
 def stage(wd: Path, timeout: float = 90, **extra_env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        stagecli.command("generate"), cwd=wd, env=env(**extra_env),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
 def start_stage(wd: Path, **extra_env) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=wd, env=env(**extra_env),
+        stagecli.command("generate"), cwd=wd, env=env(**extra_env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -114,7 +116,7 @@ def here(wd: Path) -> dict:
     cwd = os.getcwd()
     os.chdir(wd)
     try:
-        return generate.run(P.load("generate", "params.yaml"))
+        return generate.run(P.load("generate", "params.yaml"), PATHS)
     finally:
         os.chdir(cwd)
 
@@ -432,7 +434,7 @@ def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, messag
     monkeypatch.chdir(tmp_path)
     cfg = P.build(P.Generate, {"server": server}, "generate")
     with pytest.raises(StageError, match=message):
-        generate.run(cfg)
+        generate.run(cfg, PATHS)
 
 
 def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
@@ -444,14 +446,14 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     ]:
         with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
             generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
-                                 "generate"))
+                                 "generate"), PATHS)
     cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
-        generate.run(cfg)
+        generate.run(cfg, PATHS)
     (tmp_path / "data/prompts").mkdir(parents=True)
     (tmp_path / "data/prompts/prompts.jsonl").write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(StageError, match="prompts.jsonl:1: 'messages'"):
-        generate.run(cfg)
+        generate.run(cfg, PATHS)
     user = [{"role": "user", "content": "q"}]
     for row, message in [
         ({"messages": user, "tools": [1, "f"]}, "'tools' must be a list of objects"),
@@ -462,7 +464,7 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
     ]:
         (tmp_path / "data/prompts/prompts.jsonl").write_text(json.dumps({"id": "a", **row}) + "\n")
         with pytest.raises(StageError, match=f"prompts.jsonl:1: {message}"):
-            generate.run(cfg)
+            generate.run(cfg, PATHS)
 
 
 @pytest.mark.slow
@@ -610,7 +612,7 @@ def test_tolerance_params_are_checked(tmp_path, monkeypatch, bad):
     monkeypatch.chdir(tmp_path)
     name = next(iter(bad))
     with pytest.raises(StageError, match=f"generate.{name}"):
-        generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"))
+        generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"), PATHS)
 
 
 HOSTILE = ["content_dict", "content_number", "reasoning_number", "tool_calls_string",
@@ -951,7 +953,7 @@ def test_a_request_timeout_longer_than_the_routers_is_refused_with_the_fix(tmp_p
     server = {"url": "http://127.0.0.1:1", "router_timeout": 1800}
     cfg = P.build(P.Generate, {"server": server, "request_timeout": 3600}, "generate")
     with pytest.raises(StageError, match=r"--request-timeout-secs 3660"):
-        generate.run(cfg)
+        generate.run(cfg, PATHS)
 
 
 def test_a_router_with_its_default_timeout_gets_a_warning_with_the_fix(tmp_path):

@@ -21,6 +21,10 @@ from stages import params as P
 from tests.fakeserver import spawn
 from tests.repo import demo_clone, git_commit, run
 from tests.test_merge import FP, ids, rows, save
+from tests import stagecli
+
+MERGE_PATHS = stagecli.paths("merge")  # where dvc.yaml has the stage read and write
+VALIDATE_PATHS = stagecli.paths("validate")
 
 PASSWORD = "hunter2-not-for-cards"
 KEY = "sk-lineage-DO-NOT-LEAK-41b7"
@@ -79,7 +83,7 @@ def test_three_merges_list_every_version_with_its_counts(repo):
     added = [("x", 7), ("y", 5), ("z", 11)]
     for i, (prefix, n) in enumerate(added, 1):
         new_version(repo, prefix, n)
-        report = merge.run(P.Merge(base=base))
+        report = merge.run(P.Merge(base=base), MERGE_PATHS)
         assert report["version"] == i
         base = keep(repo, f"v{i}")
 
@@ -103,7 +107,7 @@ def test_three_merges_list_every_version_with_its_counts(repo):
 
 def test_card_holds_sources_model_sampling_tokenizer(repo):
     new_version(repo, "n", 6)
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert lin["sources"]["new"] == {
         "prepare": {"read": 9, "kept": 7, "dropped": {"empty": 1, "duplicate": 1}},
@@ -127,7 +131,7 @@ def test_card_holds_sources_model_sampling_tokenizer(repo):
 
 def test_no_secret_reaches_the_card_the_lineage_or_the_report(repo):
     new_version(repo, "n", 4)
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     written = [p for p in list((repo / "data").rglob("*")) + [repo / "reports/merge.json"]
                if p.is_file() and "reports" not in p.parts[:-1]]
     assert any(p.name == "README.md" for p in written)
@@ -139,7 +143,7 @@ def test_no_secret_reaches_the_card_the_lineage_or_the_report(repo):
 
 def test_merge_without_reports_still_writes_a_card(repo):
     save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1))
-    merge.run(P.Merge(base=None))
+    merge.run(P.Merge(base=None), MERGE_PATHS)
     card = DatasetCard.load(repo / "data/merged/README.md")
     assert card.data.to_dict()["distill_data"]["history"][0]["rows"] == 3
     assert card.data.to_dict()["size_categories"] == ["n<1K"]
@@ -148,31 +152,32 @@ def test_merge_without_reports_still_writes_a_card(repo):
 def test_the_card_links_what_validate_writes(repo):
     import re
 
-    from stages import charts, outputs
+    from stages import charts
 
     save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1))
-    merge.run(P.Merge(base=None))
+    merge.run(P.Merge(base=None), MERGE_PATHS)
     text = (repo / "data/merged/README.md").read_text()
     targets = {(repo / "data/merged" / t).resolve() for t in re.findall(r"\]\(([^)]+)\)", text)}
-    assert targets == {(repo / outputs.REPORTS / "validate.json").resolve()} | {
-        (repo / charts.picture(name)).resolve() for name in charts.PICTURES}
+    reports = MERGE_PATHS.reports
+    assert targets == {(repo / reports / "validate.json").resolve()} | {
+        (repo / charts.picture(reports, name)).resolve() for name in charts.PICTURES}
 
 
 def test_a_damaged_base_history_is_refused_in_one_line(repo):
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": "v1"}))
     new_version(repo, "n", 2)
     with pytest.raises(merge.StageError, match=r"data/base/lineage\.json: history is not"):
-        merge.run(P.Merge(base="data/base"))
+        merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     assert not (repo / "data/merged").exists()
 
 
 def test_history_is_read_from_the_card_when_lineage_json_is_gone(repo):
     new_version(repo, "x", 3)
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     base = keep(repo, "v1")
     (repo / base / "lineage.json").unlink()
     new_version(repo, "y", 2)
-    merge.run(P.Merge(base=base))
+    merge.run(P.Merge(base=base), MERGE_PATHS)
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]
 
@@ -188,10 +193,10 @@ def test_validate_checks_the_whole_set_against_the_widened_limits(repo):
          fingerprint={**FP, "policy": {"max_seq_len": 32, "min_loss_tokens": 1}})
     save(repo / "data/tokenized", rows(ids("n", 3), "new", tag=1),
          fingerprint={**FP, "policy": {"max_seq_len": 8, "min_loss_tokens": 2}})
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     fp = json.loads((repo / "data/merged/fingerprint.json").read_text())
     assert fp["policy"] == {"max_seq_len": 32, "min_loss_tokens": 1}
-    report = validate.run(P.Validate())
+    report = validate.run(P.Validate(), VALIDATE_PATHS)
     assert report["passed"] and report["max_seq_len"] == 32
     assert report["limits_from"]["max_seq_len"].endswith("policy.max_seq_len")
 
@@ -287,7 +292,7 @@ def test_demo_prints_where_the_card_is_and_the_card_loads(runs):
 @pytest.mark.slow
 def test_card_hashes_are_those_in_dvc_lock(runs):
     lin = json.loads((runs.repo / "data/merged/lineage.json").read_text())
-    for stage, out in lineage.UPSTREAM.items():
+    for stage, out in lineage.upstream(MERGE_PATHS).items():
         (locked,) = [o for o in runs.lock["stages"][stage]["outs"] if o["path"] == out]
         assert lin["dvc"][out] == {"stage": stage, "md5": locked["md5"], "from": "dvc.lock"}
     assert lin["git_commit"] == run(["git", "rev-parse", "HEAD~1"], runs.repo).strip()
@@ -379,7 +384,7 @@ def test_a_base_history_with_a_field_of_the_wrong_type_is_one_line(repo, entry, 
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
     new_version(repo, "n", 2)
     with pytest.raises(merge.StageError, match=r"^data/base/lineage\.json: " + message):
-        merge.run(P.Merge(base="data/base"))
+        merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     assert not (repo / "data/merged").exists()
 
 
@@ -397,7 +402,7 @@ def test_a_base_card_header_that_is_not_plain_data_is_passed_over_quickly(repo, 
     (repo / "data/base/README.md").write_text("---\n" + header + "---\nbody\n")
     new_version(repo, "n", 2)
     started = time.monotonic()
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     assert time.monotonic() - started < 30
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 32)]
@@ -407,7 +412,7 @@ def test_history_cells_stay_in_their_table_column(repo):
     entry = {"version": 1, "rows": 30, "model": "a | b\n---\nc", "created": "x|y"}
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
     new_version(repo, "n", 2)
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     text = (repo / "data/merged/README.md").read_text()
     assert "| 1 | x\\|y | – | 30 | – | – | a \\| b --- c |" in text
     card = DatasetCard.load(repo / "data/merged/README.md")
@@ -416,12 +421,12 @@ def test_history_cells_stay_in_their_table_column(repo):
 
 def test_a_card_saved_with_crlf_and_a_bom_still_carries_its_history(repo):
     new_version(repo, "x", 3)
-    merge.run(P.Merge(base="data/base"))
+    merge.run(P.Merge(base="data/base"), MERGE_PATHS)
     base = keep(repo, "v1")
     (repo / base / "lineage.json").unlink()
     card = repo / base / "README.md"
     card.write_bytes(b"\xef\xbb\xbf" + card.read_bytes().replace(b"\n", b"\r\n"))
     new_version(repo, "y", 2)
-    merge.run(P.Merge(base=base))
+    merge.run(P.Merge(base=base), MERGE_PATHS)
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]

@@ -7,7 +7,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -19,6 +18,8 @@ from stages import params as P
 from stages.errors import StageError
 from stages.schema import ARROW_SCHEMA, FEATURES
 from tests import stagecli
+
+PATHS = stagecli.paths("merge")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = {
@@ -99,7 +100,7 @@ def test_base_shards_are_linked_byte_identical_and_result_loads(standard):
     base = standard / "data/base"
     before = digests(base)
     inodes = {p.name: p.stat().st_ino for p in base.glob("*.arrow")}
-    report = merge.run(cfg())
+    report = merge.run(cfg(), PATHS)
 
     assert digests(base) == before  # never modified
     merged = standard / "data/merged"
@@ -132,7 +133,7 @@ def test_link_false_copies_and_read_only_base_is_fine(standard):
     for p in base.iterdir():  # as under DVC's hardlink cache: read-only files
         p.chmod(stat.S_IRUSR | stat.S_IRGRP)
     before = digests(base)
-    merge.run(cfg(link=False))
+    merge.run(cfg(link=False), PATHS)
     merged = standard / "data/merged"
     for p in base.glob("*.arrow"):
         assert (merged / p.name).stat().st_ino != p.stat().st_ino
@@ -154,7 +155,7 @@ def test_mismatched_base_types_are_refused_naming_column_and_types(repo, column,
     write_stream(repo / "data/base/part-0.arrow", rows(ids("b", 4)), with_type(column, type_))
     save(repo / "data/tokenized", rows(ids("n", 3)))
     with pytest.raises(StageError) as e:
-        merge.run(cfg())
+        merge.run(cfg(), PATHS)
     message = str(e.value)
     assert "\n" not in message and "part-0.arrow" in message and "allow_cast" in message
     for word in words:
@@ -172,7 +173,7 @@ def test_allow_cast_writes_a_converted_copy_and_keeps_the_base(repo):
     write_stream(repo / "data/base/a-1.arrow", rows(ids("b", 4, 4)))  # already the contract
     save(repo / "data/tokenized", rows(ids("n", 3)))
     before = digests(repo / "data/base")
-    report = merge.run(cfg(allow_cast=True))
+    report = merge.run(cfg(allow_cast=True), PATHS)
     assert digests(repo / "data/base") == before
     after = digests(repo / "data/merged")
     assert after["a-0.arrow"] != before["a-0.arrow"]  # converted: cannot stay identical
@@ -189,20 +190,20 @@ def test_allow_cast_refuses_values_that_do_not_fit_and_other_types(repo):
     write_stream(repo / "data/base/a.arrow", data, with_type("num_tokens", pa.int64()))
     save(repo / "data/tokenized", rows(ids("n", 2)))
     with pytest.raises(StageError, match="num_tokens cannot become int32"):
-        merge.run(cfg(allow_cast=True))
+        merge.run(cfg(allow_cast=True), PATHS)
     assert not (repo / "data/merged").exists()
 
     data = rows(ids("b", 2))
     data["num_tokens"] = ["5", "5"]
     write_stream(repo / "data/base/a.arrow", data, with_type("num_tokens", pa.string()))
     with pytest.raises(StageError, match="num_tokens is string.*not castable"):
-        merge.run(cfg(allow_cast=True))
+        merge.run(cfg(allow_cast=True), PATHS)
 
     extra = pa.schema(list(ARROW_SCHEMA) + [pa.field("attention_mask", pa.list_(pa.int8()))])
     data = rows(ids("b", 2)) | {"attention_mask": [[1], [1]]}
     write_stream(repo / "data/base/a.arrow", data, extra)
     with pytest.raises(StageError, match="attention_mask.*not in the contract"):
-        merge.run(cfg(allow_cast=True))
+        merge.run(cfg(allow_cast=True), PATHS)
 
 
 @pytest.mark.parametrize(
@@ -220,7 +221,7 @@ def test_fingerprint_mismatch_is_refused(repo, change, where):
     save(repo / "data/base", rows(ids("b", 3)), fingerprint=other)
     save(repo / "data/tokenized", rows(ids("n", 3)))
     with pytest.raises(StageError) as e:
-        merge.run(cfg())
+        merge.run(cfg(), PATHS)
     assert f"fingerprint mismatch: {where}" in str(e.value)
     assert "data/base/fingerprint.json" in str(e.value)
 
@@ -229,12 +230,12 @@ def test_fingerprint_policy_and_versions_may_differ(repo):
     other = json.loads(json.dumps(FP)) | {"policy": {"multi_turn": "all"}, "versions": {}}
     save(repo / "data/base", rows(ids("b", 3)), fingerprint=other)
     save(repo / "data/tokenized", rows(ids("n", 3)))
-    assert merge.run(cfg())["merged"]["rows"] == 6
+    assert merge.run(cfg(), PATHS)["merged"]["rows"] == 6
 
 
 def test_keep_new_rewrites_only_the_base_shards_holding_duplicates(standard):
     before = digests(standard / "data/base")
-    report = merge.run(cfg(on_duplicate="keep-new"))
+    report = merge.run(cfg(on_duplicate="keep-new"), PATHS)
     after = digests(standard / "data/merged")
     names = sorted(n for n in before if n.endswith(".arrow"))
     assert [after[n] == before[n] for n in names] == [True, True, False]  # b28, b29: last
@@ -252,7 +253,7 @@ def test_keep_new_rewrites_only_the_base_shards_holding_duplicates(standard):
 def test_keep_new_that_empties_a_base_shard_counts_it(repo):
     save(repo / "data/base", rows(ids("b", 6), "base"), shards=3)  # b0 b1 | b2 b3 | b4 b5
     save(repo / "data/tokenized", rows(["b2", "b3", "n0"], "new", tag=1))
-    report = merge.run(cfg(on_duplicate="keep-new"))
+    report = merge.run(cfg(on_duplicate="keep-new"), PATHS)
     assert report["shards"]["base_emptied"] == 1 and report["shards"]["base_linked"] == 2
     assert report["merged"]["rows"] == len(loaded()) == 4 + 3
     assert sorted(loaded()["id"]) == sorted(["b0", "b1", "b4", "b5", "b2", "b3", "n0"])
@@ -261,28 +262,28 @@ def test_keep_new_that_empties_a_base_shard_counts_it(repo):
 
 
 def test_keep_base_keeps_the_base_version(standard):
-    merge.run(cfg())
+    merge.run(cfg(), PATHS)
     by_id = {r["id"]: r for r in loaded()}
     assert by_id["b28"]["input_ids"][0] == 0 and by_id["b28"]["source"] == "base"
 
 
 def test_duplicates_error_policy_names_them(standard):
     with pytest.raises(StageError, match=r"2 ids are in both.*'b28'.*on_duplicate is 'error'"):
-        merge.run(cfg(on_duplicate="error"))
+        merge.run(cfg(on_duplicate="error"), PATHS)
     assert not (standard / "data/merged").exists()
 
 
 def test_duplicate_ids_inside_new_are_refused(repo):
     save(repo / "data/tokenized", rows(["x", "y", "x"]))
     with pytest.raises(StageError, match="1 ids occur more than once, e.g. 'x'"):
-        merge.run(cfg(base=None))
+        merge.run(cfg(base=None), PATHS)
 
 
 @pytest.mark.parametrize("base", [None, "data/absent", "data/empty"])
 def test_no_base_gives_a_first_version(repo, base):
     (repo / "data/empty").mkdir(parents=True)
     save(repo / "data/tokenized", rows(ids("n", 5)), shards=2)
-    report = merge.run(cfg(base=base))
+    report = merge.run(cfg(base=base), PATHS)
     assert len(loaded()) == 5 and report["base"]["rows"] == 0
     assert report["shards"]["new_linked"] == 2
     assert sorted(p.name for p in (repo / "data/merged").glob("*.arrow")) == [
@@ -293,7 +294,7 @@ def test_a_base_link_to_nowhere_is_refused_not_taken_for_no_base(repo):
     save(repo / "data/tokenized", rows(ids("n", 2)))
     os.symlink(repo / "mnt/unmounted/train", repo / "data/base")
     with pytest.raises(StageError, match="data/base: links to .*unmounted/train, which does"):
-        merge.run(cfg(base="data/base"))
+        merge.run(cfg(base="data/base"), PATHS)
     assert not (repo / "data/merged").exists()
 
 
@@ -301,30 +302,30 @@ def test_an_unreadable_base_fingerprint_is_one_error(standard):
     (standard / "data/base/fingerprint.json").unlink()
     (standard / "data/base/fingerprint.json").mkdir()
     with pytest.raises(StageError, match="data/base/fingerprint.json: cannot read"):
-        merge.run(cfg())
+        merge.run(cfg(), PATHS)
 
 
 def test_both_empty_is_refused(repo):
     save(repo / "data/tokenized", rows([]))
     with pytest.raises(StageError, match="no rows to write"):
-        merge.run(cfg(base=None))
+        merge.run(cfg(base=None), PATHS)
 
 
 def test_base_as_a_folder_of_raw_arrow_shards_in_natural_order(repo):
     for k in (10, 2, 1):
         write_stream(repo / f"data/raw/shard-{k}.arrow", rows(ids(f"k{k}-", 2)))
     save(repo / "data/tokenized", rows(ids("n", 2)))
-    merge.run(cfg(base="data/raw"))
+    merge.run(cfg(base="data/raw"), PATHS)
     assert loaded()["id"] == ids("k1-", 2) + ids("k2-", 2) + ids("k10-", 2) + ids("n", 2)
 
 
 def test_merged_output_is_a_valid_base_for_the_next_version(standard):
-    merge.run(cfg())
+    merge.run(cfg(), PATHS)
     os.rename("data/merged", "data/v1")
     save(standard / "data/tokenized2", rows(ids("m", 3)))
     os.rename("data/tokenized", "data/tokenized1")
     os.rename("data/tokenized2", "data/tokenized")
-    report = merge.run(cfg(base="data/v1"))
+    report = merge.run(cfg(base="data/v1"), PATHS)
     assert len(loaded()) == 36 + 3 == report["merged"]["rows"]
     assert len(set(p.name for p in Path("data/merged").glob("*.arrow"))) == 6
 
@@ -337,27 +338,27 @@ def test_unusable_bases_are_refused_clearly(repo):
         with pa.ipc.new_file(sink, ARROW_SCHEMA) as writer:
             writer.write_table(table)
     with pytest.raises(StageError, match="Arrow IPC file .*not the IPC stream format"):
-        merge.run(cfg(base="data/feather"))
+        merge.run(cfg(base="data/feather"), PATHS)
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows(["a"]), features=FEATURES)}
                          ).save_to_disk(str(repo / "data/dd"))
     with pytest.raises(StageError, match="DatasetDict folder"):
-        merge.run(cfg(base="data/dd"))
+        merge.run(cfg(base="data/dd"), PATHS)
 
     (repo / "data/parquet").mkdir()
     (repo / "data/parquet/x.parquet").write_bytes(b"PAR1")
     with pytest.raises(StageError, match="no state.json and no .arrow shards"):
-        merge.run(cfg(base="data/parquet"))
+        merge.run(cfg(base="data/parquet"), PATHS)
 
     (repo / "data/trunc").mkdir()
     write_stream(repo / "data/trunc/x.arrow", rows(ids("b", 6)))
     data = (repo / "data/trunc/x.arrow").read_bytes()
     (repo / "data/trunc/x.arrow").write_bytes(data[: len(data) // 2])
     with pytest.raises(StageError, match="x.arrow"):
-        merge.run(cfg(base="data/trunc"))
+        merge.run(cfg(base="data/trunc"), PATHS)
 
     with pytest.raises(StageError, match="must not be data/tokenized"):
-        merge.run(cfg(base="data/tokenized"))
+        merge.run(cfg(base="data/tokenized"), PATHS)
 
 
 @pytest.mark.parametrize("name", ["../tokenized/data-00000-of-00001.arrow", "/etc/hostname",
@@ -370,7 +371,7 @@ def test_a_state_json_entry_outside_the_base_folder_is_refused(repo, name):
     state["_data_files"].append({"filename": name})
     state_path.write_text(json.dumps(state))
     with pytest.raises(StageError) as e:
-        merge.run(cfg())
+        merge.run(cfg(), PATHS)
     assert str(e.value) == (f"data/base/state.json: lists {str(name)[:100]!r}, which is not a "
                             "file name in this folder")
     assert not (repo / "data/merged").exists()
@@ -394,17 +395,17 @@ def test_new_rows_must_match_the_contract(repo):
                  with_type("loss_mask", pa.list_(pa.int64())))
     (repo / "data/tokenized/fingerprint.json").write_text(json.dumps(FP))
     with pytest.raises(StageError, match="loss_mask is list<item: int64>, expected.*int8"):
-        merge.run(cfg(base=None))
+        merge.run(cfg(base=None), PATHS)
 
 
 def test_a_failed_merge_leaves_the_previous_output(standard):
-    merge.run(cfg())
+    merge.run(cfg(), PATHS)
     before = digests(standard / "data/merged")
     fp = json.loads(json.dumps(FP))
     fp["tokenizer"]["name"] = "other"
     (standard / "data/tokenized/fingerprint.json").write_text(json.dumps(fp))
     with pytest.raises(StageError):
-        merge.run(cfg())
+        merge.run(cfg(), PATHS)
     assert digests(standard / "data/merged") == before
     assert sorted(p.name for p in (standard / "data").iterdir()) == ["base", "merged",
                                                                        "tokenized"]
@@ -415,7 +416,7 @@ def test_cli_prints_one_line_and_exits_1(repo):
     save(repo / "data/tokenized", rows(ids("n", 2)))
     (repo / "params.yaml").write_text("merge:\n  base: data/base\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.merge"], cwd=repo, env=env,
+    proc = subprocess.run(stagecli.command("merge"), cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith(
@@ -429,7 +430,7 @@ def test_symlinked_base_shards_are_linked_to_their_targets(repo):
     for p in (repo / "cache").iterdir():
         (repo / "data/base" / p.name).symlink_to(p)
     save(repo / "data/tokenized", rows(ids("n", 2)))
-    merge.run(cfg())
+    merge.run(cfg(), PATHS)
     for p in (repo / "cache").glob("*.arrow"):
         merged = repo / "data/merged" / p.name
         assert not merged.is_symlink() and merged.stat().st_ino == p.stat().st_ino
@@ -442,7 +443,7 @@ def test_falls_back_to_copying_when_hardlinks_fail(standard, monkeypatch):
 
     monkeypatch.setattr(merge.os, "link", no_link)
     before = digests(standard / "data/base")
-    report = merge.run(cfg())
+    report = merge.run(cfg(), PATHS)
     assert report["shards"]["base_copied"] == 3 and report["shards"]["new_copied"] == 1
     after = digests(standard / "data/merged")
     assert all(after[k] == v for k, v in before.items() if k.endswith(".arrow"))

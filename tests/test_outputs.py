@@ -59,13 +59,13 @@ import sys, time
 from pathlib import Path
 from stages import cli, outputs
 
-def run(cfg):
+def run(cfg, paths):
     with outputs.atomic_dir(Path(sys.argv[1])) as tmp:
         (tmp / "part").write_bytes(b"x" * 1000)
         print("writing", flush=True)
         time.sleep(60)
 
-sys.exit(cli.main("merge", "", run, ["--params", sys.argv[2]]))
+sys.exit(cli.main("merge", "", run, {}, ["--params", sys.argv[2]]))
 """
 
 

@@ -113,7 +113,7 @@ def test_cli_rejects_bad_params_with_one_line(tmp_path, stage):
     doc[stage]["no_such_key"] = 1
     path = write(tmp_path, doc)
     proc = subprocess.run(
-        [sys.executable, "-m", f"stages.{stage}", "--params", str(path)],
+        [*stagecli.command(stage), "--params", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1

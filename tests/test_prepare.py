@@ -6,7 +6,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,6 +16,10 @@ import yaml
 from stages import params as P
 from stages import prepare, sources
 from stages.errors import StageError
+from tests import stagecli
+
+PATHS = stagecli.paths("prepare")  # where dvc.yaml has the stage read and write
+GENERATE_PATHS = stagecli.paths("generate")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +46,7 @@ def run(tmp_path: Path, sources: list[dict], **prepare_keys):
     """Run the stage in tmp_path; return (report, output rows, output bytes)."""
     os.chdir(tmp_path)
     cfg = P.build(P.Prepare, {"sources": sources, **prepare_keys}, "prepare")
-    report = prepare.run(cfg)
+    report = prepare.run(cfg, PATHS)
     data = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
     rows = [json.loads(line) for line in data.splitlines()]
     assert report == json.loads((tmp_path / "reports/prepare.json").read_text())
@@ -220,7 +223,7 @@ def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_pat
     run(tmp_path, [{"name": "hermes_fc", "path": str(d / "func-calling.json"), "format": "sharegpt"}])
     with spawn({"require_tool_call_id": True}) as fake:
         cfg = P.build(P.Generate, {"server": {"url": fake.url}, "concurrency": 2}, "generate")
-        r = generate.run(cfg)
+        r = generate.run(cfg, GENERATE_PATHS)
         assert r["completed"] == 2 and r["failed"] == 0
         bare = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
         with pytest.raises(HTTPError) as e:  # what today's prompts got from the router
@@ -505,7 +508,7 @@ def test_cli_runs_the_stage(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"prepare": {"seed": 0, "sources": sources}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.prepare", "--params", str(params)],
+    proc = subprocess.run([*stagecli.command("prepare"), "--params", str(params)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "wrote 11 prompts" in proc.stderr
@@ -518,7 +521,7 @@ def test_shipped_demo_sources(tmp_path):
     os.chdir(tmp_path)
     for src in cfg.sources + cfg.decontaminate.evals:
         src.path = str(ROOT / src.path)
-    report = prepare.run(cfg)
+    report = prepare.run(cfg, PATHS)
     # the eval sample holds two demo prompts the limit would not have drawn
     assert report["totals"]["dropped_by_reason"]["contaminated"] == 2
     assert report["decontamination"]["evals"]["eval_sample"]["by_source"] == {"qa_sample": 2}

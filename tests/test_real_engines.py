@@ -31,6 +31,7 @@ from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
 from tests.test_servecheck import prompts as every_shape
 from tests.repo import env as repo_env
+from tests import stagecli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -92,7 +93,7 @@ def user_prompts(n: int, prefix: str = "q") -> list[dict]:
 
 def stage(wd: Path, module: str = "generate", timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", f"stages.{module}"], cwd=wd, env=env(),
+        stagecli.command(module), cwd=wd, env=env(),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -107,7 +108,7 @@ def vllm(tmp_path_factory):
     launch = P.build(P.Launch, vllm_launch(), "test")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     t0 = time.monotonic()
-    with servers.LaunchedServer(launch, log) as server:
+    with servers.EngineProcess(launch, log) as server:
         print(f"vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         yield server
 
@@ -349,11 +350,11 @@ class Router:
     power_of_two refuses to start with one worker). The router adds SGLang-only fields
     to every request, which `transformers serve` refuses with 422: no such workers."""
 
-    def __init__(self, tmp: Path, shared: servers.LaunchedServer):
+    def __init__(self, tmp: Path, shared: servers.EngineProcess):
         self.tmp = tmp
         self.shared = shared
         self.port = servers.free_port()
-        self.worker: servers.LaunchedServer | None = None
+        self.worker: servers.EngineProcess | None = None
         port = servers.free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "router.log"
@@ -378,7 +379,7 @@ class Router:
         """Start the router's own worker (unless it runs) and add the module's vLLM."""
         if self.worker is None:
             launch = P.build(P.Launch, vllm_launch(port=self.port), "test")
-            self.worker = servers.LaunchedServer(launch, self.tmp / "worker.log")
+            self.worker = servers.EngineProcess(launch, self.tmp / "worker.log")
             self.worker.start()
             status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
             assert status < 300, raw
@@ -422,7 +423,7 @@ def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(route
     write_prompts(tmp_path, user_prompts(16))
     router_params(tmp_path, router, model=None)
     asking = subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stagecli.command("generate"), cwd=tmp_path, env=env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     time.sleep(3)
@@ -436,7 +437,7 @@ def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(route
 
     router_params(tmp_path, router)  # the model named
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.generate"], cwd=tmp_path, env=env(),
+        stagecli.command("generate"), cwd=tmp_path, env=env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []

@@ -14,6 +14,9 @@ from stages import tokenize as TK
 from stages import tokenizer as T
 from tests.fakeserver import FakeServer
 from tests.test_generate import here, url_server, write_params
+from tests import stagecli
+
+PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Find <think> things",
@@ -124,14 +127,14 @@ def test_enable_thinking_flipped_is_named(tmp_path, bundled):
 def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, monkeypatch):
     src = generate(tmp_path, bundled)
     monkeypatch.chdir(tmp_path)
-    assert src == tmp_path / TK.COMPLETIONS
+    assert src == tmp_path / PATHS.completions / TK.contract.COMPLETIONS_FILE
     cfg = TK.P.Tokenize(chat_template=str(T.template_path("bundled:qwen3")))
     with pytest.raises(TK.RenderMismatch):
-        TK.run(cfg)
+        TK.run(cfg, PATHS)
     report = json.loads((tmp_path / "reports/tokenize.json").read_text())
     assert report["serve_check"]["mismatches"] == 24 and len(
         report["serve_check"]["examples"]) == servecheck.EXAMPLES
-    assert not (tmp_path / TK.OUT).exists()
+    assert not (tmp_path / PATHS.out).exists()
 
 
 def test_rows_without_engine_counts_are_counted_unchecked(tmp_path):

@@ -121,7 +121,7 @@ def test_ready_means_a_token_was_generated(tmp_path):
     # /health says 200 at once, but generation answers 503 "loading" for 1.5 s
     log = tmp_path / "logs" / "engine.log"
     t0 = time.monotonic()
-    with servers.LaunchedServer(fake_launch({"not_ready_for": 1.5}), log) as server:
+    with servers.EngineProcess(fake_launch({"not_ready_for": 1.5}), log) as server:
         took = time.monotonic() - t0
         stats = get_json(server.url + "/stats")
         assert took >= 1.5
@@ -146,7 +146,7 @@ def test_startup_timeout_names_engine_param_and_log_tail(tmp_path):
         engine="sglang", model="m", startup_timeout=4, stop_timeout=3,
         command=command + ["--fault-spec", json.dumps({"not_ready_for": 60})],
     )  # fmt: skip
-    server = servers.LaunchedServer(launch, tmp_path / "e.log")
+    server = servers.EngineProcess(launch, tmp_path / "e.log")
     with pytest.raises(StageError) as err:
         server.start()
     msg = str(err.value)
@@ -162,14 +162,14 @@ def test_exit_during_startup_reports_code_and_log(tmp_path):
     launch = P.Launch(engine="vllm", model="m", command=["{python}", "-c", script])
     t0 = time.monotonic()
     with pytest.raises(StageError, match=r"vllm server exited with code 7 while starting .*loading weights \| CUDA out of memory"):  # fmt: skip
-        servers.LaunchedServer(launch, tmp_path / "e.log").start()
+        servers.EngineProcess(launch, tmp_path / "e.log").start()
     assert time.monotonic() - t0 < 10
 
 
 def test_missing_executable_is_one_line(tmp_path):
     launch = P.Launch(engine="sglang", model="m", command=["/nonexistent/engine"])
     with pytest.raises(StageError, match="sglang server: cannot run /nonexistent/engine"):
-        servers.LaunchedServer(launch, tmp_path / "e.log").start()
+        servers.EngineProcess(launch, tmp_path / "e.log").start()
 
 
 def test_a_port_already_in_use_is_refused_before_spawning(tmp_path):
@@ -179,7 +179,7 @@ def test_a_port_already_in_use_is_refused_before_spawning(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        server = servers.LaunchedServer(fake_launch(port=port), tmp_path / "e.log")
+        server = servers.EngineProcess(fake_launch(port=port), tmp_path / "e.log")
         with pytest.raises(StageError, match=rf"launch.port: 127.0.0.1:{port} is already in use"):
             server.start()
         assert server.pid is None
@@ -188,7 +188,7 @@ def test_a_port_already_in_use_is_refused_before_spawning(tmp_path):
 def test_api_key_is_sent_but_never_written(tmp_path):
     key = "sk-test-4242-secret"
     log = tmp_path / "e.log"
-    with servers.LaunchedServer(fake_launch({"api_key": key}), log, api_key=key) as server:
+    with servers.EngineProcess(fake_launch({"api_key": key}), log, api_key=key) as server:
         assert server.healthy(5)
         assert key not in json.dumps(server.info())
     assert key not in log.read_text()
@@ -197,7 +197,7 @@ def test_api_key_is_sent_but_never_written(tmp_path):
     t0 = time.monotonic()
     refused = "refused the readiness request .*HTTP 401.*Invalid API key"
     with pytest.raises(StageError, match=refused):
-        servers.LaunchedServer(launch, tmp_path / "f.log").start()
+        servers.EngineProcess(launch, tmp_path / "f.log").start()
     assert time.monotonic() - t0 < 15
 
 
@@ -218,7 +218,7 @@ def family_launch(**kw) -> P.Launch:
     )  # fmt: skip
 
 
-def group_pids(server: servers.LaunchedServer) -> list[int]:
+def group_pids(server: servers.EngineProcess) -> list[int]:
     pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == server.pid]
     assert server.pid in pids and len(pids) == 3  # engine, its child, the guard
     return pids
@@ -232,7 +232,7 @@ def _pgid(pid: int) -> int | None:
 
 
 def test_stop_kills_the_whole_group_and_is_idempotent(tmp_path):
-    server = servers.LaunchedServer(family_launch(), tmp_path / "e.log")
+    server = servers.EngineProcess(family_launch(), tmp_path / "e.log")
     server.start()
     pids = group_pids(server)
     t0 = time.monotonic()
@@ -245,7 +245,7 @@ def test_stop_kills_the_whole_group_and_is_idempotent(tmp_path):
 
 def test_an_exception_inside_with_stops_the_engine(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
-        with servers.LaunchedServer(family_launch(), tmp_path / "e.log") as server:
+        with servers.EngineProcess(family_launch(), tmp_path / "e.log") as server:
             pids = group_pids(server)
             raise RuntimeError("boom")
     assert wait_gone(pids, 5)
@@ -294,7 +294,7 @@ import json, sys, time
 from pathlib import Path
 from stages import params as P, servers
 launch = P.Launch(**json.loads(sys.argv[1]))
-with servers.LaunchedServer(launch, Path(sys.argv[2])) as s:
+with servers.EngineProcess(launch, Path(sys.argv[2])) as s:
     print(json.dumps({"pid": s.pid, "url": s.url}), flush=True)
     time.sleep(600)
 """
@@ -378,7 +378,7 @@ async def drive(server, watchdog: servers.Watchdog, n: int, workers: int = 4) ->
 def test_watchdog_restarts_a_stalled_server_that_says_healthy(tmp_path):
     # After 5 replies (1 is the readiness probe) generation hangs; /health stays 200.
     spec = {"stall_after": 5, "once_file": str(tmp_path / "stalled-once")}
-    with servers.LaunchedServer(fake_launch(spec), tmp_path / "e.log") as server:
+    with servers.EngineProcess(fake_launch(spec), tmp_path / "e.log") as server:
         first = server.pid
         watchdog = servers.Watchdog(server, seconds=1.0)
         t0 = time.monotonic()
@@ -394,7 +394,7 @@ def test_watchdog_restarts_a_stalled_server_that_says_healthy(tmp_path):
 
 def test_watchdog_restarts_an_engine_that_died_mid_run(tmp_path):
     spec = {"exit_after": 4, "once_file": str(tmp_path / "died-once"), "latency": 0.05}
-    with servers.LaunchedServer(fake_launch(spec), tmp_path / "e.log") as server:
+    with servers.EngineProcess(fake_launch(spec), tmp_path / "e.log") as server:
         watchdog = servers.Watchdog(server, seconds=5.0)
         assert asyncio.run(drive(server, watchdog, 12)) == 12
         assert watchdog.restarts == 1
@@ -403,7 +403,7 @@ def test_watchdog_restarts_an_engine_that_died_mid_run(tmp_path):
 
 def test_watchdog_probes_an_idle_server_and_restarts_it(tmp_path):
     spec = {"stall_health": "fail"}
-    with servers.LaunchedServer(fake_launch(spec), tmp_path / "e.log") as server:
+    with servers.EngineProcess(fake_launch(spec), tmp_path / "e.log") as server:
         post_json(server.url + "/admin/stall", {})
         assert not server.healthy(2)  # sglang dialect: /health_generate
         watchdog = servers.Watchdog(server, seconds=1.0)
@@ -422,7 +422,7 @@ def test_watchdog_probes_an_idle_server_and_restarts_it(tmp_path):
 def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
     # Every start stalls after its readiness probe: generation hangs, health generation fails.
     spec = {"stall_after": 1, "stall_health": "fail"}  # stalls right after the readiness probe
-    with servers.LaunchedServer(fake_launch(spec), tmp_path / "e.log") as server:
+    with servers.EngineProcess(fake_launch(spec), tmp_path / "e.log") as server:
         watchdog = servers.Watchdog(server, seconds=0.8, max_restarts=1)
         with pytest.raises(StageError, match=r"giving up after 1 restart\(s\) in a row .*max_restarts.*last problem"):  # fmt: skip
             asyncio.run(drive(server, watchdog, 4, workers=2))
@@ -545,7 +545,7 @@ def test_fake_stall_keeps_health_but_not_generation(fake_server):
 def demo_server(tmp_path_factory):
     launch = P.Launch(engine="transformers", model="demo:tiny-qwen3", startup_timeout=240)
     log = tmp_path_factory.mktemp("serve") / "transformers.log"
-    with servers.LaunchedServer(launch, log) as server:
+    with servers.EngineProcess(launch, log) as server:
         yield server
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -20,6 +19,8 @@ from stages.errors import StageError
 from stages.params import ParamError, Tokenize
 from stages.schema import FEATURES
 from tests import stagecli
+
+PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END = 248046
@@ -270,7 +271,7 @@ def test_run_writes_the_report(tmp_path, monkeypatch):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", ROWS[:1])
     monkeypatch.chdir(tmp_path)
-    TK.run(Tokenize())
+    TK.run(Tokenize(), PATHS)
     assert json.loads(Path("reports/tokenize.json").read_text())["rows"] == 1
     assert len(load("data/tokenized")) == 1
 
@@ -280,7 +281,7 @@ def test_cli_bad_input_exits_1_with_one_line(tmp_path):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", [ROWS[0], "{oops\n"])
     (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 2\n")
-    proc = subprocess.run([sys.executable, "-m", "stages.tokenize"], cwd=tmp_path,
+    proc = subprocess.run(stagecli.command("tokenize"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1

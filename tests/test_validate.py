@@ -13,10 +13,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from stages import cli
 from stages import params as P
 from stages import validate
 from stages.errors import StageError
 from stages.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
+from tests import stagecli
+
+PATHS = stagecli.paths("validate")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -73,7 +77,7 @@ def cfg(**kw) -> P.Validate:
 def failures(**kw) -> dict:
     """Run validate, expecting failure; {check: examples} of the failed checks."""
     with pytest.raises(StageError) as e:
-        validate.run(cfg(**kw))
+        validate.run(cfg(**kw), PATHS)
     report = json.loads(Path("reports/validate.json").read_text())
     assert report["passed"] is False
     failed = {k: c["examples"] for k, c in report["checks"].items() if not c["passed"]}
@@ -91,7 +95,7 @@ def repo(tmp_path, monkeypatch):
 def test_clean_data_passes_with_counts_and_plots(repo):
     parts = shards()
     write(repo, parts)
-    report = validate.run(cfg())
+    report = validate.run(cfg(), PATHS)
     assert report["passed"] and report["rows"] == 10 == report["expected_rows"]
     assert set(report["checks"]) >= set(ROW_CHECKS) | {"features", "loads", "id_unique"}
     flat = [r for p in parts for r in p]
@@ -279,7 +283,7 @@ def test_a_shard_that_cannot_be_summarised_is_a_features_failure(repo, column, t
 def test_out_of_range_params_are_named(repo, key, value):
     write(repo, shards())
     with pytest.raises(P.ParamError, match=f"validate.{key}: must be >= "):
-        validate.run(cfg(**{key: value}))
+        validate.run(cfg(**{key: value}), PATHS)
 
 
 def test_dataset_info_features_must_equal_the_contract(repo):
@@ -324,7 +328,7 @@ def test_missing_fingerprint_fails_unless_vocab_given(repo):
     write(repo, shards(), fingerprint=None)
     with pytest.raises(StageError, match=r"validate\.vocab_size: null, and "
                        r"data/merged/fingerprint\.json has no tokenizer\.vocab_size"):
-        validate.run(cfg())
+        validate.run(cfg(), PATHS)
     assert failures(vocab_size=VOCAB) == {"fingerprint": ["data/merged/fingerprint.json is missing"]}
 
 
@@ -348,7 +352,7 @@ def test_limits_come_from_the_data_unless_params_set_them(repo):
         "max_seq_len": "data/merged/fingerprint.json: policy.max_seq_len",
         "min_loss_tokens": "data/merged/fingerprint.json: policy.min_loss_tokens"}
 
-    report = validate.run(cfg(max_seq_len=64, min_loss_tokens=1))
+    report = validate.run(cfg(max_seq_len=64, min_loss_tokens=1), PATHS)
     assert report["passed"] and (report["max_seq_len"], report["min_loss_tokens"]) == (64, 1)
     assert report["limits_from"] == {
         "vocab_size": "data/merged/fingerprint.json: tokenizer.vocab_size",
@@ -402,7 +406,7 @@ def test_cli_exits_1_after_writing_the_report(repo):
     write(repo, parts)
     (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "stages.validate"], cwd=repo, env=env,
+    proc = subprocess.run(stagecli.command("validate"), cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
@@ -414,7 +418,7 @@ def test_dvc_plots_show_renders_the_declared_plots(repo):
     from tests.repo import run
 
     write(repo, shards())
-    report = validate.run(cfg())
+    report = validate.run(cfg(), PATHS)
     (repo / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
     run(["git", "init", "-q"], repo)
     run(["dvc", "init", "-q"], repo)
@@ -446,7 +450,7 @@ def demo_model_cache(repo):
 @pytest.mark.parametrize("packed", [True, False])
 def test_training_check_passes_on_the_demo_model(repo, demo_model_cache, packed):
     write(repo, shards(3, 8))
-    report = validate.run(train_cfg(packed=packed))
+    report = validate.run(train_cfg(packed=packed), PATHS)
     assert report["passed"] and report["checks"]["train_step"]["passed"]
     check = report["train_check"]
     assert check["batches"] == 2 and check["layout"] == ("packed" if packed else "padded")
@@ -502,9 +506,10 @@ def test_without_torch_the_check_says_so_and_validate_passes(repo):
     write(repo, shards())
     (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
     blocked = ("import sys; sys.modules['torch'] = None; from stages import cli, validate; "
-               "sys.exit(cli.main('validate', '', validate.run, []))")
+               "sys.exit(cli.main('validate', '', validate.run, validate.PATHS, sys.argv[1:]))")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", blocked], cwd=repo, env=env,
+    argv = cli.pipeline_command("validate")[3:]  # dvc.yaml's paths
+    proc = subprocess.run([sys.executable, "-c", blocked, *argv], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     said = [line for line in proc.stderr.splitlines() if "training check" in line]
@@ -527,7 +532,7 @@ def test_an_empty_set_is_not_ready_to_train_on(repo, demo_model_cache):
 def test_a_model_that_cannot_be_used_is_named(repo, model, says):
     write(repo, shards())
     with pytest.raises(StageError, match=f"validate.train_check.model: {says}"):
-        validate.run(train_cfg(model=model))
+        validate.run(train_cfg(model=model), PATHS)
 
 
 @pytest.mark.parametrize("key, value", [("batches", 0), ("tokens_per_batch", 0),
@@ -535,4 +540,4 @@ def test_a_model_that_cannot_be_used_is_named(repo, model, says):
 def test_out_of_range_train_check_params_are_named(repo, key, value):
     write(repo, shards())
     with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
-        validate.run(train_cfg(**{key: value}))
+        validate.run(train_cfg(**{key: value}), PATHS)

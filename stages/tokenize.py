@@ -240,30 +240,14 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
             for chunk in _line_chunks(src, 1):
                 yield work(chunk)
             return
-        # fork: workers inherit the loaded tokenizer instead of loading it again. They
-        # share the parent's objects copy-on-write; a full garbage collection (in any of
-        # the processes, once a run is long enough to trigger one) writes to every
+        # Workers share the parent's objects copy-on-write; a full garbage collection (in
+        # any of the processes, once a run is long enough to trigger one) writes to every
         # tracked object and so copies the pages they sit on, ~40 MB per process. Frozen
         # objects are never scanned: they stay frozen while the workers live.
-        ctx = multiprocessing.get_context("fork")
-        window = collections.deque()
         gc.freeze()
-        pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
         try:
-            for chunk in _line_chunks(src, cfg.num_proc):
-                window.append(pool.apply_async(work, (chunk,)))
-                if len(window) >= 3 * cfg.num_proc:
-                    yield window.popleft().get()
-            while window:
-                yield window.popleft().get()
-            # all done: workers exit on their own (terminate() kills them mid-queue, where
-            # one holding the queue's lock can leave another waiting on it for ever)
-            pool.close()
-        except BaseException:
-            pool.terminate()
-            raise
+            yield from _pooled(src, cfg)
         finally:
-            pool.join()
             gc.unfreeze()
     finally:
         _STATE = None
@@ -271,6 +255,29 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
+    """Chunk results in input order from `num_proc` forked workers (forked: they
+    inherit the loaded tokenizer instead of loading it again)."""
+    ctx = multiprocessing.get_context("fork")
+    window = collections.deque()
+    pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+    try:
+        for chunk in _line_chunks(src, cfg.num_proc):
+            window.append(pool.apply_async(work, (chunk,)))
+            if len(window) >= 3 * cfg.num_proc:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+        # all done: workers exit on their own (terminate() kills them mid-queue, where
+        # one holding the queue's lock can leave another waiting on it for ever)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _worker_signals() -> None:

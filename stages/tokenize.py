@@ -34,8 +34,10 @@ does not depend on num_proc. Each process encodes on one thread.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import multiprocessing
@@ -149,7 +151,26 @@ def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: 
     from stages import tokenizer as T
 
     tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    return tok, T.identity(tok)
+    identity = T.identity(tok)
+    _release_free_heap()
+    return tok, identity
+
+
+def _release_free_heap() -> None:
+    """Give back the free pages that loading left in the C heap (glibc only).
+
+    Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
+    hundreds of MB of free but resident pages between the tokenizer's own data. Forked
+    workers inherit them; each page a worker's allocator then writes to is copied, so
+    the workers' private memory crept up with the rows they processed. A full garbage
+    collection first: it also empties the interpreter's free lists, which a worker's
+    first full collection would otherwise free into inherited pages."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _file_stamp(path: Optional[str]) -> Any:
@@ -219,31 +240,44 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
             for chunk in _line_chunks(src, 1):
                 yield work(chunk)
             return
-        # fork: workers inherit the loaded tokenizer instead of loading it again
-        ctx = multiprocessing.get_context("fork")
-        window = collections.deque()
-        pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+        # Workers share the parent's objects copy-on-write; a full garbage collection (in
+        # any of the processes, once a run is long enough to trigger one) writes to every
+        # tracked object and so copies the pages they sit on, ~40 MB per process. Frozen
+        # objects are never scanned: they stay frozen while the workers live.
+        gc.freeze()
         try:
-            for chunk in _line_chunks(src, cfg.num_proc):
-                window.append(pool.apply_async(work, (chunk,)))
-                if len(window) >= 3 * cfg.num_proc:
-                    yield window.popleft().get()
-            while window:
-                yield window.popleft().get()
-            # all done: workers exit on their own (terminate() kills them mid-queue, where
-            # one holding the queue's lock can leave another waiting on it for ever)
-            pool.close()
-        except BaseException:
-            pool.terminate()
-            raise
+            yield from _pooled(src, cfg)
         finally:
-            pool.join()
+            gc.unfreeze()
     finally:
         _STATE = None
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
+    """Chunk results in input order from `num_proc` forked workers (forked: they
+    inherit the loaded tokenizer instead of loading it again)."""
+    ctx = multiprocessing.get_context("fork")
+    window = collections.deque()
+    pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+    try:
+        for chunk in _line_chunks(src, cfg.num_proc):
+            window.append(pool.apply_async(work, (chunk,)))
+            if len(window) >= 3 * cfg.num_proc:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+        # all done: workers exit on their own (terminate() kills them mid-queue, where
+        # one holding the queue's lock can leave another waiting on it for ever)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _worker_signals() -> None:

@@ -64,9 +64,10 @@ log = logging.getLogger(__name__)
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
 COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
-# A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
-# so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
-# where per-chunk costs (one encode call, one Arrow batch) would start to show.
+# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
+# the file (a quarter of each worker's share of what is left) so that the last chunks
+# do not leave a worker idle while another finishes a big one; never under
+# MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would show.
 CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
@@ -210,8 +211,13 @@ def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
 
 
 def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
-    """(first line number, lines) groups of about equal bytes (see CHUNK_BYTES)."""
-    limit = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, src.stat().st_size // (16 * num_proc)))
+    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES)."""
+
+    def limit(left: int) -> int:
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // (4 * num_proc)))
+
+    left = src.stat().st_size
+    cap = limit(left)
     lines: list[bytes] = []
     size = 0
     first = 1
@@ -221,8 +227,10 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
                 first = no
             lines.append(line)
             size += len(line)
-            if size >= limit or len(lines) >= CHUNK_ROWS:
+            if size >= cap or len(lines) >= CHUNK_ROWS:
                 yield first, lines
+                left -= size
+                cap = limit(left)
                 lines, size = [], 0
     if lines:
         yield first, lines

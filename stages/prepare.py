@@ -299,6 +299,8 @@ def _one_source(
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
+    # One loop, counters in locals on purpose: its body runs once per source row, and
+    # attribute or call overhead there shows in prepare_vs_read (bench/README.md)
     for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
         if unknown:
             unknown_roles.update(unknown)

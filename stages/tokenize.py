@@ -327,8 +327,21 @@ class ChunkResult:
 def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     """Parse, filter, render, encode and check one chunk of completion lines."""
     encoder, cfg, path = _STATE
-    first, lines = chunk
     stats: dict = collections.defaultdict(_new_stats)
+    plans, meta = _plan_chunk(chunk, encoder, cfg, path, stats)
+    check = servecheck.ServeCheck(encoder)
+    if not plans:
+        return ChunkResult(None, dict(stats), {}, check.stats)
+    batch = encoder.encode_plans(plans)
+    record, lengths = _kept_rows(plans, meta, batch, check, cfg, path, stats)
+    return ChunkResult(record, dict(stats), lengths, check.stats)
+
+
+def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: P.Tokenize,
+                path: str, stats: dict) -> tuple[list, list]:
+    """The render plans of a chunk's rows that are kept, and (row id, source, line, row
+    when the plan ends with the engine's answer) for each; drops counted in `stats`."""
+    first, lines = chunk
     plans, meta = [], []
     for no, raw in enumerate(lines, first):
         if not raw.strip():
@@ -360,11 +373,13 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
             rid = row["id"] if p.n_messages == len(row["messages"]) else f"{row['id']}#{p.turn}"
             # only the final answer came from the engine
             meta.append((rid, src, no, row if p.n_messages == len(row["messages"]) else None))
-    check = servecheck.ServeCheck(encoder)
-    if not plans:
-        return ChunkResult(None, dict(stats), {}, check.stats)
+    return plans, meta
 
-    batch = encoder.encode_plans(plans)
+
+def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
+               cfg: P.Tokenize, path: str, stats: dict) -> tuple[Optional[pa.RecordBatch], dict]:
+    """The encoded rows within the length and supervision limits, as one record batch,
+    and their lengths per source; each answer checked against the engine's tokens."""
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
     lengths: dict = collections.defaultdict(lambda: array("i"))
     for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
@@ -393,8 +408,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
         pieces_mask.append(mask)
         lens.append(len(ids))
         losses.append(n_loss)
-    record = _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses)
-    return ChunkResult(record, dict(stats), dict(lengths), check.stats)
+    return _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses), dict(lengths)
 
 
 def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):

@@ -295,7 +295,7 @@ class ChatEncoder:
         self._rstrip = {s for s in longest if flags[s].rstrip}
         self.codec = ControlTokenCodec(longest, self.name)
         self._plain = self._plain_encoder(tok.backend_tokenizer, added)
-        self._nfc = _is_nfc(self._plain.normalizer)
+        self._nfc = is_nfc(self._plain.normalizer)
 
         self.generation_tags = bool(_GENERATION_TAG.search(template))
         chatml = IM_START in self.control and IM_END in self.control and IM_START in template
@@ -652,7 +652,8 @@ class ChatEncoder:
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
 
 
-def _is_nfc(normalizer) -> bool:
+def is_nfc(normalizer) -> bool:
+    """Whether a tokenizer's normalizer is NFC alone (it then leaves NFC text as it is)."""
     from tokenizers import normalizers
 
     return isinstance(normalizer, normalizers.NFC)

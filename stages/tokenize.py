@@ -306,7 +306,7 @@ def _new_stats() -> dict:
             "lookalike_rows": 0}
 
 
-def _add_stats(into: dict, st: dict) -> None:
+def _add_counts(into: dict, st: dict) -> None:
     """Add one source's counts `st` (as _new_stats makes them) into `into`."""
     for key, value in st.items():
         if key == "dropped":
@@ -543,7 +543,7 @@ class Totals:
 
     def add(self, r: ChunkResult) -> None:
         for src, st in r.stats.items():
-            _add_stats(self.stats[src], st)
+            _add_counts(self.stats[src], st)
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
         servecheck.merge(self.served, r.served)
@@ -565,7 +565,7 @@ class Totals:
                             "length": _percentiles(self.lengths.get(src))}
         total = _new_stats()
         for st in self.stats.values():
-            _add_stats(total, st)
+            _add_counts(total, st)
         all_lengths = array("i")
         for values in self.lengths.values():
             all_lengths.extend(values)

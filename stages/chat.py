@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -174,6 +175,10 @@ class ControlTokenCodec:
         # On a raw JSON line: a spelling, or an escape that could hide one
         self._raw_re = re.compile(b"|".join([rb"\\u", rb"\\/",
                                              *(re.escape(x.encode()) for x in spellings)]))
+        # A line without the first byte of any spelling (a fast memchr) can only match
+        # an escape, which a regex with a literal first byte finds fast too
+        self._raw_starts = sorted({x.encode()[:1] for x in spellings})
+        self._raw_escape_re = re.compile(rb"\\[u/]")
 
     def sanitize(self, obj: Any) -> Any:
         """A copy of `obj` whose strings spell no control token (sentinels instead)."""
@@ -210,7 +215,9 @@ class ControlTokenCodec:
     def json_may_spell(self, raw: bytes) -> bool:
         """False when a raw JSON text certainly has no control-token spelling in it
         (a quick scan of the bytes spares walking every string of the parsed row)."""
-        return self._raw_re.search(raw) is not None
+        if any(start in raw for start in self._raw_starts):
+            return self._raw_re.search(raw) is not None
+        return self._raw_escape_re.search(raw) is not None
 
     def has_lookalikes(self, messages: Any, tools: Any = None) -> bool:
         """Whether any string in the messages or tools spells a control token."""
@@ -288,6 +295,7 @@ class ChatEncoder:
         self._rstrip = {s for s in longest if flags[s].rstrip}
         self.codec = ControlTokenCodec(longest, self.name)
         self._plain = self._plain_encoder(tok.backend_tokenizer, added)
+        self._nfc = is_nfc(self._plain.normalizer)
 
         self.generation_tags = bool(_GENERATION_TAG.search(template))
         chatml = IM_START in self.control and IM_END in self.control and IM_START in template
@@ -323,12 +331,27 @@ class ChatEncoder:
     def encode_text(self, texts: Sequence[str]):
         """Encodings of plain text pieces: no control token parsed, nothing added."""
         plain = self._plain
-        old = plain.encode_special_tokens
-        plain.encode_special_tokens = True
-        try:
-            return off_main_thread(plain.encode_batch_fast, list(texts), add_special_tokens=False)
-        finally:
-            plain.encode_special_tokens = old
+        texts = list(texts)
+        # An NFC normalizer leaves NFC text as it is, and nearly all text is NFC (ASCII
+        # always is): it is then skipped, which saves ~8% of the encoding time (it
+        # tracks the alignment of every character).
+        skip = self._nfc and all(t.isascii() or unicodedata.is_normalized("NFC", t)
+                                 for t in texts)
+
+        def encode():  # switched on the helper thread: the encodes queued there (engine_ids)
+            # run before or after, never inside the switches
+            old = plain.encode_special_tokens, plain.normalizer
+            plain.encode_special_tokens = True
+            if skip:
+                plain.normalizer = None
+            try:
+                return plain.encode_batch_fast(texts, add_special_tokens=False)
+            finally:
+                plain.encode_special_tokens = old[0]
+                if skip:
+                    plain.normalizer = old[1]
+
+        return off_main_thread(encode)
 
     # ------------------------------------------------------------- rendering
 
@@ -627,6 +650,13 @@ class ChatEncoder:
         tls = self.codec.sanitize(tools) if (look and tools) else tools
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
+
+
+def is_nfc(normalizer) -> bool:
+    """Whether a tokenizer's normalizer is NFC alone (it then leaves NFC text as it is)."""
+    from tokenizers import normalizers
+
+    return isinstance(normalizer, normalizers.NFC)
 
 
 def prefix_mismatch(name: str, prompt: str, full: str) -> str:

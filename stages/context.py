@@ -27,8 +27,6 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import tokenizers.normalizers
-
 log = logging.getLogger(__name__)
 
 # a token covers at least one byte of byte-level BPE text; other tokenizers may add a
@@ -65,16 +63,15 @@ class PromptCounter:
     enough to decide."""
 
     def __init__(self, spec: str, enable_thinking: bool):
-        from stages.chat import ChatEncoder
+        from stages.chat import ChatEncoder, is_nfc
         from stages.tokenizer import load_tokenizer
 
         self.spec = spec
         tok = load_tokenizer(spec)
         self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
-        backend = tok.backend_tokenizer
-        self._normalize = backend.normalizer.normalize_str if backend.normalizer else None
-        norm = backend.normalizer
-        self._nfc_or_none = norm is None or isinstance(norm, tokenizers.normalizers.NFC)
+        norm = tok.backend_tokenizer.normalizer
+        self._normalize = norm.normalize_str if norm else None
+        self._nfc_or_none = norm is None or is_nfc(norm)
         self._skeletons: dict[tuple, Optional[int]] = {}  # shape -> rendered bytes
         self.encoded = 0  # prompts whose bound did not settle it
 

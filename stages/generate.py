@@ -801,12 +801,18 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
         "cache_damaged": damaged,
     }
     outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
-    failed = counts["failed"]
+    _conclude(counts, plan.n, cfg, transient, paths.out)
+    return report
+
+
+def _conclude(counts: dict, n: int, cfg: P.Generate, transient: dict, out: Path) -> None:
+    """Say how the run ended; fail it (exit 1: DVC records nothing) when too much failed."""
     log.info(
         "done: %d completed (%d truncated), %d failed %s -> %s",
-        counts["completed"], counts["truncated"], failed, counts["failed_by_kind"] or "", paths.out,
+        counts["completed"], counts["truncated"], counts["failed"],
+        counts["failed_by_kind"] or "", out,
     )  # fmt: skip
-    problem = verdict(counts, plan.n, cfg, transient, paths.out)
+    problem = verdict(counts, n, cfg, transient, out)
     if problem:
         raise StageError(problem)
     if counts["failed_transient"]:
@@ -816,7 +822,6 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
             "by the next run (dvc repro -f generate)",
             counts["failed_transient"],
         )
-    return report
 
 
 def _seed_used(server: ServerHandle, cfg: P.Generate) -> Optional[bool]:

@@ -34,8 +34,10 @@ does not depend on num_proc. Each process encodes on one thread.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import multiprocessing
@@ -62,9 +64,10 @@ log = logging.getLogger(__name__)
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
 COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
-# A worker's unit of work: at most CHUNK_BYTES of lines, and at least 16 chunks per worker
-# so that the last ones do not leave workers idle for long; never under MIN_CHUNK_BYTES,
-# where per-chunk costs (one encode call, one Arrow batch) would start to show.
+# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
+# the file (a quarter of each worker's share of what is left) so that the last chunks
+# do not leave a worker idle while another finishes a big one; never under
+# MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would show.
 CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
@@ -149,7 +152,26 @@ def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: 
     from stages import tokenizer as T
 
     tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    return tok, T.identity(tok)
+    identity = T.identity(tok)
+    _release_free_heap()
+    return tok, identity
+
+
+def _release_free_heap() -> None:
+    """Give back the free pages that loading left in the C heap (glibc only).
+
+    Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
+    hundreds of MB of free but resident pages between the tokenizer's own data. Forked
+    workers inherit them; each page a worker's allocator then writes to is copied, so
+    the workers' private memory crept up with the rows they processed. A full garbage
+    collection first: it also empties the interpreter's free lists, which a worker's
+    first full collection would otherwise free into inherited pages."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _file_stamp(path: Optional[str]) -> Any:
@@ -189,8 +211,13 @@ def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
 
 
 def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
-    """(first line number, lines) groups of about equal bytes (see CHUNK_BYTES)."""
-    limit = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, src.stat().st_size // (16 * num_proc)))
+    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES)."""
+
+    def limit(left: int) -> int:
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // (4 * num_proc)))
+
+    left = src.stat().st_size
+    cap = limit(left)
     lines: list[bytes] = []
     size = 0
     first = 1
@@ -200,8 +227,10 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
                 first = no
             lines.append(line)
             size += len(line)
-            if size >= limit or len(lines) >= CHUNK_ROWS:
+            if size >= cap or len(lines) >= CHUNK_ROWS:
                 yield first, lines
+                left -= size
+                cap = limit(left)
                 lines, size = [], 0
     if lines:
         yield first, lines
@@ -219,31 +248,44 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
             for chunk in _line_chunks(src, 1):
                 yield work(chunk)
             return
-        # fork: workers inherit the loaded tokenizer instead of loading it again
-        ctx = multiprocessing.get_context("fork")
-        window = collections.deque()
-        pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+        # Workers share the parent's objects copy-on-write; a full garbage collection (in
+        # any of the processes, once a run is long enough to trigger one) writes to every
+        # tracked object and so copies the pages they sit on, ~40 MB per process. Frozen
+        # objects are never scanned: they stay frozen while the workers live.
+        gc.freeze()
         try:
-            for chunk in _line_chunks(src, cfg.num_proc):
-                window.append(pool.apply_async(work, (chunk,)))
-                if len(window) >= 3 * cfg.num_proc:
-                    yield window.popleft().get()
-            while window:
-                yield window.popleft().get()
-            # all done: workers exit on their own (terminate() kills them mid-queue, where
-            # one holding the queue's lock can leave another waiting on it for ever)
-            pool.close()
-        except BaseException:
-            pool.terminate()
-            raise
+            yield from _pooled(src, cfg)
         finally:
-            pool.join()
+            gc.unfreeze()
     finally:
         _STATE = None
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
+    """Chunk results in input order from `num_proc` forked workers (forked: they
+    inherit the loaded tokenizer instead of loading it again)."""
+    ctx = multiprocessing.get_context("fork")
+    window = collections.deque()
+    pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+    try:
+        for chunk in _line_chunks(src, cfg.num_proc):
+            window.append(pool.apply_async(work, (chunk,)))
+            if len(window) >= 3 * cfg.num_proc:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+        # all done: workers exit on their own (terminate() kills them mid-queue, where
+        # one holding the queue's lock can leave another waiting on it for ever)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _worker_signals() -> None:
@@ -264,7 +306,7 @@ def _new_stats() -> dict:
             "lookalike_rows": 0}
 
 
-def _add_stats(into: dict, st: dict) -> None:
+def _add_counts(into: dict, st: dict) -> None:
     """Add one source's counts `st` (as _new_stats makes them) into `into`."""
     for key, value in st.items():
         if key == "dropped":
@@ -285,8 +327,21 @@ class ChunkResult:
 def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     """Parse, filter, render, encode and check one chunk of completion lines."""
     encoder, cfg, path = _STATE
-    first, lines = chunk
     stats: dict = collections.defaultdict(_new_stats)
+    plans, meta = _plan_chunk(chunk, encoder, cfg, path, stats)
+    check = servecheck.ServeCheck(encoder)
+    if not plans:
+        return ChunkResult(None, dict(stats), {}, check.stats)
+    batch = encoder.encode_plans(plans)
+    record, lengths = _kept_rows(plans, meta, batch, check, cfg, path, stats)
+    return ChunkResult(record, dict(stats), lengths, check.stats)
+
+
+def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: P.Tokenize,
+                path: str, stats: dict) -> tuple[list, list]:
+    """The render plans of a chunk's rows that are kept, and (row id, source, line, row
+    when the plan ends with the engine's answer) for each; drops counted in `stats`."""
+    first, lines = chunk
     plans, meta = [], []
     for no, raw in enumerate(lines, first):
         if not raw.strip():
@@ -318,11 +373,13 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
             rid = row["id"] if p.n_messages == len(row["messages"]) else f"{row['id']}#{p.turn}"
             # only the final answer came from the engine
             meta.append((rid, src, no, row if p.n_messages == len(row["messages"]) else None))
-    check = servecheck.ServeCheck(encoder)
-    if not plans:
-        return ChunkResult(None, dict(stats), {}, check.stats)
+    return plans, meta
 
-    batch = encoder.encode_plans(plans)
+
+def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
+               cfg: P.Tokenize, path: str, stats: dict) -> tuple[Optional[pa.RecordBatch], dict]:
+    """The encoded rows within the length and supervision limits, as one record batch,
+    and their lengths per source; each answer checked against the engine's tokens."""
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
     lengths: dict = collections.defaultdict(lambda: array("i"))
     for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
@@ -351,8 +408,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
         pieces_mask.append(mask)
         lens.append(len(ids))
         losses.append(n_loss)
-    record = _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses)
-    return ChunkResult(record, dict(stats), dict(lengths), check.stats)
+    return _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses), dict(lengths)
 
 
 def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):
@@ -487,7 +543,7 @@ class Totals:
 
     def add(self, r: ChunkResult) -> None:
         for src, st in r.stats.items():
-            _add_stats(self.stats[src], st)
+            _add_counts(self.stats[src], st)
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
         servecheck.merge(self.served, r.served)
@@ -509,7 +565,7 @@ class Totals:
                             "length": _percentiles(self.lengths.get(src))}
         total = _new_stats()
         for st in self.stats.values():
-            _add_stats(total, st)
+            _add_counts(total, st)
         all_lengths = array("i")
         for values in self.lengths.values():
             all_lengths.extend(values)

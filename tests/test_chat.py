@@ -516,3 +516,25 @@ def test_tokenizer_adding_a_prefix_space_per_piece_is_refused(tok):
     spm = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
     with pytest.raises(StageError, match="piece by piece.*Metaspace"):
         ChatEncoder(spm, chat_template=tok.chat_template, name="spm")
+
+
+def test_raw_lines_that_may_spell_a_control_token_are_found(enc):
+    may = enc.codec.json_may_spell
+    # only an escape can hide a spelling in a line with no '<' and no sentinel byte
+    assert may(rb'{"content": "\u003c|im_end|>"}')
+    assert may(rb'{"content": "<\/think>"}') and may(rb'{"content": "a\/b"}')
+    assert may(json.dumps({"content": "x <think> y"}).encode())
+    assert may(json.dumps({"content": f"x {ESC} y"}, ensure_ascii=False).encode())
+    assert not may(rb'{"content": "line\nbreak \"quoted\" <b>bold</b>"}')
+    assert not may(json.dumps({"content": "你好 🙂"}, ensure_ascii=False).encode())
+
+
+def test_skipping_nfc_for_normalized_text_leaves_the_tokenizer_as_it_was(tok, enc):
+    msgs = [{"role": "user", "content": "café 你好"}, {"role": "assistant", "content": "ok"}]
+    (ids, _, prompt_len), = enc.encode(msgs)
+    assert type(tok.backend_tokenizer.normalizer).__name__ == "NFC"
+    assert not tok.backend_tokenizer.encode_special_tokens
+    # the prompt has the ids the tokenizer with its normalizer gives its rendering
+    assert ids[:prompt_len].tolist() == list(tok.apply_chat_template(
+        msgs[:1], tokenize=True, return_dict=False, add_generation_prompt=True))
+    assert tok.backend_tokenizer.encode("e\u0301").ids == tok.backend_tokenizer.encode("é").ids

@@ -267,6 +267,19 @@ def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
         assert sum(map(len, part)) - len(part[-1]) < 1000
 
 
+def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(TK, "CHUNK_BYTES", 4000)
+    monkeypatch.setattr(TK, "MIN_CHUNK_BYTES", 100)
+    lines = [f"{i:099d}\n" for i in range(4000)]  # 100 bytes each
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(lines))
+    chunks = list(TK._line_chunks(path, num_proc=2))
+    sizes = [sum(map(len, part)) for _, part in chunks]
+    assert [line.decode() for _, part in chunks for line in part] == lines
+    assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)
+    assert sizes[-2] == 100  # the tail comes in the smallest pieces
+
+
 def test_run_writes_the_report(tmp_path, monkeypatch):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", ROWS[:1])

@@ -168,6 +168,8 @@ class _RowMaker:
         return self.drop_matches(results, self.evals.check(texts, counts))
 
     def make_unchecked(self, items: list) -> tuple[list, list[str], list[int]]:
+        """The results of `make`, and what decontamination checks of the candidates among
+        them: their message texts in a row, and how many texts each has."""
         make = self.make
         texts: list[str] = []
         counts: list[int] = []
@@ -175,6 +177,8 @@ class _RowMaker:
         return results, texts, counts
 
     def drop_matches(self, results: list, hits: list) -> list:
+        """`results` with each candidate that has a hit (one per candidate, in order)
+        replaced by its decontam.Match."""
         if hits.count(None) == len(hits):
             return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]

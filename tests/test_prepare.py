@@ -667,7 +667,6 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
         k: v for k, v in one_report.items() if k not in ("seconds", "rows_per_second")}
 
 
-
 def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
     big = write_jsonl(tmp_path / "src/big.jsonl", [{"q": f"Question {i}: is this clean?"} for i in range(800)])
     lines = big.read_text().splitlines(keepends=True)

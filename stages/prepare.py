@@ -32,8 +32,11 @@ import logging
 import multiprocessing
 import operator
 import os
+import queue
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import unicodedata
 from collections import Counter, deque
@@ -53,7 +56,9 @@ log = logging.getLogger("prepare")
 
 PATHS = {"out": "folder the prompts are written to", "reports": "folder of the stage reports"}
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
-LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
+LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or the checker) take over
+CHECK_AHEAD = 4  # groups sent to the decontamination checker and not yet answered, at most
+_PIPE_BYTES = 1 << 20  # asked of the pipe to the checker: CHECK_AHEAD groups' texts fit
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
@@ -156,13 +161,24 @@ class _RowMaker:
         self.evals = decontam.opened(spec.evals) if spec.evals else None
 
     def make_all(self, items: list) -> list:
-        make = self.make
         if self.evals is None:
+            make = self.make
             return [make(item) for item in items]
+        results, texts, counts = self.make_unchecked(items)
+        return self.drop_matches(results, self.evals.check(texts, counts))
+
+    def make_unchecked(self, items: list) -> tuple[list, list[str], list[int]]:
+        """The results of `make`, and what decontamination checks of the candidates among
+        them: their message texts in a row, and how many texts each has."""
+        make = self.make
         texts: list[str] = []
         counts: list[int] = []
         results = [make(item, texts, counts) for item in items]
-        hits = self.evals.check(texts, counts)  # one per candidate, in order
+        return results, texts, counts
+
+    def drop_matches(self, results: list, hits: list) -> list:
+        """`results` with each candidate that has a hit (one per candidate, in order)
+        replaced by its decontam.Match."""
         if hits.count(None) == len(hits):
             return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]
@@ -223,16 +239,24 @@ _CONTENT = operator.itemgetter("content")
 _MAKERS: dict[str, _RowMaker] = {}
 
 
-def _work(spec: _Spec, items: list) -> tuple[list, dict]:
-    """Prepare one chunk of rows (in a worker process, or inline)."""
+def _maker(spec: _Spec) -> _RowMaker:
     maker = _MAKERS.get(spec.token)
     if maker is None:
         _MAKERS.clear()
         maker = _MAKERS[spec.token] = _RowMaker(spec)
-    results = maker.make_all(items)
+    return maker
+
+
+def _unknown_roles(maker: _RowMaker) -> dict:
     unknown = dict(maker.layout.unknown_roles)
     maker.layout.unknown_roles.clear()
-    return results, unknown
+    return unknown
+
+
+def _work(spec: _Spec, items: list) -> tuple[list, dict]:
+    """Prepare one chunk of rows (in a worker process, or inline)."""
+    maker = _maker(spec)
+    return maker.make_all(items), _unknown_roles(maker)
 
 
 class _Workers:
@@ -256,33 +280,174 @@ class _Workers:
 
 
 def _prepared_groups(
-    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers,
+    checker: Optional["_Checker"],
 ) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
     processes with at most 4 groups per worker in flight, so memory stays flat however
-    far the reader could run ahead."""
+    far the reader could run ahead; in one process with decontamination, here while the
+    checker process checks the groups before (at most CHECK_AHEAD) once it has started."""
     pending: deque = deque()
     sent = 0
-    for positions, items in reader.batches():
-        if probe.active:
-            for pos, item in zip(positions, items):
-                if probe.active:
-                    probe.see(item, reader.where(pos))
-        meta = (reader.current, reader.unit, positions)
-        if workers.n > 1 and sent >= LOCAL_ROWS:
-            pending.append((meta, workers.get().apply_async(_work, (spec, items))))
-            while len(pending) > 4 * workers.n:
-                meta, job = pending.popleft()
-                yield meta + job.get()
-        else:  # `sent` only grows, so no group is pending here
-            yield meta + _work(spec, items)
-        sent += len(items)
-    probe.finish()
-    while pending:
-        meta, job = pending.popleft()
-        yield meta + job.get()
+    try:
+        for positions, items in reader.batches():
+            if probe.active:
+                for pos, item in zip(positions, items):
+                    if probe.active:
+                        probe.see(item, reader.where(pos))
+            meta = (reader.current, reader.unit, positions)
+            if workers.n > 1 and sent >= LOCAL_ROWS:
+                pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                while len(pending) > 4 * workers.n:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            elif checker is not None and sent >= LOCAL_ROWS and checker.ready():
+                pending.append((meta, checker.submit(spec, items)))  # once ready, it stays ready
+                while len(pending) > CHECK_AHEAD:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            else:  # `sent` only grows, so no group is pending here
+                yield meta + _work(spec, items)
+            sent += len(items)
+        probe.finish()
+        while pending:
+            meta, job = pending.popleft()
+            yield meta + job.get()
+    finally:
+        if pending and checker is not None:  # left early: replies the next source must not read
+            checker.close()
+
+
+class _Checker:
+    """Decontamination in a process of its own beside a single-process prepare: this
+    process makes the rows of a group, sends their texts (one decontam.pack buffer) and
+    makes the next group's while the checker looks them up; hits come back in order.
+    Started when a source proves large and a CPU sits idle; until it has loaded the
+    index, groups are checked here."""
+
+    def __init__(self, evals: "_Evals"):
+        self.evals = evals
+        self.proc = self.asks = self.answers = None
+        self.loaded = False
+        self.declined = False  # the machine was busy when a source first proved large
+
+    def ready(self) -> bool:
+        if self.declined:
+            return False
+        if self.proc is None:
+            if not _cpu_to_spare():
+                self.declined = True
+                log.info("decontamination checks in this process: no idle CPU for a checker")
+                return False
+            ctx = multiprocessing.get_context("spawn")  # as for the workers
+            asks, self.asks = ctx.Pipe(duplex=False)
+            self.answers, answers = ctx.Pipe(duplex=False)
+            _widen(self.asks)
+            self.proc = ctx.Process(target=_serve_checks, args=(asks, answers, self.evals.saved()),
+                                    daemon=True)
+            self.proc.start()
+            asks.close()
+            answers.close()
+            log.info("started the decontamination checker process")
+        if not self.loaded and self.answers.poll():
+            self.loaded = self.reply() == "loaded"
+        return self.loaded
+
+    def submit(self, spec: _Spec, items: list) -> "_CheckJob":
+        maker = _maker(spec)
+        results, texts, counts = maker.make_unchecked(items)
+        job = _CheckJob(self, maker, results, texts, counts, _unknown_roles(maker))
+        self.asks.send(counts)
+        self.asks.send_bytes(decontam.pack(texts))
+        return job
+
+    def reply(self):
+        """The next answer of the checker, in the order the groups were sent."""
+        try:
+            reply = self.answers.recv()
+        except (EOFError, OSError):
+            raise StageError("prepare: the decontamination checker process ended unexpectedly") from None
+        if type(reply) is tuple:
+            raise StageError(f"prepare: decontamination checker: {reply[1]}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.asks.close()
+            self.answers.close()
+            self.proc.terminate()
+            self.proc.join()
+            self.proc = self.asks = self.answers = None
+            self.loaded = False
+
+
+class _CheckJob:
+    """A group sent to the checker: its rows, kept here until its hits come back."""
+
+    def __init__(self, checker: _Checker, maker: _RowMaker, results, texts, counts, unknown):
+        self.checker, self.maker, self.results = checker, maker, results
+        self.texts, self.counts, self.unknown = texts, counts, unknown
+
+    def get(self) -> tuple[list, dict]:
+        hits = self.checker.reply()
+        if hits is None:  # a text holds \0, which the packed buffer cannot tell apart
+            hits = self.maker.evals.check(self.texts, self.counts)
+        return self.maker.drop_matches(self.results, hits), self.unknown
+
+
+def _widen(conn) -> None:
+    """A pipe that holds CHECK_AHEAD groups, so that sending one does not wait for the
+    checker to read (Linux; elsewhere, or past the system's limit, it stays as it is)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _serve_checks(asks, answers, folder: str) -> None:
+    """The checker process: load the index, then answer each (counts, packed texts) with
+    their hits (None when the buffer cannot be read apart), until prepare closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is prepare's to handle: it ends us
+    try:  # woken by each group, it must not take the CPU from prepare when they share one
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        pass
+    # Answers leave from a thread of their own, so this loop always goes on to read the
+    # next group: were it to wait for prepare to read an answer while prepare waits for
+    # room in the pipe to send a group, neither would move.
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(out, answers), daemon=True)
+    sender.start()
+    try:
+        index = decontam.Index.load(Path(folder))
+        out.put("loaded")
+        while True:
+            try:
+                counts = asks.recv()
+                data = asks.recv_bytes()
+            except EOFError:
+                return
+            try:
+                out.put(index.check_packed(data, counts))
+            except decontam.Unpacked:
+                out.put(None)
+    except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
+        out.put(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        out.put(_send_all)  # the end
+        sender.join()
+
+
+def _send_all(out: queue.SimpleQueue, answers) -> None:
+    while (reply := out.get()) is not _send_all:
+        try:
+            answers.send(reply)
+        except OSError:  # prepare has gone
+            return
 
 
 # ------------------------------------------------------------------------ one source
@@ -307,9 +472,8 @@ def _one_source(
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
-    # One loop, counters in locals on purpose: its body runs once per source row, and
-    # attribute or call overhead there shows in prepare_vs_read (bench/README.md)
-    for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
+    groups = _prepared_groups(reader, probe, spec, workers, evals.checker)
+    for current, unit, positions, results, unknown in groups:
         if unknown:
             unknown_roles.update(unknown)
         for pos, res in zip(positions, results):
@@ -385,7 +549,8 @@ def _one_source(
 
 class _Evals:
     """The decontamination index of this run (none without evaluation sets), where
-    worker processes find it, and the count of prompts it drops."""
+    worker processes find it (or the checker process, without workers), and the count of
+    prompts it drops."""
 
     def __init__(self, cfg: P.Prepare, workers: bool):
         self.key: Optional[str] = None
@@ -394,18 +559,26 @@ class _Evals:
         self.policy = policy
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
+        self.checker: Optional[_Checker] = None
         if not policy.evals:
             return
         self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
         for st in self.stats.values():
             st.update(contaminated=0, by_source={})
-        if workers:  # saved once; workers memory-map it
-            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
-            self.index.save(Path(self.folder))
-            self.key = self.folder
+        if workers:
+            self.key = self.saved()
         else:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
+            if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
+                self.checker = _Checker(self)
         decontam.register(self.key, self.index)
+
+    def saved(self) -> str:
+        """The folder of the index, saved once for the processes that memory-map it."""
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.index.save(Path(self.folder))
+        return self.folder
 
     def count(self, source: str, match: "decontam.Match") -> None:
         st = self.stats[match.eval_set]
@@ -424,21 +597,38 @@ class _Evals:
         return out
 
     def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
         if self.key is not None:
             decontam.forget(self.key)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _auto_workers() -> int:
     """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
-    or fewer that is a single process, because workers would only compete with it."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    n = min(n - 1, 8)
+    or fewer that is a single process, because workers would only compete with it (a
+    decontamination checker, which takes less of a core, may run beside it)."""
+    n = min(_cpus() - 1, 8)
     return n if n >= 2 else 1
+
+
+def _cpu_to_spare() -> bool:
+    """Whether a CPU sits idle for the checker: other load (the 1-minute load average)
+    under one CPU besides this process's. On a busy machine a checker only takes CPU
+    time from prepare and adds its own costs (the pipe, its start), so the check stays
+    in this process."""
+    try:
+        return os.getloadavg()[0] < _cpus() - 1
+    except (AttributeError, OSError):  # no load average here
+        return False
 
 
 class _LimitSampler:

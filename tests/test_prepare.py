@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -631,6 +633,63 @@ def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, mo
     assert one == two
     assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 8
     assert report["decontamination"]["evals"] == one_report["decontamination"]["evals"]
+
+
+def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path, monkeypatch):
+    sources, planted = planted_mix(tmp_path)
+    rows = [{"q": f"Question {i}: " + (GSM[0] if i % 100 == 7 else "is this clean?")} for i in range(800)]
+    rows[300]["q"] = "A text holding \0 " + GSM[1]  # checked here: the packed buffer cannot hold it
+    rows[500]["q"] = "Überall, " + TRIVIA[1]  # a non-ASCII group, read apart in the checker
+    big = write_jsonl(tmp_path / "src/big.jsonl", rows)
+    sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
+    dc = {"evals": eval_sets(tmp_path)}
+    one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    real_ready, real_submit, sent = prepare._Checker.ready, prepare._Checker.submit, []
+
+    def ready(checker):  # wait for the checker to load, so that every group past LOCAL_ROWS goes to it
+        while not real_ready(checker):
+            time.sleep(0.02)
+        return True
+
+    monkeypatch.setattr(prepare._Checker, "ready", ready)
+    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda: True)  # however busy the test machine
+    monkeypatch.setattr(prepare._Checker, "submit",
+                        lambda checker, spec, items: sent.append(len(items)) or real_submit(checker, spec, items))
+    report, _, two = run(tmp_path, sources, num_proc=0, decontaminate=dc)
+    assert sum(sent) >= 650
+    assert one == two
+    assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 10
+    assert report["decontamination"] == one_report["decontamination"]
+    assert {k: v for k, v in report.items() if k not in ("seconds", "rows_per_second")} == {
+        k: v for k, v in one_report.items() if k not in ("seconds", "rows_per_second")}
+
+
+def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
+    big = write_jsonl(tmp_path / "src/big.jsonl", [{"q": f"Question {i}: is this clean?"} for i in range(800)])
+    lines = big.read_text().splitlines(keepends=True)
+    lines[600] = '{"q": "not JSON\n'  # a bad row, reached after the checker has taken over
+    big.write_text("".join(lines))
+    src = [{"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"}]
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda: True)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    real_ready, started = prepare._Checker.ready, []
+
+    def ready(checker):
+        while not real_ready(checker):
+            time.sleep(0.02)
+        started.append(checker.proc)
+        return True
+
+    monkeypatch.setattr(prepare._Checker, "ready", ready)
+    with pytest.raises(StageError, match=r"big.jsonl:601: "):
+        run(tmp_path, src, num_proc=0, decontaminate={"evals": eval_sets(tmp_path)})
+    assert started and started[0].exitcode is not None  # ended, not left behind
+    assert not multiprocessing.active_children()
 
 
 sources_mod = sources

@@ -32,11 +32,8 @@ import logging
 import multiprocessing
 import operator
 import os
-import queue
 import shutil
-import signal
 import tempfile
-import threading
 import time
 import unicodedata
 from collections import Counter, deque
@@ -47,6 +44,7 @@ from typing import Iterator, Optional
 import orjson
 import xxhash
 
+from stages import checker as checker_mod
 from stages import cli, decontam, outputs, sources
 from stages import messages as contract
 from stages import params as P
@@ -57,8 +55,6 @@ log = logging.getLogger("prepare")
 PATHS = {"out": "folder the prompts are written to", "reports": "folder of the stage reports"}
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
 LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or the checker) take over
-CHECK_AHEAD = 4  # groups sent to the decontamination checker and not yet answered, at most
-_PIPE_BYTES = 1 << 20  # asked of the pipe to the checker: CHECK_AHEAD groups' texts fit
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
@@ -280,15 +276,14 @@ class _Workers:
 
 
 def _prepared_groups(
-    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers,
-    checker: Optional["_Checker"],
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers, evals: "_Evals"
 ) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
     processes with at most 4 groups per worker in flight, so memory stays flat however
     far the reader could run ahead; in one process with decontamination, here while the
-    checker process checks the groups before (at most CHECK_AHEAD) once it has started."""
+    checker process checks the groups before (at most CHECK_AHEAD) once it is ready."""
     pending: deque = deque()
     sent = 0
     try:
@@ -303,9 +298,9 @@ def _prepared_groups(
                 while len(pending) > 4 * workers.n:
                     meta, job = pending.popleft()
                     yield meta + job.get()
-            elif checker is not None and sent >= LOCAL_ROWS and checker.ready():
-                pending.append((meta, checker.submit(spec, items)))  # once ready, it stays ready
-                while len(pending) > CHECK_AHEAD:
+            elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
+                pending.append((meta, _CheckJob(evals.checker, spec, items)))
+                while len(pending) > checker_mod.CHECK_AHEAD:
                     meta, job = pending.popleft()
                     yield meta + job.get()
             else:  # `sent` only grows, so no group is pending here
@@ -316,138 +311,24 @@ def _prepared_groups(
             meta, job = pending.popleft()
             yield meta + job.get()
     finally:
-        if pending and checker is not None:  # left early: replies the next source must not read
-            checker.close()
-
-
-class _Checker:
-    """Decontamination in a process of its own beside a single-process prepare: this
-    process makes the rows of a group, sends their texts (one decontam.pack buffer) and
-    makes the next group's while the checker looks them up; hits come back in order.
-    Started when a source proves large and a CPU sits idle; until it has loaded the
-    index, groups are checked here."""
-
-    def __init__(self, evals: "_Evals"):
-        self.evals = evals
-        self.proc = self.asks = self.answers = None
-        self.loaded = False
-        self.declined = False  # the machine was busy when a source first proved large
-
-    def ready(self) -> bool:
-        if self.declined:
-            return False
-        if self.proc is None:
-            if not _cpu_to_spare():
-                self.declined = True
-                log.info("decontamination checks in this process: no idle CPU for a checker")
-                return False
-            ctx = multiprocessing.get_context("spawn")  # as for the workers
-            asks, self.asks = ctx.Pipe(duplex=False)
-            self.answers, answers = ctx.Pipe(duplex=False)
-            _widen(self.asks)
-            self.proc = ctx.Process(target=_serve_checks, args=(asks, answers, self.evals.saved()),
-                                    daemon=True)
-            self.proc.start()
-            asks.close()
-            answers.close()
-            log.info("started the decontamination checker process")
-        if not self.loaded and self.answers.poll():
-            self.loaded = self.reply() == "loaded"
-        return self.loaded
-
-    def submit(self, spec: _Spec, items: list) -> "_CheckJob":
-        maker = _maker(spec)
-        results, texts, counts = maker.make_unchecked(items)
-        job = _CheckJob(self, maker, results, texts, counts, _unknown_roles(maker))
-        self.asks.send(counts)
-        self.asks.send_bytes(decontam.pack(texts))
-        return job
-
-    def reply(self):
-        """The next answer of the checker, in the order the groups were sent."""
-        try:
-            reply = self.answers.recv()
-        except (EOFError, OSError):
-            raise StageError("prepare: the decontamination checker process ended unexpectedly") from None
-        if type(reply) is tuple:
-            raise StageError(f"prepare: decontamination checker: {reply[1]}")
-        return reply
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.asks.close()
-            self.answers.close()
-            self.proc.terminate()
-            self.proc.join()
-            self.proc = self.asks = self.answers = None
-            self.loaded = False
+        if pending and evals.checker is not None:  # left early: replies the next source must not read
+            evals.checker.close()
 
 
 class _CheckJob:
-    """A group sent to the checker: its rows, kept here until its hits come back."""
+    """A group whose texts went to the checker: its rows, kept here until its hits come back."""
 
-    def __init__(self, checker: _Checker, maker: _RowMaker, results, texts, counts, unknown):
-        self.checker, self.maker, self.results = checker, maker, results
-        self.texts, self.counts, self.unknown = texts, counts, unknown
+    def __init__(self, checker: checker_mod.Checker, spec: _Spec, items: list):
+        self.checker, self.maker = checker, _maker(spec)
+        self.results, self.texts, self.counts = self.maker.make_unchecked(items)
+        self.unknown = _unknown_roles(self.maker)
+        checker.send(self.texts, self.counts)
 
     def get(self) -> tuple[list, dict]:
-        hits = self.checker.reply()
-        if hits is None:  # a text holds \0, which the packed buffer cannot tell apart
+        hits = self.checker.hits()
+        if hits is None:
             hits = self.maker.evals.check(self.texts, self.counts)
         return self.maker.drop_matches(self.results, hits), self.unknown
-
-
-def _widen(conn) -> None:
-    """A pipe that holds CHECK_AHEAD groups, so that sending one does not wait for the
-    checker to read (Linux; elsewhere, or past the system's limit, it stays as it is)."""
-    try:
-        import fcntl
-
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-    except (ImportError, AttributeError, OSError):
-        pass
-
-
-def _serve_checks(asks, answers, folder: str) -> None:
-    """The checker process: load the index, then answer each (counts, packed texts) with
-    their hits (None when the buffer cannot be read apart), until prepare closes the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is prepare's to handle: it ends us
-    try:  # woken by each group, it must not take the CPU from prepare when they share one
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux
-        pass
-    # Answers leave from a thread of their own, so this loop always goes on to read the
-    # next group: were it to wait for prepare to read an answer while prepare waits for
-    # room in the pipe to send a group, neither would move.
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_send_all, args=(out, answers), daemon=True)
-    sender.start()
-    try:
-        index = decontam.Index.load(Path(folder))
-        out.put("loaded")
-        while True:
-            try:
-                counts = asks.recv()
-                data = asks.recv_bytes()
-            except EOFError:
-                return
-            try:
-                out.put(index.check_packed(data, counts))
-            except decontam.Unpacked:
-                out.put(None)
-    except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
-        out.put(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        out.put(_send_all)  # the end
-        sender.join()
-
-
-def _send_all(out: queue.SimpleQueue, answers) -> None:
-    while (reply := out.get()) is not _send_all:
-        try:
-            answers.send(reply)
-        except OSError:  # prepare has gone
-            return
 
 
 # ------------------------------------------------------------------------ one source
@@ -472,7 +353,9 @@ def _one_source(
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
-    groups = _prepared_groups(reader, probe, spec, workers, evals.checker)
+    # One loop, counters in locals on purpose: its body runs once per source row, and
+    # attribute or call overhead there shows in prepare_vs_read (bench/README.md)
+    groups = _prepared_groups(reader, probe, spec, workers, evals)
     for current, unit, positions, results, unknown in groups:
         if unknown:
             unknown_roles.update(unknown)
@@ -559,7 +442,7 @@ class _Evals:
         self.policy = policy
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
-        self.checker: Optional[_Checker] = None
+        self.checker: Optional[checker_mod.Checker] = None
         if not policy.evals:
             return
         self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
@@ -570,7 +453,7 @@ class _Evals:
         else:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
             if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
-                self.checker = _Checker(self)
+                self.checker = checker_mod.Checker(self.saved)
         decontam.register(self.key, self.index)
 
     def saved(self) -> str:
@@ -579,6 +462,20 @@ class _Evals:
             self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
             self.index.save(Path(self.folder))
         return self.folder
+
+    def checker_ready(self) -> bool:
+        """Whether groups go to the checker process. It is started when a source first
+        proves large, if a CPU sits idle then (else not at all this run), and takes groups
+        once it has loaded the index."""
+        if self.checker is None:
+            return False
+        if self.checker.proc is None:
+            if not _cpu_to_spare():
+                log.info("decontamination checks in this process: no idle CPU for a checker")
+                self.checker = None
+                return False
+            log.info("starting the decontamination checker process")
+        return self.checker.ready()
 
     def count(self, source: str, match: "decontam.Match") -> None:
         st = self.stats[match.eval_set]
@@ -606,6 +503,7 @@ class _Evals:
 
 
 def _cpus() -> int:
+    """The CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import prepare, sources
+from stages import checker, prepare, sources
 from stages.errors import StageError
 from tests import stagecli
 
@@ -647,17 +647,17 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
     monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
     monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
-    real_ready, real_submit, sent = prepare._Checker.ready, prepare._Checker.submit, []
+    real_ready, real_send, sent = checker.Checker.ready, checker.Checker.send, []
 
-    def ready(checker):  # wait for the checker to load, so that every group past LOCAL_ROWS goes to it
-        while not real_ready(checker):
+    def ready(c):  # wait for the checker to load, so that every group past LOCAL_ROWS goes to it
+        while not real_ready(c):
             time.sleep(0.02)
         return True
 
-    monkeypatch.setattr(prepare._Checker, "ready", ready)
+    monkeypatch.setattr(checker.Checker, "ready", ready)
     monkeypatch.setattr(prepare, "_cpu_to_spare", lambda: True)  # however busy the test machine
-    monkeypatch.setattr(prepare._Checker, "submit",
-                        lambda checker, spec, items: sent.append(len(items)) or real_submit(checker, spec, items))
+    monkeypatch.setattr(checker.Checker, "send",
+                        lambda c, texts, counts: sent.append(len(counts)) or real_send(c, texts, counts))
     report, _, two = run(tmp_path, sources, num_proc=0, decontaminate=dc)
     assert sum(sent) >= 650
     assert one == two
@@ -677,15 +677,15 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
     monkeypatch.setattr(prepare, "_cpu_to_spare", lambda: True)
     monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
-    real_ready, started = prepare._Checker.ready, []
+    real_ready, started = checker.Checker.ready, []
 
-    def ready(checker):
-        while not real_ready(checker):
+    def ready(c):
+        while not real_ready(c):
             time.sleep(0.02)
-        started.append(checker.proc)
+        started.append(c.proc)
         return True
 
-    monkeypatch.setattr(prepare._Checker, "ready", ready)
+    monkeypatch.setattr(checker.Checker, "ready", ready)
     with pytest.raises(StageError, match=r"big.jsonl:601: "):
         run(tmp_path, src, num_proc=0, decontaminate={"evals": eval_sets(tmp_path)})
     assert started and started[0].exitcode is not None  # ended, not left behind

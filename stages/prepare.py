@@ -454,6 +454,7 @@ class _Evals:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
             if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
                 self.checker = checker_mod.Checker(self.saved)
+                self.cpu_times = _cpu_times()  # how busy the machine is, from here on
         decontam.register(self.key, self.index)
 
     def saved(self) -> str:
@@ -470,7 +471,7 @@ class _Evals:
         if self.checker is None:
             return False
         if self.checker.proc is None:
-            if not _cpu_to_spare():
+            if not _cpu_to_spare(self.cpu_times):
                 log.info("decontamination checks in this process: no idle CPU for a checker")
                 self.checker = None
                 return False
@@ -518,15 +519,34 @@ def _auto_workers() -> int:
     return n if n >= 2 else 1
 
 
-def _cpu_to_spare() -> bool:
-    """Whether a CPU sits idle for the checker: other load (the 1-minute load average)
-    under one CPU besides this process's. On a busy machine a checker only takes CPU
-    time from prepare and adds its own costs (the pipe, its start), so the check stays
-    in this process."""
+def _cpu_times() -> Optional[tuple[int, int]]:
+    """(idle, all) CPU time so far, in ticks, of the CPUs this process may run on, from
+    /proc/stat; None where there is none."""
     try:
-        return os.getloadavg()[0] < _cpus() - 1
-    except (AttributeError, OSError):  # no load average here
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().decode("ascii", "replace").splitlines()
+    except (AttributeError, OSError):  # not Linux
+        return None
+    idle = total = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in mine:
+            ticks = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+            idle += ticks[3] + ticks[4]
+            total += sum(ticks)
+    return (idle, total) if total else None
+
+
+def _cpu_to_spare(since: Optional[tuple[int, int]]) -> bool:
+    """Whether half a CPU or more sat idle since `since` (a _cpu_times reading), this
+    process running meanwhile. On a busy machine a checker would only take CPU time from
+    prepare and add its own costs (the pipe, its start), so the check stays in this process.
+    Not the load average: that of the minute before counts prepare's own earlier runs."""
+    now = _cpu_times()
+    if since is None or now is None or now[1] <= since[1]:
         return False
+    return (now[0] - since[0]) / (now[1] - since[1]) * _cpus() >= 0.5
 
 
 class _LimitSampler:

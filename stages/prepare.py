@@ -443,6 +443,7 @@ class _Evals:
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
         self.checker: Optional[checker_mod.Checker] = None
+        self.cpu_times: Optional[tuple[int, int]] = None
         if not policy.evals:
             return
         self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)

@@ -7,7 +7,8 @@ The mix is bench_prepare's generated ShareGPT source. The evaluation set is JSON
 `question`s of 10 to 80 words (GSM8K's average is ~46), plus 10 questions copied from the
 mix with their case, spacing and punctuation changed, so the check also finds and
 attributes matches (each mix question recurs in ~1/5000 of the rows). Both runs use the
-default params (num_proc 0), run twice interleaved, the faster of each counts.
+default params (num_proc 0: on 2 CPUs one process, plus the decontamination checker process
+when the other CPU is idle), run twice interleaved, the faster of each counts.
 
   decontam_vs_prepare        rows/s with decontamination / rows/s without (target >= 0.7)
   decontam_vs_prepare_cpu    the same in rows per CPU-second (less moved by other load)

@@ -149,6 +149,16 @@ class _Powers:
 _WORD_POWERS = _Powers(0xC2B2AE3D27D4EB4F)  # odd: invertible mod 2^64
 
 
+class Unpacked(ValueError):
+    """A packed batch whose texts cannot be told apart (a text holds \\0): check the texts."""
+
+
+def pack(texts: Sequence[str]) -> bytes:
+    """A batch of texts as one buffer (what Index.check_packed reads, cheap to send to
+    another process): their UTF-8 between breaks, the break before each and after the last."""
+    return _BREAK.join(["", *texts, _PAD]).encode()
+
+
 class _Words:
     """The words of a batch of texts in one row (`words` of them), as the hash of each
     (`h`). A break word stands before, between and after the texts (`breaks[s]`: the one
@@ -160,11 +170,9 @@ class _Words:
     one), read where it starts and cut at its first 0 byte, so no numpy pass runs per byte
     beyond finding where words start."""
 
-    def __init__(self, texts: Sequence[str]):
-        joined = _BREAK.join(["", *texts, _PAD])
-        if not joined.isascii():
-            joined = _BREAK.join(["", *(t if t.isascii() else _canonical(t) for t in texts), _PAD])
-        raw = joined.encode("utf-8").translate(_BYTES)
+    def __init__(self, data: bytes, n: int):
+        """`data`: n texts as `pack` gives them, non-ASCII ones already made canonical."""
+        raw = data.translate(_BYTES)
         nonzero = np.frombuffer(raw, np.uint8) != 0
         at = np.flatnonzero(nonzero[1:] > nonzero[:-1])
         at += 1  # word j starts at byte at[j]
@@ -172,9 +180,8 @@ class _Words:
         h = _read(chunks, at)
         longer = np.flatnonzero(_cut(h))
         breaks = np.flatnonzero(h == 1)
-        if len(breaks) != len(texts) + 1:  # a text holding \0 itself: read it as a space
-            self.__init__([t.replace("\0", " ") for t in texts])
-            return
+        if len(breaks) != n + 1:
+            raise Unpacked("a text holds \\0")
         k, scale = 8, _CHUNK
         while len(longer):  # the next 8 bytes of words longer than k - 1 bytes
             part = _read(chunks, at[longer] + k)
@@ -188,6 +195,26 @@ class _Words:
         self.count = np.diff(breaks) - 1
         self.words = len(h)
         self._prefix: Optional[np.ndarray] = None
+
+    @classmethod
+    def of(cls, texts: Sequence[str]) -> "_Words":
+        data = pack(texts)
+        if not data.isascii():
+            data = pack([t if t.isascii() else _canonical(t) for t in texts])
+        try:
+            return cls(data, len(texts))
+        except Unpacked:  # a text holding \0 itself: read it as a space
+            return cls.of([t.replace("\0", " ") for t in texts])
+
+    @classmethod
+    def unpack(cls, data: bytes, n: int) -> "_Words":
+        """The words of the n texts `pack` put in `data`."""
+        if not data.isascii():
+            texts = data.decode().split(_BREAK)[1:-1]
+            if len(texts) != n:
+                raise Unpacked("a text holds the break")
+            data = pack([t if t.isascii() else _canonical(t) for t in texts])
+        return cls(data, n)
 
     # A run of words first .. first + length - 1 hashes as the polynomial
     # sum(h[first + i] * base**i) mod 2^64, computed the cheapest way for what is asked.
@@ -274,7 +301,7 @@ def _cut(x: np.ndarray) -> np.ndarray:
 
 def words(text: str) -> list[str]:
     """The words decontamination sees in `text` (for tests and messages)."""
-    w = _Words([text])
+    w = _Words.of([text])
     return [w.phrase(j, 1) for j in range(1, w.words - 1)]
 
 
@@ -302,6 +329,7 @@ class Match:
                 "eval_item": self.eval_item, "ngram": self.ngram}
 
 
+_BLOCK = 32  # sorted n-gram hashes per block of the lookup (Index._lower_bound)
 _ARRAYS = ("hashes", "items", "coarse", "fine", "short_hashes", "short_items", "set_starts")
 
 
@@ -318,6 +346,7 @@ class Index:
         self.names = names
         for key in _ARRAYS:
             setattr(self, key, arrays[key])
+        self.fences = self.hashes[::_BLOCK].copy()  # the first hash of each block
 
     @classmethod
     def from_parts(cls, policy, names, set_starts, parts: "_Parts") -> "Index":
@@ -332,7 +361,7 @@ class Index:
         return cls(policy, names, arrays)
 
     def nbytes(self) -> int:
-        return sum(getattr(self, k).nbytes for k in _ARRAYS)
+        return sum(getattr(self, k).nbytes for k in _ARRAYS) + self.fences.nbytes
 
     def save(self, folder: Path) -> None:
         for key in _ARRAYS:
@@ -358,10 +387,19 @@ class Index:
     def check(self, texts: list[str], counts: Sequence[int]) -> list[Optional[tuple[int, str]]]:
         """Prompts given as their message texts in a row, counts[p] of them for prompt p:
         per prompt None, or (global eval item, shared n-gram)."""
-        out: list[Optional[tuple[int, str]]] = [None] * len(counts)
         if not texts:
-            return out
-        w = _Words(texts)
+            return [None] * len(counts)
+        return self._check(_Words.of(texts), counts)
+
+    def check_packed(self, data: bytes, counts: Sequence[int]) -> list[Optional[tuple[int, str]]]:
+        """`check` of the texts `pack` put in `data` (raises Unpacked when a text held \\0)."""
+        n = int(sum(counts))
+        if not n:
+            return [None] * len(counts)
+        return self._check(_Words.unpack(data, n), counts)
+
+    def _check(self, w: "_Words", counts: Sequence[int]) -> list[Optional[tuple[int, str]]]:
+        out: list[Optional[tuple[int, str]]] = [None] * len(counts)
         if len(self.hashes):
             k = self.step
             probe = w.every(self.n - k + 1, k)
@@ -379,7 +417,7 @@ class Index:
     def _confirm(self, w: _Words, first, counts, out) -> None:
         """The n-grams starting at words first[k] (in text order), looked up."""
         h = w.runs(first, self.n)
-        lo = np.searchsorted(self.hashes, h)
+        lo = self._lower_bound(h)
         found = np.flatnonzero(self.hashes.take(lo, mode="clip") == h)
         if not len(found):
             return
@@ -405,6 +443,18 @@ class Index:
             best = best[shared[best] >= need * total[prompt[best]]]
         for b in best.tolist():
             out[int(prompt[b])] = (int(item[b]), w.phrase(int(pair_first[at[b]]), self.n))
+
+    def _lower_bound(self, h: np.ndarray) -> np.ndarray:
+        """np.searchsorted(self.hashes, h): the fences (a few hundred KB that stay in the
+        CPU caches) give the block, then one block is read per key, not ~20 scattered
+        entries of an array evicted between batches."""
+        block = np.searchsorted(self.fences, h)  # blocks whose first hash is below h ...
+        block -= 1  # ... the last of which holds the answer, or ends just before it
+        np.maximum(block, 0, out=block)
+        block *= _BLOCK
+        window = self.hashes.take(block[:, None] + np.arange(_BLOCK), mode="clip")
+        block += (window < h[:, None]).sum(axis=1)
+        return np.minimum(block, len(self.hashes), out=block)
 
     def _exact(self, w: _Words, counts, out) -> None:
         short = np.flatnonzero((w.count > 0) & (w.count < self.n))
@@ -572,7 +622,7 @@ def build(policy: P.Decontaminate, on_bad_row: str,
 def _index_batch(policy, texts, item_ids, parts: _Parts, st) -> None:
     if not texts:
         return
-    w = _Words(texts)
+    w = _Words.of(texts)
     n = policy.ngram
     ids = np.asarray(item_ids, np.uint32)
     long_enough = np.flatnonzero(w.count >= n)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import logging
 import multiprocessing
+import operator
 import os
 import shutil
 import tempfile
@@ -43,6 +44,7 @@ from typing import Iterator, Optional
 import orjson
 import xxhash
 
+from stages import checker as checker_mod
 from stages import cli, decontam, outputs, sources
 from stages import messages as contract
 from stages import params as P
@@ -52,7 +54,7 @@ log = logging.getLogger("prepare")
 
 PATHS = {"out": "folder the prompts are written to", "reports": "folder of the stage reports"}
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
-LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers take over
+LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or the checker) take over
 _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one int
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
@@ -155,15 +157,24 @@ class _RowMaker:
         self.evals = decontam.opened(spec.evals) if spec.evals else None
 
     def make_all(self, items: list) -> list:
-        make = self.make
         if self.evals is None:
+            make = self.make
             return [make(item) for item in items]
-        asked: list[list] = []
-        results = [make(item, asked) for item in items]
-        # what decontamination checks: all but the answers kept as context, which stay as
-        # empty texts (no words) so that each candidate keeps one text per message
-        texts = [m["content"] if m["role"] != "assistant" else "" for ms in asked for m in ms]
-        hits = self.evals.check(texts, [len(ms) for ms in asked])  # one per candidate, in order
+        results, texts, counts = self.make_unchecked(items)
+        return self.drop_matches(results, self.evals.check(texts, counts))
+
+    def make_unchecked(self, items: list) -> tuple[list, list[str], list[int]]:
+        """The results of `make`, and what decontamination checks of the candidates among
+        them: their message texts in a row, and how many texts each has."""
+        make = self.make
+        texts: list[str] = []
+        counts: list[int] = []
+        results = [make(item, texts, counts) for item in items]
+        return results, texts, counts
+
+    def drop_matches(self, results: list, hits: list) -> list:
+        """`results` with each candidate that has a hit (one per candidate, in order)
+        replaced by its decontam.Match."""
         if hits.count(None) == len(hits):
             return results
         at = [i for i, res in enumerate(results) if type(res) is tuple]
@@ -173,7 +184,7 @@ class _RowMaker:
                 results[i] = decontam.Match(pid, *self.evals.where(hit[0]), hit[1])
         return results
 
-    def make(self, item, asked: Optional[list] = None):
+    def make(self, item, texts: Optional[list] = None, counts: Optional[list] = None):
         if type(item) is bytes:
             try:
                 item = orjson.loads(item)
@@ -207,24 +218,41 @@ class _RowMaker:
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
         multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
-        if asked is not None:
-            asked.append(messages)
+        if texts is not None:
+            # what decontamination checks: all but the answers kept as context, which stay
+            # as empty texts (no words) so that each candidate keeps one text per message.
+            # Strings, not the messages: holding a batch of dicts alive until its check
+            # made the garbage collector's passes cost ~3% of prepare's time
+            if multi:
+                texts.extend([m["content"] if m["role"] != "assistant" else "" for m in messages])
+            else:  # a system and a user turn at most: no comprehension to run
+                texts.extend(map(_CONTENT, messages))
+            counts.append(len(messages))
         return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
 
 
+_CONTENT = operator.itemgetter("content")
 _MAKERS: dict[str, _RowMaker] = {}
 
 
-def _work(spec: _Spec, items: list) -> tuple[list, dict]:
-    """Prepare one chunk of rows (in a worker process, or inline)."""
+def _maker(spec: _Spec) -> _RowMaker:
     maker = _MAKERS.get(spec.token)
     if maker is None:
         _MAKERS.clear()
         maker = _MAKERS[spec.token] = _RowMaker(spec)
-    results = maker.make_all(items)
+    return maker
+
+
+def _unknown_roles(maker: _RowMaker) -> dict:
     unknown = dict(maker.layout.unknown_roles)
     maker.layout.unknown_roles.clear()
-    return results, unknown
+    return unknown
+
+
+def _work(spec: _Spec, items: list) -> tuple[list, dict]:
+    """Prepare one chunk of rows (in a worker process, or inline)."""
+    maker = _maker(spec)
+    return maker.make_all(items), _unknown_roles(maker)
 
 
 class _Workers:
@@ -248,33 +276,59 @@ class _Workers:
 
 
 def _prepared_groups(
-    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers
+    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers, evals: "_Evals"
 ) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
     The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
     processes with at most 4 groups per worker in flight, so memory stays flat however
-    far the reader could run ahead."""
+    far the reader could run ahead; in one process with decontamination, here while the
+    checker process checks the groups before (at most CHECK_AHEAD) once it is ready."""
     pending: deque = deque()
     sent = 0
-    for positions, items in reader.batches():
-        if probe.active:
-            for pos, item in zip(positions, items):
-                if probe.active:
-                    probe.see(item, reader.where(pos))
-        meta = (reader.current, reader.unit, positions)
-        if workers.n > 1 and sent >= LOCAL_ROWS:
-            pending.append((meta, workers.get().apply_async(_work, (spec, items))))
-            while len(pending) > 4 * workers.n:
-                meta, job = pending.popleft()
-                yield meta + job.get()
-        else:  # `sent` only grows, so no group is pending here
-            yield meta + _work(spec, items)
-        sent += len(items)
-    probe.finish()
-    while pending:
-        meta, job = pending.popleft()
-        yield meta + job.get()
+    try:
+        for positions, items in reader.batches():
+            if probe.active:
+                for pos, item in zip(positions, items):
+                    if probe.active:
+                        probe.see(item, reader.where(pos))
+            meta = (reader.current, reader.unit, positions)
+            if workers.n > 1 and sent >= LOCAL_ROWS:
+                pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                while len(pending) > 4 * workers.n:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
+                pending.append((meta, _CheckJob(evals.checker, spec, items)))
+                while len(pending) > checker_mod.CHECK_AHEAD:
+                    meta, job = pending.popleft()
+                    yield meta + job.get()
+            else:  # `sent` only grows, so no group is pending here
+                yield meta + _work(spec, items)
+            sent += len(items)
+        probe.finish()
+        while pending:
+            meta, job = pending.popleft()
+            yield meta + job.get()
+    finally:
+        if pending and evals.checker is not None:  # left early: replies the next source must not read
+            evals.checker.close()
+
+
+class _CheckJob:
+    """A group whose texts went to the checker: its rows, kept here until its hits come back."""
+
+    def __init__(self, checker: checker_mod.Checker, spec: _Spec, items: list):
+        self.checker, self.maker = checker, _maker(spec)
+        self.results, self.texts, self.counts = self.maker.make_unchecked(items)
+        self.unknown = _unknown_roles(self.maker)
+        checker.send(self.texts, self.counts)
+
+    def get(self) -> tuple[list, dict]:
+        hits = self.checker.hits()
+        if hits is None:
+            hits = self.maker.evals.check(self.texts, self.counts)
+        return self.maker.drop_matches(self.results, hits), self.unknown
 
 
 # ------------------------------------------------------------------------ one source
@@ -301,7 +355,8 @@ def _one_source(
 
     # One loop, counters in locals on purpose: its body runs once per source row, and
     # attribute or call overhead there shows in prepare_vs_read (bench/README.md)
-    for current, unit, positions, results, unknown in _prepared_groups(reader, probe, spec, workers):
+    groups = _prepared_groups(reader, probe, spec, workers, evals)
+    for current, unit, positions, results, unknown in groups:
         if unknown:
             unknown_roles.update(unknown)
         for pos, res in zip(positions, results):
@@ -377,7 +432,8 @@ def _one_source(
 
 class _Evals:
     """The decontamination index of this run (none without evaluation sets), where
-    worker processes find it, and the count of prompts it drops."""
+    worker processes find it (or the checker process, without workers), and the count of
+    prompts it drops."""
 
     def __init__(self, cfg: P.Prepare, workers: bool):
         self.key: Optional[str] = None
@@ -386,18 +442,42 @@ class _Evals:
         self.policy = policy
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
+        self.checker: Optional[checker_mod.Checker] = None
+        self.cpu_times: Optional[tuple[int, int]] = None
         if not policy.evals:
             return
         self.index, self.stats = decontam.build(policy, cfg.on_bad_row, cfg.max_record_bytes)
         for st in self.stats.values():
             st.update(contaminated=0, by_source={})
-        if workers:  # saved once; workers memory-map it
-            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
-            self.index.save(Path(self.folder))
-            self.key = self.folder
+        if workers:
+            self.key = self.saved()
         else:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
+            if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
+                self.checker = checker_mod.Checker(self.saved)
+                self.cpu_times = _cpu_times()  # how busy the machine is, from here on
         decontam.register(self.key, self.index)
+
+    def saved(self) -> str:
+        """The folder of the index, saved once for the processes that memory-map it."""
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.index.save(Path(self.folder))
+        return self.folder
+
+    def checker_ready(self) -> bool:
+        """Whether groups go to the checker process. It is started when a source first
+        proves large, if a CPU sits idle then (else not at all this run), and takes groups
+        once it has loaded the index."""
+        if self.checker is None:
+            return False
+        if self.checker.proc is None:
+            if not _cpu_to_spare(self.cpu_times):
+                log.info("decontamination checks in this process: no idle CPU for a checker")
+                self.checker = None
+                return False
+            log.info("starting the decontamination checker process")
+        return self.checker.ready()
 
     def count(self, source: str, match: "decontam.Match") -> None:
         st = self.stats[match.eval_set]
@@ -416,21 +496,58 @@ class _Evals:
         return out
 
     def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
         if self.key is not None:
             decontam.forget(self.key)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _auto_workers() -> int:
     """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
-    or fewer that is a single process, because workers would only compete with it."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    n = min(n - 1, 8)
+    or fewer that is a single process, because workers would only compete with it (a
+    decontamination checker, which takes less of a core, may run beside it)."""
+    n = min(_cpus() - 1, 8)
     return n if n >= 2 else 1
+
+
+def _cpu_times() -> Optional[tuple[int, int]]:
+    """(idle, all) CPU time so far, in ticks, of the CPUs this process may run on, from
+    /proc/stat; None where there is none."""
+    try:
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().decode("ascii", "replace").splitlines()
+    except (AttributeError, OSError):  # not Linux
+        return None
+    idle = total = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in mine:
+            ticks = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+            idle += ticks[3] + ticks[4]
+            total += sum(ticks)
+    return (idle, total) if total else None
+
+
+def _cpu_to_spare(since: Optional[tuple[int, int]]) -> bool:
+    """Whether half a CPU or more sat idle since `since` (a _cpu_times reading), this
+    process running meanwhile. On a busy machine a checker would only take CPU time from
+    prepare and add its own costs (the pipe, its start), so the check stays in this process.
+    Not the load average: that of the minute before counts prepare's own earlier runs."""
+    now = _cpu_times()
+    if since is None or now is None or now[1] <= since[1]:
+        return False
+    return (now[0] - since[0]) / (now[1] - since[1]) * _cpus() >= 0.5
 
 
 class _LimitSampler:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -152,6 +153,20 @@ def test_long_words_are_hashed_whole(tmp_path):
                                            "columns", prompt_field="q")])
     idx = decontam.build(cfg, "error")[0]
     assert [v is not None for v in verdicts(idx, [[a.upper()], [b]])] == [True, False]
+
+
+def test_the_lookup_finds_what_a_binary_search_finds(tmp_path):
+    # one block read per key beside the fences: every answer a full binary search gives,
+    # at block edges, before the first hash, past the last and among repeated hashes
+    rng = np.random.default_rng(0)
+    for size in (1, decontam._BLOCK - 1, decontam._BLOCK, decontam._BLOCK + 1, 1000):
+        hashes = np.sort(rng.integers(0, 2**64 - 1, size, dtype=np.uint64, endpoint=True))
+        hashes = np.sort(np.concatenate([hashes, hashes[: size // 2], hashes[:1]]))
+        idx = index(tmp_path)
+        idx.hashes, idx.fences = hashes, hashes[:: decontam._BLOCK].copy()
+        keys = np.concatenate([rng.integers(0, 2**64 - 1, 300, dtype=np.uint64, endpoint=True),
+                               hashes, hashes - np.uint64(1), np.array([0, 2**64 - 1], np.uint64)])
+        assert (idx._lower_bound(keys) == np.searchsorted(hashes, keys)).all(), size
 
 
 def test_saved_index_gives_the_same_answers(tmp_path):

@@ -340,6 +340,7 @@ SHAPED_BY = {
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
     "stages/decontam.py": {"prepare"},
+    "stages/checker.py": {"prepare"},
 }
 
 

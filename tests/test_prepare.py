@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,7 +16,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import prepare, sources
+from stages import checker, prepare, sources
 from stages.errors import StageError
 from tests import stagecli
 
@@ -631,6 +633,76 @@ def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, mo
     assert one == two
     assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 8
     assert report["decontamination"]["evals"] == one_report["decontamination"]["evals"]
+
+
+def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path, monkeypatch):
+    sources, planted = planted_mix(tmp_path)
+    rows = [{"q": f"Question {i}: " + (GSM[0] if i % 100 == 7 else "is this clean?")} for i in range(800)]
+    rows[300]["q"] = "A text holding \0 " + GSM[1]  # checked here: the packed buffer cannot hold it
+    rows[500]["q"] = "Überall, " + TRIVIA[1]  # a non-ASCII group, read apart in the checker
+    big = write_jsonl(tmp_path / "src/big.jsonl", rows)
+    sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
+    dc = {"evals": eval_sets(tmp_path)}
+    one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    real_ready, real_send, sent = checker.Checker.ready, checker.Checker.send, []
+
+    def ready(c):  # wait for the checker to load, so that every group past LOCAL_ROWS goes to it
+        while not real_ready(c):
+            time.sleep(0.02)
+        return True
+
+    monkeypatch.setattr(checker.Checker, "ready", ready)
+    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda since: True)  # however busy the test machine
+    monkeypatch.setattr(checker.Checker, "send",
+                        lambda c, texts, counts: sent.append(len(counts)) or real_send(c, texts, counts))
+    report, _, two = run(tmp_path, sources, num_proc=0, decontaminate=dc)
+    assert sum(sent) >= 650
+    assert one == two
+    assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 10
+    assert report["decontamination"] == one_report["decontamination"]
+    assert {k: v for k, v in report.items() if k not in ("seconds", "rows_per_second")} == {
+        k: v for k, v in one_report.items() if k not in ("seconds", "rows_per_second")}
+
+
+def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
+    big = write_jsonl(tmp_path / "src/big.jsonl", [{"q": f"Question {i}: is this clean?"} for i in range(800)])
+    lines = big.read_text().splitlines(keepends=True)
+    lines[600] = '{"q": "not JSON\n'  # a bad row, reached after the checker has taken over
+    big.write_text("".join(lines))
+    src = [{"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"}]
+    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda since: True)
+    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    real_ready, started = checker.Checker.ready, []
+
+    def ready(c):
+        while not real_ready(c):
+            time.sleep(0.02)
+        started.append(c.proc)
+        return True
+
+    monkeypatch.setattr(checker.Checker, "ready", ready)
+    with pytest.raises(StageError, match=r"big.jsonl:601: "):
+        run(tmp_path, src, num_proc=0, decontaminate={"evals": eval_sets(tmp_path)})
+    assert started and started[0].exitcode is not None  # ended, not left behind
+    assert not multiprocessing.active_children()
+
+
+def test_the_checker_starts_only_beside_an_idle_cpu(monkeypatch):
+    monkeypatch.setattr(prepare, "_cpus", lambda: 2)
+    since = (100, 1000)  # (idle, all) ticks of this process's CPUs
+    for now, spare in (((600, 2000), True), ((350, 2000), True), ((200, 2000), False), (None, False)):
+        monkeypatch.setattr(prepare, "_cpu_times", lambda: now)
+        assert prepare._cpu_to_spare(since) is spare, now
+    assert prepare._cpu_to_spare(None) is False  # no /proc/stat: stay in one process
+    if os.path.exists("/proc/stat"):
+        monkeypatch.undo()
+        idle, total = prepare._cpu_times()
+        assert 0 <= idle <= total
 
 
 sources_mod = sources

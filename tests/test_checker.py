@@ -1,0 +1,78 @@
+"""The decontamination checker process: the answers Index.check gives, in order, and a
+clear error when the process is gone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages import checker, decontam
+from stages import params as P
+from stages.errors import StageError
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+            "clips in May. How many clips did Natalia sell altogether in April and May?")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    evals = tmp_path / "e.jsonl"
+    evals.write_text(json.dumps({"q": QUESTION}) + "\n")
+    cfg = P.Decontaminate(evals=[P.EvalSet("e", str(evals), "columns", prompt_field="q")])
+    index = decontam.build(cfg, "error")[0]
+    folder = tmp_path / "index"
+    folder.mkdir()
+    index.save(folder)
+    return index, str(folder)
+
+
+def started(folder: str) -> checker.Checker:
+    c = checker.Checker(lambda: folder)
+    while not c.ready():
+        pass
+    return c
+
+
+def test_answers_are_index_checks_in_the_order_sent(saved):
+    index, folder = saved
+    batches = [
+        (["You are terse.", "Tell me a joke."], [2]),
+        (["clean", f"Please solve: {QUESTION.upper()}", "Über alles? " + QUESTION], [1, 1, 1]),
+        ([], []),
+    ]
+    c = started(folder)
+    try:
+        for texts, counts in batches:  # all sent before the first answer is read
+            c.send(texts, counts)
+        answers = [c.hits() for _ in batches]
+    finally:
+        c.close()
+    assert answers == [index.check(texts, counts) for texts, counts in batches]
+    assert [h is not None for h in answers[1]] == [False, True, True]
+
+
+def test_a_text_holding_nul_is_left_to_the_caller(saved):
+    _, folder = saved
+    c = started(folder)
+    try:
+        c.send(["a \0 b", QUESTION], [2])
+        assert c.hits() is None
+    finally:
+        c.close()
+
+
+def test_a_checker_that_died_is_a_one_line_error(saved):
+    _, folder = saved
+    c = started(folder)
+    try:
+        c.send(["sent before it died"], [1])
+        c.proc.kill()
+        c.proc.join()
+        with pytest.raises(StageError, match="checker process ended unexpectedly"):
+            c.hits()  # its answer may have left before the kill; the next one cannot
+            c.hits()
+        with pytest.raises(StageError, match="checker process ended unexpectedly"):
+            c.send(["anything"], [1])
+    finally:
+        c.close()

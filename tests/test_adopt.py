@@ -250,6 +250,25 @@ def test_ids_are_the_content_whatever_the_integer_types(repo):
     assert datasets.load_from_disk("data/merged")["id"][:6] == first
 
 
+def test_values_checked_and_narrowed_a_chunk_at_a_time(repo, monkeypatch):
+    monkeypatch.setattr(adopt, "CHUNK", 7)
+    user = user_rows(20)
+    datasets_int64(repo / "legacy", user)
+    merge.run(cfg("legacy"), PATHS)
+    ds = datasets.load_from_disk("data/merged")
+    assert ds["input_ids"][:20] == [ids for ids, _ in user]
+    assert ds["loss_mask"][:20] == [mask for _, mask in user]
+
+    user[15][0][-1] = VOCAB + 5  # far past the first chunk of its batch
+    datasets.Dataset.from_dict(columns(user)).save_to_disk("broken")
+    with pytest.raises(StageError) as e:
+        merge.run(cfg("broken"), PATHS)
+    last = len(user[15][0]) - 1
+    assert str(e.value) == (f"merge.adopt: broken/data-00000-of-00001.arrow, row 15: "
+                            f"input_ids[{last}] is {VOCAB + 5}, outside the vocabulary "
+                            f"[0, {VOCAB}) of the new rows")
+
+
 def test_named_columns_and_source(repo):
     user = user_rows(5)
     data = {"tokens": [ids for ids, _ in user],
@@ -393,9 +412,18 @@ def test_the_vocabulary_comes_from_the_new_rows(repo):
 
 def test_row_sums_count_empty_rows_as_zero():
     loss = np.array([1, 0, 1, 1, 1], np.int8)
-    lengths = np.array([0, 2, 0, 3, 0])
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-    assert adopt._row_sums(loss, lengths, offsets).tolist() == [0, 1, 0, 3, 0]
+    offsets = np.array([0, 0, 2, 2, 5, 5], np.int32)
+    assert adopt._row_sums(loss, offsets).tolist() == [0, 1, 0, 3, 0]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint64"])
+def test_inside_holds_values_to_zero_and_the_limit(dtype):
+    info = np.iinfo(dtype)
+    for limit in (2, 100, 1000, 2**31 - 1):
+        for value in (0, 1, limit - 1, limit, -1, info.min, info.max):
+            if info.min <= value <= info.max:
+                values = np.array([0, value, 0], dtype)
+                assert adopt._inside(values, limit) is (0 <= value < limit), (value, limit)
 
 
 # ------------------------------------------------------------------------- dvc repro

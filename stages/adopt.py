@@ -196,7 +196,7 @@ class LayoutError(StageError):
 
     def __init__(self, path: Path, schema: pa.Schema, reason: str):
         super().__init__(f"merge.adopt: {path} has {_shape_text(schema)}; {reason}")
-        self.reason = reason
+        self.path, self.reason = path, reason
 
 
 def layout(path: Path, schema: pa.Schema, columns: P.BaseColumns) -> Layout:
@@ -268,8 +268,7 @@ def plan(cfg: P.Merge, base: Path, files: list[Path], out: Path) -> Optional[Pla
     merge links its shards as they are). Without merge.adopt a base in another layout
     is refused: one line saying what was found and what adopting it would write."""
     formats = [file_format(path) for path in files]
-    foreign = next(((path, fmt) for path, fmt in zip(files, formats)
-                    if fmt != STREAM or set(read_schema(path, fmt).names) != set(ARROW_SCHEMA.names)),
+    foreign = next(((path, fmt) for path, fmt in zip(files, formats) if not _ours(path, fmt)),
                    None)
     if foreign is None:
         if cfg.adopt and files:
@@ -284,17 +283,25 @@ def plan(cfg: P.Merge, base: Path, files: list[Path], out: Path) -> Optional[Pla
     return Plan(base, files, formats, layout(path, schema, cfg.base_columns), schema, source)
 
 
+def _ours(path: Path, fmt: str) -> bool:
+    """Whether a base file is laid out as this project writes: a stream of the contract's
+    columns (in whatever types: allow_cast's business, not adopt's)."""
+    return fmt == STREAM and set(read_schema(path, fmt).names) == set(ARROW_SCHEMA.names)
+
+
 def _refusal(base: Path, files: list[Path], formats: list[str], path: Path, fmt: str,
              schema: pa.Schema, columns: P.BaseColumns, source: str, out: Path) -> StageError:
     found = f"merge.base {base} is not in this project's layout: {path} ({fmt}) has " \
             f"{_shape_text(schema)}"
     try:
-        ids = layout(path, schema, columns).input_ids
+        ids = [layout(file, read_schema(file, file_fmt), columns).input_ids
+               for file, file_fmt in zip(files, formats)]
     except LayoutError as e:
-        return StageError(f"{found}; merge.adopt cannot convert it either: {e.reason}")
+        where = "" if e.path == path else f"{e.path}: "
+        return StageError(f"{found}; merge.adopt cannot convert it either: {where}{e.reason}")
     rows = tokens = 0
-    for file, file_fmt in zip(files, formats):
-        r, t = _count(file, file_fmt, ids)
+    for file, file_fmt, column in zip(files, formats, ids):
+        r, t = _count(file, file_fmt, column)
         rows, tokens = rows + r, tokens + t
     return StageError(
         f"{found}; set merge.adopt: true to convert it once into {out} ({rows:,} rows, "

@@ -377,6 +377,29 @@ def test_without_adopt_a_base_without_a_mask_is_refused_with_the_accepted_names(
         "assistant_masks, completion_mask, or name it in merge.base_columns.mask")
 
 
+def test_a_later_file_in_another_layout_is_named(repo):
+    (repo / "legacy").mkdir()
+    datasets.Dataset.from_dict(columns(user_rows(3))).to_parquet(str(repo / "legacy/a.parquet"))
+    datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).to_parquet(str(repo / "legacy/b.parquet"))
+    with pytest.raises(StageError) as e:
+        merge.run(P.Merge(base="legacy"), PATHS)
+    assert str(e.value).endswith("merge.adopt cannot convert it either: legacy/b.parquet: no "
+                                 "mask column: expected one of loss_mask, labels, "
+                                 "assistant_masks, completion_mask, or name it in "
+                                 "merge.base_columns.mask")
+    with pytest.raises(StageError, match=r"^merge.adopt: legacy/b.parquet has input_ids "):
+        merge.run(cfg("legacy"), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
+def test_the_source_is_the_folder_a_link_names(repo):
+    datasets_int64(repo / "sets/sft-v3", user_rows(3))
+    (repo / "data/base").symlink_to(repo / "sets/sft-v3")
+    report = merge.run(cfg("data/base"), PATHS)
+    assert report["adopted"]["source"] == "sft-v3"
+    assert set(datasets.load_from_disk("data/merged")["source"][:3]) == {"sft-v3"}
+
+
 def test_unreadable_and_odd_folders_are_named(repo):
     write = datasets_int64(repo / "cut", user_rows(20))
     shard = write / "data-00001-of-00003.arrow"

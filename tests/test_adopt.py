@@ -203,11 +203,14 @@ def test_a_base_from_another_tool_is_adopted_with_its_values(repo, writer):
     history = json.loads((repo / "data/merged/lineage.json").read_text())["history"]
     assert [v["version"] for v in history] == [0, 1] and history[0]["adopted"]["path"] == str(base)
 
-    # the same base adopted again: the same ids
+    # the same base adopted again: the same ids, the same bytes (DVC stores them once)
     first_ids = ds["id"]
     os.rename(repo / "data/merged", repo / "data/v1")
     merge.run(cfg(base), PATHS)
     assert datasets.load_from_disk("data/merged")["id"] == first_ids
+    shards = [p.name for p in (repo / "data/v1").glob("*.arrow")]
+    assert [digests(repo / "data/merged")[n][0] for n in shards] == [
+        digests(repo / "data/v1")[n][0] for n in shards]
     (repo / "data/merged").rename(repo / "data/again")
 
     # merging onto the adopted version links its shards, nothing is converted again
@@ -482,3 +485,5 @@ def test_dvc_repro_adopts_once_then_links(tmp_path):
     assert "up to date" in run(["dvc", "repro"], repo) + run(["dvc", "status"], repo)
     merged = json.loads((repo / "reports/merge.json").read_text())
     assert merged["shards"]["base_adopted"] == 3
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], repo))
+    assert shown[""]["data"]["reports/merge.json"]["data"]["adopted"]["rows"] == 50

@@ -55,7 +55,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
     reports = {stage: read_report(paths.reports, stage) for stage in upstream(paths)}
     generate = reports["generate"]
     merged = merge_report["merged"]
-    earlier = base_history(base, merge_report["base"])
+    earlier = base_history(base, merge_report["base"], merge_report.get("adopted"))
     created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     commit, dirty = git_commit()
     version = {
@@ -226,10 +226,17 @@ def _lock_outs() -> dict:
 # ---------------------------------------------------------------------- history
 
 
-def base_history(base: Optional[Path], base_totals: dict) -> list[dict]:
-    """The versions the base already lists; a base without a lineage is version 0."""
+def base_history(base: Optional[Path], base_totals: dict,
+                 adopted: Optional[dict] = None) -> list[dict]:
+    """The versions the base already lists; a base without a lineage is version 0, and
+    an adopted one (merge.adopt) is version 0 with what adopting it did."""
     if base is None or not base_totals.get("present"):
         return []
+    if adopted:
+        return [{"version": 0, "created": None, "git_commit": None, "rows": adopted["rows"],
+                 "base_rows": None, "new_rows": None, "tokens": adopted["tokens"],
+                 "model": None, "state_hash": None,
+                 "note": f"adopted from {adopted['path']} (merge.adopt)", "adopted": adopted}]
     earlier = _read_history(base)
     if earlier is not None:
         return earlier
@@ -261,7 +268,7 @@ def _read_history(base: Path) -> Optional[list[dict]]:
 # what each field of a history entry may hold (besides null); `version` is required
 _HISTORY_FIELDS = {"version": int, "rows": int, "base_rows": int, "new_rows": int,
                    "tokens": int, "created": str, "git_commit": str, "model": str,
-                   "note": str, "state_hash": str}
+                   "note": str, "state_hash": str, "adopted": dict}
 OLD_KEYS = {"dataset_fingerprint": "state_hash"}  # format 1's name, in earlier versions' history
 MAX_HEADER_BYTES = 16 << 20
 
@@ -283,10 +290,10 @@ def _checked(history: Any, path: Path) -> list[dict]:
             if value is None:
                 continue
             if type(value) is not kind or (kind is int and not 0 <= value < 2**63):
-                want = "a count" if kind is int else "a string"
+                want = {int: "a count", str: "a string", dict: "an object"}[kind]
                 raise StageError(f"{path}: history[{i}].{key} is {json_type(value)}, not "
                                  f"{want} or null (merge.base's lineage)")
-            if kind is str and not writable(value):
+            if kind is not int and not writable(value):
                 raise StageError(f"{path}: history[{i}].{key} holds a lone surrogate, which "
                                  "cannot be written as UTF-8 (merge.base's lineage)")
     return history
@@ -367,7 +374,8 @@ def card(lin: dict, paths) -> str:
     parts = [
         "---\n" + yaml.dump(header, Dumper=_DUMPER, sort_keys=False, allow_unicode=True)
         + "---\n",
-        _intro(lin, paths.out), _contents(lin), _sources_table(lin["sources"]), _model(lin),
+        _intro(lin, paths.out), _contents(lin), *_adopted(lin["history"]),
+        _sources_table(lin["sources"]), _model(lin),
         _tokenizer(lin["tokenizer"]), _training(paths), _provenance(lin), _history(lin["history"]),
         _older_versions(),
     ]
@@ -419,6 +427,33 @@ def _contents(lin: dict) -> str:
         f"\nIds in both base and new: {_n(dup['ids'])} (policy `{dup['policy']}`; dropped "
         f"{_n(dup['dropped_base_rows'])} base rows, {_n(dup['dropped_new_rows'])} new rows).\n")
     return "\n".join(lines)
+
+
+def _adopted(history: list[dict]) -> list[str]:
+    """Where version 0 came from, when merge adopted a set another tool wrote (no part
+    otherwise)."""
+    entry = next((v for v in history if isinstance(v.get("adopted"), dict)), None)
+    if entry is None:
+        return []
+    a = entry["adopted"]
+    files = a.get("files") if isinstance(a.get("files"), list) else []
+    lines = [
+        "## Adopted base\n",
+        f"Version {_n(entry['version'])} is the set at `{_cell(a.get('path'))}` "
+        f"(`{_cell(a.get('folder'))}`), written by another tool and converted once by "
+        f"`merge.adopt`: {_n(a.get('rows'))} rows, {_n(a.get('tokens'))} tokens "
+        f"({_n(a.get('loss_tokens'))} supervised) from {_n(len(files))} "
+        f"{_cell(', '.join(map(str, a.get('formats') or [])))} files, in their order. Its "
+        "shards are reused byte for byte by every later version.\n",
+        "| column | from |", "|---|---|",
+    ]
+    lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in _mapping(a.get("mapping")).items()]
+    shape = ", ".join(f"{k} {v}" for k, v in _mapping(a.get("columns")).items())
+    dropped = ", ".join(map(str, a.get("dropped_columns") or [])) or "none"
+    lines.append(f"\nThe base's columns as found: {_cell(shape) or '–'}. Dropped: "
+                 f"{_cell(dropped)}. Rows repeating an earlier row's content: "
+                 f"{_n(a.get('repeated_rows'))}.\n")
+    return ["\n".join(lines)]
 
 
 def _sources_table(table: dict) -> str:

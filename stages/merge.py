@@ -15,10 +15,13 @@ lineage.json, with the history carried forward from the base's (stages/lineage.p
 ever read, never opened for writing. Writes reports/merge.json.
 
 Refuses, with one line naming the shard, column and both types, any base whose columns
-differ from the contract in stages/schema.py; with `merge.allow_cast: true` such base
-shards are instead written as converted copies (integer widths, list/large_list,
-string/large_string; a value that does not fit still fails). Refuses a base whose
-fingerprint.json names another tokenizer or chat template.
+are the contract's (stages/schema.py) in other types; with `merge.allow_cast: true` such
+base shards are instead written as converted copies (integer widths, list/large_list,
+string/large_string; a value that does not fit still fails). A base in another tool's
+layout (other columns, Arrow file format, Parquet) is refused with what adopting it would
+write; with `merge.adopt: true` its rows are converted once into data/merged
+(stages/adopt.py), as new bytes of this version that later merges link. Refuses a base
+whose fingerprint.json names another tokenizer or chat template.
 
 Ids in both base and new: `merge.on_duplicate`
   keep-base  drop those new rows (new shards holding them are written filtered)
@@ -41,7 +44,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import cli, lineage, outputs
+from stages import adopt, cli, lineage, outputs
 from stages import params as P
 from stages.errors import StageError, json_object
 from stages.schema import (
@@ -78,6 +81,7 @@ class Shard:
     loss_tokens: int = 0
     bytes: int = 0
     cast: bool = False  # columns differ from the contract: written converted
+    adopted: bool = False  # written into the output by merge.adopt: already in place
     drop: Optional[pa.ChunkedArray] = None  # per-row "drop this row" (duplicates)
     ids: Optional[pa.ChunkedArray] = None  # kept for new shards only (small)
 
@@ -99,19 +103,25 @@ def run(cfg: P.Merge, paths) -> dict:
         diffs = schema_differences(read_schema(shard.path))
         if diffs:
             raise StageError(f"{shard.path}: {'; '.join(diffs)} (re-run the tokenize stage)")
-    base_shards = [Shard(p) for p in (list_shards(base) if base and base.is_dir() else [])]
+    base_files = adopt.base_files(base) if base and base.is_dir() else []
+    foreign = adopt.plan(cfg, base, base_files, paths.out)
+    base_shards = [] if foreign else [Shard(p) for p in base_files]
     for shard in base_shards:
         shard.cast = _check_base_schema(shard.path, cfg.allow_cast, paths.tokenized)
 
     new_ids = _scan_new(new, paths.tokenized)
-    dup_ids = _scan_base(base_shards, new_ids)
-    duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new, paths.tokenized)
-
-    if sum(s.rows - s.dropped for s in base_shards + new) == 0:
-        raise StageError(
-            f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
-
     with outputs.atomic_dir(paths.out) as tmp:
+        adopted = None
+        if foreign:
+            adopted = adopt.convert(foreign, tmp, _vocab_size(new_fp, new_fp_path))
+            base_shards = [Shard(p, adopted=True) for p in adopted.shards]
+            base_fp = {"policy": adopted.policy}  # widens the limits validate checks
+        dup_ids = _scan_base(base_shards, new_ids)
+        duplicates = _apply_policy(cfg.on_duplicate, dup_ids, base_shards, new, paths.tokenized)
+        if sum(s.rows - s.dropped for s in base_shards + new) == 0:
+            raise StageError(
+                f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
+
         placed = _write(tmp, base_shards, new, cfg.link)
         fingerprint = _merged_fingerprint(base_fp, new_fp)
         if fingerprint == new_fp:
@@ -122,6 +132,7 @@ def run(cfg: P.Merge, paths) -> dict:
         content = state_hash(tmp, names)
         write_metadata(tmp, names, content)
         report = _report(cfg, base, base_shards, new, placed, duplicates, paths.tokenized)
+        report["adopted"] = adopted.report if adopted else None
         lin = lineage.build(report, fingerprint, base, content, paths)
         lineage.write(tmp, lin, paths)
         _check_loads(tmp, report["merged"]["rows"])
@@ -151,8 +162,8 @@ def _report(cfg: P.Merge, base: Optional[Path], base_shards: list[Shard], new: l
         "merged": _totals([shard for _, _, shard in placed]),
         "duplicates": duplicates,
         "shards": {key: how.get(key, 0) for key in (
-            "base_linked", "base_copied", "base_cast", "base_filtered", "base_emptied",
-            "new_linked", "new_copied", "new_filtered")},
+            "base_linked", "base_copied", "base_cast", "base_adopted", "base_filtered",
+            "base_emptied", "new_linked", "new_copied", "new_filtered")},
         "bytes_written": sum(s.bytes for _, a, s in placed if not a.endswith("linked")),
     }
 
@@ -188,6 +199,15 @@ def _fingerprints(new_path: Path, base: Optional[Path]) -> tuple[dict, Optional[
     else:
         _compare_fingerprints(base / FINGERPRINT_FILE, found, new_path, new)
     return new, found
+
+
+def _vocab_size(fingerprint: dict, path: Path) -> int:
+    """The new rows' vocabulary size, which every adopted token id must fall inside."""
+    size = (fingerprint.get("tokenizer") or {}).get("vocab_size")
+    if type(size) is not int or size < 1:
+        raise StageError(f"{path}: no tokenizer.vocab_size, which merge.adopt checks the "
+                         "base's token ids against (re-run the tokenize stage)")
+    return size
 
 
 def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
@@ -374,8 +394,16 @@ def _write(tmp: Path, base: list[Shard], new: list[Shard], link: bool):
     if len(set(names)) != len(names):
         raise StageError("merge.base: two base shards share a file name; rename one")
     for shard in base:
-        if shard.cast or shard.drop is not None:
-            out = _rewrite(shard, tmp / shard.path.name)
+        if shard.adopted and shard.drop is None:
+            placed.append((shard.path.name, "base_adopted", shard))
+        elif shard.cast or shard.drop is not None:
+            # an adopted shard is already in `tmp`: filtered beside it, then put in its place
+            dst = tmp / (f".{shard.path.name}.filtered" if shard.adopted else shard.path.name)
+            out = _rewrite(shard, dst)
+            if shard.adopted and out.rows:
+                out.path = dst.replace(tmp / shard.path.name)
+            elif shard.adopted:
+                shard.path.unlink()
             action = "base_cast" if shard.cast else "base_filtered"
             # a shard left with no rows is not written; listed without a file name
             placed.append((shard.path.name if out.rows else None,

@@ -245,11 +245,27 @@ class Tokenize:
 
 
 @dataclass
+class BaseColumns:
+    """Where a base written by another tool keeps its tokens and mask (merge.adopt)."""
+
+    input_ids: Optional[str] = None  # null: input_ids
+    # null: whichever of loss_mask, labels, assistant_masks, completion_mask it has
+    mask: Optional[str] = None
+    # mask: 1 trained, 0 not (any integer or bool); labels: -100 not trained, else the
+    # token id itself. null: labels for a column named labels, else mask
+    mask_kind: Optional[Literal["mask", "labels"]] = None
+
+
+@dataclass
 class Merge:
     base: Optional[str] = path_field(None)
     on_duplicate: Literal["keep-base", "keep-new", "error"] = "keep-base"
     allow_cast: bool = False
     link: bool = True  # hardlink unchanged shards into data/merged; false: always copy
+    # a base in another tool's layout is converted once into data/merged (stages/adopt.py)
+    adopt: bool = False
+    base_columns: BaseColumns = field(default_factory=BaseColumns)
+    base_source: Optional[str] = None  # `source` of adopted rows; null: the base folder's name
 
 
 @dataclass

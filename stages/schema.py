@@ -83,7 +83,7 @@ def list_shards(folder: str | Path) -> list[Path]:
             if not path.is_file():
                 raise StageError(f"{state_path}: lists {path.name}, which does not exist")
         return shards
-    shards = sorted(folder.glob("*.arrow"), key=lambda p: _natural(p.name))
+    shards = sorted(folder.glob("*.arrow"), key=lambda p: natural_key(p.name))
     if not shards:
         others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
         meta = {INFO_FILE, FINGERPRINT_FILE}
@@ -100,7 +100,8 @@ def _plain_file_name(name) -> bool:
             and not any(c in name for c in "/\\\0"))
 
 
-def _natural(name: str) -> list:
+def natural_key(name: str) -> list:
+    """Sort key that puts shard-2 before shard-10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 

@@ -336,6 +336,8 @@ SHAPED_BY = {
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
+    "stages/adopt.py": {"merge"},
+    "stages/idhashes.py": {"merge", "validate"},
     "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),

@@ -202,7 +202,8 @@ def test_allow_cast_refuses_values_that_do_not_fit_and_other_types(repo):
     extra = pa.schema(list(ARROW_SCHEMA) + [pa.field("attention_mask", pa.list_(pa.int8()))])
     data = rows(ids("b", 2)) | {"attention_mask": [[1], [1]]}
     write_stream(repo / "data/base/a.arrow", data, extra)
-    with pytest.raises(StageError, match="attention_mask.*not in the contract"):
+    with pytest.raises(StageError, match="not in this project's layout: .*attention_mask "
+                                         "list<item: int8>; set merge.adopt: true"):
         merge.run(cfg(allow_cast=True), PATHS)
 
 
@@ -337,7 +338,8 @@ def test_unusable_bases_are_refused_clearly(repo):
     with pa.OSFile(str(repo / "data/feather/x.arrow"), "wb") as sink:
         with pa.ipc.new_file(sink, ARROW_SCHEMA) as writer:
             writer.write_table(table)
-    with pytest.raises(StageError, match="Arrow IPC file .*not the IPC stream format"):
+    with pytest.raises(StageError, match=r"data/feather/x.arrow \(arrow file\) has .*"
+                                         "set merge.adopt: true"):
         merge.run(cfg(base="data/feather"), PATHS)
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows(["a"]), features=FEATURES)}
@@ -347,7 +349,11 @@ def test_unusable_bases_are_refused_clearly(repo):
 
     (repo / "data/parquet").mkdir()
     (repo / "data/parquet/x.parquet").write_bytes(b"PAR1")
-    with pytest.raises(StageError, match="no state.json and no .arrow shards"):
+    with pytest.raises(StageError, match="x.parquet: not a readable parquet file"):
+        merge.run(cfg(base="data/parquet"), PATHS)
+    (repo / "data/parquet/x.parquet").unlink()
+    (repo / "data/parquet/notes.txt").write_text("")
+    with pytest.raises(StageError, match="no state.json, .arrow or .parquet files"):
         merge.run(cfg(base="data/parquet"), PATHS)
 
     (repo / "data/trunc").mkdir()

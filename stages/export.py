@@ -78,11 +78,9 @@ AXOLOTL_FEATURES = datasets.Features({
 
 
 class Part(NamedTuple):
-    """One record batch of the merged set, checked, with what trainers decide rows by.
-
-    `within`: per token, whether it lies in its row's first max_length tokens (None: no
-    cut). `supervised` and `adjacent` count only those tokens, as the trainer sees them.
-    """
+    """One record batch of the merged set, checked, with what trainers decide rows by:
+    its tokens as the trainer sees them, in each row's first max_length (all without a
+    max_length)."""
 
     id: pa.Array
     input_ids: pa.Array
@@ -90,43 +88,52 @@ class Part(NamedTuple):
     offsets: np.ndarray  # row boundaries into ids/mask, from 0
     ids: np.ndarray  # int32 token ids of the batch's rows back to back (zero-copy)
     mask: np.ndarray  # int8
-    within: Optional[np.ndarray]
     lengths: np.ndarray
-    supervised: np.ndarray  # supervised tokens per row
-    adjacent: np.ndarray  # two supervised tokens in a row, per row
+    trained: np.ndarray  # per token: supervised, and in its row's first max_length
+    trained_per_row: np.ndarray
+    adjacent: np.ndarray  # per row: two trained tokens next to each other
 
 
 def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> Part:
     """The batch as a Part, or a StageError naming the shard and row it cannot export."""
     id_col, ids_col, mask_col = (batch.column(name) for name in ("id", "input_ids", "loss_mask"))
-    for name, col in (("id", id_col), ("input_ids", ids_col), ("loss_mask", mask_col)):
+    if id_col.null_count:
+        raise StageError(f"{path}: an id is null (run validate)")
+    for name, col in (("input_ids", ids_col), ("loss_mask", mask_col)):
         if col.null_count:
-            raise StageError(f"{path}: a {name} is null in row {_first(col.is_null())} of a "
-                             "record batch (run validate)")
+            raise StageError(f"{path}: row {_row_id(id_col, _first(col.is_null()))}: "
+                             f"{name} is null (run validate)")
     offsets, ids = _flat(ids_col)
     mask_offsets, mask = _flat(mask_col)
-    if not np.array_equal(offsets, mask_offsets):
-        bad = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
-        raise StageError(f"{path}: row {id_col[bad].as_py()!r}: input_ids and loss_mask "
-                         "lengths differ (run validate)")
     lengths = np.diff(offsets)
+    if not np.array_equal(offsets, mask_offsets):
+        bad = _first(lengths != np.diff(mask_offsets))
+        raise StageError(f"{path}: row {_row_id(id_col, bad)}: "
+                         "input_ids and loss_mask lengths differ (run validate)")
     row_of = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     for what, wrong in (("a loss_mask value other than 0 and 1", (mask < 0) | (mask > 1)),
                         ("a negative token id", ids < 0)):
         if wrong.any():
-            raise StageError(f"{path}: row {id_col[int(row_of[_first(wrong)])].as_py()!r} "
+            raise StageError(f"{path}: row {_row_id(id_col, int(row_of[_first(wrong)]))} "
                              f"holds {what} (run validate)")
-    supervised = mask == 1
-    within = None
+    trained = mask == 1
     if max_length is not None:
-        within = np.arange(len(ids)) - np.repeat(offsets[:-1], lengths) < max_length
-        supervised &= within
-    pairs = supervised[:-1] & supervised[1:] & (row_of[:-1] == row_of[1:])
+        trained &= np.arange(len(ids)) - np.repeat(offsets[:-1], lengths) < max_length
+    pairs = trained[:-1] & trained[1:] & (row_of[:-1] == row_of[1:])
     return Part(
-        id_col, ids_col, mask_col, offsets, ids, mask, within, lengths,
-        np.bincount(row_of[supervised], minlength=len(lengths)),
+        id_col, ids_col, mask_col, offsets, ids, mask, lengths, trained,
+        np.bincount(row_of[trained], minlength=len(lengths)),
         np.bincount(row_of[1:][pairs], minlength=len(lengths)) > 0,
     )
+
+
+def _first(flags) -> int:
+    """The index of the first true flag."""
+    return int(np.flatnonzero(np.asarray(flags))[0])
+
+
+def _row_id(ids: pa.Array, row: int) -> str:
+    return repr(ids[row].as_py())
 
 
 def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -134,10 +141,6 @@ def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     offsets = column.offsets.to_numpy().astype(np.int64)
     values = column.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
     return offsets - offsets[0], values
-
-
-def _first(flags) -> int:
-    return int(np.flatnonzero(np.asarray(flags))[0])
 
 
 # ------------------------------------------------------- what a trainer does not take
@@ -158,7 +161,7 @@ def _longer(part: Part, max_length: int) -> np.ndarray:
 
 
 def _none_supervised(part: Part, max_length: int) -> np.ndarray:
-    return part.supervised == 0
+    return part.trained_per_row == 0
 
 
 def _no_two_adjacent(part: Part, max_length: int) -> np.ndarray:
@@ -310,10 +313,7 @@ class VocabCounts:
         self.counts = np.zeros(target, np.int64)
 
     def add(self, part: Part) -> None:
-        chosen = part.mask == 1
-        if part.within is not None:
-            chosen &= part.within
-        tokens = part.ids[chosen]
+        tokens = part.ids[part.trained]
         if len(tokens) and int(tokens.max()) >= self.target:
             raise StageError(f"--target-vocab-size {self.target}: the set holds token id "
                              f"{int(tokens.max())}; give the target model's vocab_size")
@@ -374,8 +374,8 @@ def _trl_settings(out: Path, report: dict) -> list[str]:
         "(True is for conversational text and raises here)",
         "  dataset_kwargs=None  # keep dataset preparation: it builds the labels from "
         "assistant_masks (skip_prepare_dataset=True refuses mask columns without labels)",
-        "  packing=True, packing_strategy='bfd'  # optional: padding-free packs of whole "
-        "rows (needs flash-attention); packing=False pads each batch",
+        "  packing=True  # optional: rows packed without padding (bfd; TRL runs it with "
+        "flash-attention); off, each batch is padded",
         f"train_dataset = datasets.load_from_disk({str(out)!r})  "
         "# its map() cache files are written into that folder",
     ]
@@ -453,7 +453,7 @@ def export(trainer: Trainer, merged: Path, out: Path, max_length: Optional[int] 
                 if differences:
                     raise StageError(f"{path}: {'; '.join(differences)} (not a merged set)")
                 sink.begin(index, len(shards))
-                for batch in reader:
+                for batch in (b for b in reader if b.num_rows):
                     part = read_part(batch, path, max_length)
                     sink.write(part)
                     tally.add(part)
@@ -567,19 +567,27 @@ def _vocab(args: argparse.Namespace) -> Optional[VocabCounts]:
 
 def summary(report: dict) -> list[str]:
     """What stdout says: the export, what the trainer will do with which rows, settings."""
+    files = report["files"]
+    shards = [name for name in files if name.endswith(".arrow")]
+    what = (f"{len(shards)} shards of {', '.join(report['columns'])}" if shards
+            else ", ".join(files))
     lines = [
         f"export for {report['for']}: {report['rows']} rows, {report['tokens']} tokens "
-        f"({report['supervised_tokens']} supervised) -> {report['out']} "
-        f"({', '.join(report['files'])})",
-        f"every row is exported in dataset order; at max_length {report['max_length']} "
-        f"({report['max_length_from']}) the trainer does not take "
-        f"{report['rows_the_trainer_does_not_take_whole']} of them whole "
-        f"(named in {Path(report['out']) / REPORT}):",
+        f"({report['supervised_tokens']} supervised) -> {report['out']} ({what})",
     ]
-    for key, effect in report["trainer_will"].items():
-        named = f": {', '.join(effect['ids'][:3])}{' ...' if effect['rows'] > 3 else ''}"
-        lines.append(f"  {effect['rows']} {effect['action']} - {effect['rule']}"
-                     f"{named if effect['rows'] else ''}")
+    where = f"at max_length {report['max_length']} ({report['max_length_from']})"
+    affected = report["rows_the_trainer_does_not_take_whole"]
+    if not affected:
+        lines.append(f"every row is exported, in dataset order; {where} the trainer takes "
+                     "every one whole")
+    else:
+        lines.append(f"every row is exported, in dataset order; {where} the trainer does not "
+                     f"take {affected} whole (ids in {Path(report['out']) / REPORT}):")
+    for effect in report["trainer_will"].values():
+        if effect["rows"]:
+            more = " ..." if effect["rows"] > 3 else ""
+            lines.append(f"  {effect['rows']} {effect['action']}: {effect['rule']}: "
+                         f"{', '.join(effect['ids'][:3])}{more}")
     mapping = report.get("vocab_mapping")
     if mapping:
         lines.append(f"vocab mapping: a draft vocabulary of {mapping['draft_vocab_size']} "

@@ -321,8 +321,9 @@ def test_named_ids_are_capped_and_counts_whole(tmp_path):
     merged = write_merged(tmp_path / "merged", [rows[:11], rows[11:]], batch_rows=4)
     report, stdout = run_export("axolotl", merged, tmp_path / "out")
     effect = report["trainer_will"]["no_supervised_token"]
-    assert effect["rows"] == len(rows) and effect["ids"] == [r["id"] for r in rows][:export.MAX_NAMED]
-    assert f"{len(rows)} dropped - no supervised token" in stdout
+    assert effect["rows"] == len(rows)
+    assert effect["ids"] == [r["id"] for r in rows][: export.MAX_NAMED]
+    assert f"{len(rows)} dropped: no supervised token" in stdout
 
 
 # ------------------------------------------------------------- memory, paths, errors
@@ -426,6 +427,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, argv, words):
     (lambda r: r.update(loss_mask=[2] + r["loss_mask"][1:]), "holds a loss_mask value other"),
     (lambda r: r.update(input_ids=[-5] + r["input_ids"][1:]), "holds a negative token id"),
     (lambda r: r.update(loss_mask=r["loss_mask"][:-1]), "lengths differ"),
+    (lambda r: r.update(input_ids=None), "input_ids is null"),
 ])
 def test_a_row_no_trainer_can_take_is_refused_by_id(tmp_path, damage, words):
     run_export("trl", write_merged(tmp_path / "merged", [EDGE_ROWS]), tmp_path / "out")

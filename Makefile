@@ -23,10 +23,14 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# SpecForge (its prompt builder and vocabulary mapping, for the export tests) comes without
+# its dependencies (sglang, a CUDA torch), which those do not need; pyproject cannot say
+# --no-deps.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24,<27"
 	$(BIN)/python -m pip install --quiet -e '.[demo,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps specforge==0.2.0
 	touch $(STAMP)
 
 engine-venv: $(ENGINE_STAMP)

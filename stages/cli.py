@@ -66,10 +66,14 @@ def main(section: str, doc: str, run: Callable[[object, argparse.Namespace], obj
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {section}: %(message)s", datefmt="%H:%M:%S"
     )
+    return reported(section, lambda: run(P.load(section, args.params), only_paths(args, paths)))
+
+
+def reported(section: str, work: Callable[[], object]) -> int:
+    """Run `work` under the rules of main: the exit status, each failure one line."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        cfg = P.load(section, args.params)
-        run(cfg, only_paths(args, paths))
+        work()
     except StageError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 1

@@ -154,6 +154,8 @@ def summary(ran: list[str] | None) -> str:
         "load it:  python -c \"from stages.loader import batches; "
         f"print(next(batches('{merged}', 4096, packed=True)))\""
     )
+    lines.append(f"export:   python -m stages.export --for trl --merged {merged} --out export/trl"
+                 "   (or specforge, axolotl)")
     return "\n".join(lines)
 
 

@@ -231,15 +231,16 @@ def shard_name(index: int, total: int) -> str:
 
 
 class ShardFile:
-    """One shard being written: an Arrow IPC stream of the contract's schema.
+    """One shard being written: an Arrow IPC stream of the contract's schema (or of
+    `schema`: an export's columns).
 
     Closing it writes the end-of-stream marker that tells a whole shard from a cut one.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, schema: pa.Schema = ARROW_SCHEMA):
         self.path = Path(path)
         self._sink = pa.OSFile(str(self.path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        self._writer = pa.ipc.new_stream(self._sink, schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._writer.write_batch(batch)
@@ -259,10 +260,11 @@ class ShardFile:
 
 def state_hash(folder: str | Path, shard_names: list[str]) -> str:
     """state.json's `_fingerprint` (datasets' name) for a folder: cheap, and the same
-    whenever the output is: a hash of fingerprint.json, then each shard's name, size,
-    first and last 64 KiB."""
+    whenever the output is: a hash of fingerprint.json (where the folder has one), then
+    each shard's name, size, first and last 64 KiB."""
     folder = Path(folder)
-    h = hashlib.sha256((folder / FINGERPRINT_FILE).read_bytes())
+    fingerprint = folder / FINGERPRINT_FILE
+    h = hashlib.sha256(fingerprint.read_bytes() if fingerprint.exists() else b"")
     for name in shard_names:
         with open(folder / name, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -275,11 +277,13 @@ def state_hash(folder: str | Path, shard_names: list[str]) -> str:
 
 
 def write_metadata(folder: str | Path, shard_names: list[str],
-                   state: Optional[str] = None) -> None:
-    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder.
+                   state: Optional[str] = None,
+                   features: datasets.Features = FEATURES) -> None:
+    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder
+    of rows with `features` (the contract's unless an export says otherwise).
 
     `state` is state.json's `_fingerprint`; by default state_hash() of the folder, which
-    then must already hold its fingerprint.json and shards.
+    then must already hold its shards (and its fingerprint.json, where it has one).
     """
     folder = Path(folder)
     doc = {
@@ -291,7 +295,7 @@ def write_metadata(folder: str | Path, shard_names: list[str],
         "_output_all_columns": False,
         "_split": None,
     }
-    info = {"citation": "", "description": "", "features": FEATURES.to_dict(),
+    info = {"citation": "", "description": "", "features": features.to_dict(),
             "homepage": "", "license": ""}
     for name, obj in ((STATE_FILE, doc), (INFO_FILE, info)):
         (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

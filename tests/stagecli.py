@@ -38,19 +38,27 @@ def paths(stage: str):
     return cli.pipeline_paths(stage, importlib.import_module(f"stages.{stage}").PATHS)
 
 
+def measured(stage: str, argv: list[str], cwd: Path,
+             timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `python -m stages.<stage> ARGV` in `cwd`: the finished process (text output)
+    and its peak RSS in KiB."""
+    peak = Path(cwd) / ".peak-rss"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PEAK_RSS_FILE=str(peak))
+    proc = subprocess.run([sys.executable, "-c", _RUN, stage, *map(str, argv)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    kib = int(peak.read_text())
+    peak.unlink()
+    return proc, kib
+
+
 def fail(stage: str, cwd: Path, params: str | Path = "params.yaml",
          timeout: float = 300) -> tuple[str, int]:
     """Run `python -m stages.<stage>` in `cwd`; it must exit 1 with exactly one `error:`
     line and no traceback. Returns that line and the run's peak RSS in KiB."""
-    peak = Path(cwd) / ".peak-rss"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PEAK_RSS_FILE=str(peak))
     argv = [*cli.pipeline_command(stage)[3:], "--params", str(params)]  # dvc.yaml's paths
-    proc = subprocess.run([sys.executable, "-c", _RUN, stage, *argv],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc, kib = measured(stage, argv, cwd, timeout)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    kib = int(peak.read_text())
-    peak.unlink()
     return errors[0], kib

@@ -1,0 +1,105 @@
+"""The trainer exports (stages/export.py) on a generated merged set, against copying it.
+
+  .venv/bin/python bench/bench_export.py [--quick]      (or BENCH_QUICK=1)
+
+Figures (each export in a process of its own; peak RSS is its VmHWM, bench/peak.py):
+  export_<trainer>_vs_copy       seconds of `python -m stages.export --for <trainer>` over
+                                 the set / seconds of copying its shard files (the floor
+                                 of any rewrite of the set) - goal <= 5
+  export_<trainer>_peak_rss_mb   peak RSS of that export
+  export_<trainer>_peak_rss_half_mb  the same over a set half the size: flat means these match
+  export_<trainer>_out_vs_set    bytes written / bytes of the set
+plus the sizes. The set is >= 2 GB of 256 MB shards (256 MB of 64 MB shards with
+--quick), rows of 500-4000 tokens (bench/bench_merge.py's generator). The page cache is
+warm (the set was just written). Work files go to bench/work/export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from bench_merge import MB, generate  # noqa: E402
+
+WORK = ROOT / "bench" / "work" / "export"
+TRAINERS = ("trl", "specforge", "axolotl")
+
+# each child ends by printing one JSON line: its seconds and its own peak RSS
+EXPORT = """
+import json, sys, time
+from stages import export
+start = time.perf_counter()
+code = export.main(sys.argv[1:])
+seconds = time.perf_counter() - start
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({"rc": code, "seconds": seconds,
+                  "peak_mb": int(status["VmHWM"].split()[0]) / 1024}))
+"""
+COPY = """
+import json, shutil, sys, time
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+start = time.perf_counter()
+dst.mkdir()
+for shard in sorted(src.glob("*.arrow")):
+    shutil.copyfile(shard, dst / shard.name)
+print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start}))
+"""
+
+
+def _child(code: str, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    if proc.returncode or result.get("rc"):
+        raise RuntimeError(f"exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return result
+
+
+def _export(trainer: str, merged: Path, out: Path) -> dict:
+    result = _child(EXPORT, "--for", trainer, "--merged", str(merged), "--out", str(out))
+    result["bytes"] = sum(p.stat().st_size for p in out.iterdir())
+    shutil.rmtree(out)  # one export on disk at a time
+    return result
+
+
+def main(quick: bool | None = None) -> dict:
+    if quick is None:
+        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+    total = (256 if quick else 2200) * MB
+    shard = (64 if quick else 256) * MB
+    shutil.rmtree(WORK, ignore_errors=True)
+    try:
+        full, half = WORK / "full", WORK / "half"
+        rows = generate(full, total, shard, "full", 1)
+        half_rows = generate(half, total // 2, shard, "half", 2)
+        size = sum(p.stat().st_size for p in full.glob("*.arrow"))
+        copy = _child(COPY, str(full), str(WORK / "copy"))
+        shutil.rmtree(WORK / "copy")
+        figures = {}
+        for trainer in TRAINERS:
+            done = _export(trainer, full, WORK / trainer)
+            done_half = _export(trainer, half, WORK / trainer)
+            figures[f"export_{trainer}_vs_copy"] = round(done["seconds"] / copy["seconds"], 2)
+            figures[f"export_{trainer}_peak_rss_mb"] = round(done["peak_mb"], 1)
+            figures[f"export_{trainer}_peak_rss_half_mb"] = round(done_half["peak_mb"], 1)
+            figures[f"export_{trainer}_out_vs_set"] = round(done["bytes"] / size, 2)
+            figures[f"export_{trainer}_seconds"] = round(done["seconds"], 2)
+        return {**figures, "export_copy_seconds": round(copy["seconds"], 2),
+                "export_set_gb": round(size / 1e9, 3), "export_rows": rows,
+                "export_rows_half": half_rows}
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    for key, value in main().items():
+        print(f"{key} = {value}")

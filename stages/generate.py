@@ -10,6 +10,9 @@ writes, in prompt order:
                                       and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
+  data/completions/generation.json    the model and sampling params of the rows (tokenize
+                                      follows their enable_thinking), why rows lack
+                                      engine ids when some do
   reports/generate.json               requests, failures by kind, tokens, req/s,
                                       output tok/s, latency percentiles, concurrency
 

@@ -35,8 +35,10 @@ MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurs
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def problem(messages: Any, tools: Any = None) -> Optional[str]:
-    """What in `messages` / `tools` breaks the contract (a short phrase), or None."""
+def problem(messages: Any, tools: Any = None, check_calls: bool = True) -> Optional[str]:
+    """What in `messages` / `tools` breaks the contract (a short phrase), or None. With
+    `check_calls` false, tool calls are held only to being objects (prepare checks the
+    rest itself, before it settles them)."""
     if type(messages) is not list or not messages:
         return "'messages' must be a non-empty list"
     for i, m in enumerate(messages):
@@ -55,7 +57,7 @@ def problem(messages: Any, tools: Any = None) -> Optional[str]:
             bad = objects_problem(calls)
             if bad:
                 return f"messages[{i}].tool_calls {bad}"
-            for k, call in enumerate(calls):
+            for k, call in enumerate(calls if check_calls else ()):
                 bad = tool_call_problem(call)
                 if bad:
                     return f"messages[{i}].tool_calls[{k}] {bad}"

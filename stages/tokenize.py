@@ -20,11 +20,18 @@ multi_turn: `last` (one row, loss on the final answer), `all` (one row, loss on 
 assistant turn as rendered), `expand` (one row per assistant turn, rendered as at
 inference; the final turn's row keeps the conversation id, earlier ones are `<id>#<k>`).
 
+enable_thinking: null (the default) is what generate recorded beside the completions
+(generation.json), so the two cannot disagree.
+
 Serve-render check (stages/servecheck.py): every row's prompt, rendered here, against
-the tokens the engine served (their digest where generate kept it, else
-usage.prompt_tokens), and its supervised answer tokens against the engine's completion
-count; counts and the first examples go to the report's `serve_check`, and more than
+the tokens the engine served (its ids where generate kept them, else
+usage.prompt_tokens), and its supervised answer tokens against the engine's completion;
+counts and the first examples go to the report's `serve_check`, and more than
 max_render_mismatch differing prompts fail the stage with the likely cause.
+
+ids: engine (stages/enginerows.py) makes each row from the engine's own prompt and
+generated ids, loss on exactly the generated ones; a row without them is counted and
+rendered or dropped (on_missing_ids).
 
 num_proc worker processes take chunks of about equal bytes from a shared queue (long
 rows do not pile up in one worker); results are written in input order, so the output

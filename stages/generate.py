@@ -622,14 +622,16 @@ def write_outputs(
     plan: PromptLocations,
     cache: RequestCache,
     transient: dict[int, dict],
-    facts: dict,
+    meta: dict,
+    why_without_ids: str,
     out: Path,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only, and
-    generation.json: `facts` about the run that shape the rows (model, sampling params and
-    their hash, why rows may lack engine ids), which tokenize reads."""
-    model, sampling_hash = facts["model"], facts["sampling_hash"]
-    enable_thinking = facts["sampling"]["enable_thinking"]
+    generation.json: `meta` (the model, sampling params and their hash the rows were
+    generated with), and when some rows lack the engine's ids, why (`why_without_ids`),
+    which tokenize reads."""
+    model, sampling_hash = meta["model"], meta["sampling_hash"]
+    enable_thinking = meta["sampling"]["enable_thinking"]
     counts = {
         "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
         "prompt_tokens": 0, "output_tokens": 0,
@@ -677,13 +679,11 @@ def write_outputs(
                 mine["failed"] += 1
                 mine["failed_by_kind"][rec["kind"]] = mine["failed_by_kind"].get(rec["kind"], 0) + 1
                 fail.write(dumps(failure_row(prompt, rec)) + "\n")
+        generation = dict(meta)
         if ids["rows_without_ids"]:
-            ids["why_without"] = facts["engine_ids_missing"]
-        kept = {k: v for k, v in facts.items() if k != "engine_ids_missing"}
-        if "why_without" in ids:
-            kept["engine_ids_missing"] = ids["why_without"]
+            ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
         (tmp / contract.GENERATION_FILE).write_text(
-            json.dumps(kept, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
@@ -786,8 +786,8 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
         if pending:
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
-        facts = {**meta, "engine_ids_missing": engineids.why_without(server.engine, router)}
-        counts = write_outputs(plan, cache, transient, facts, paths.out)
+        counts = write_outputs(plan, cache, transient, meta,
+                               engineids.why_without(server.engine, router), paths.out)
     report = {
         "requests": plan.n,
         **counts,

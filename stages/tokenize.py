@@ -139,8 +139,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if served["unchecked"]:
         log.warning("%d rows carry no engine token counts: not checked against what was "
                     "served", served["unchecked"])
-    for why, n in served["by_count_why"].items():
-        log.info("%d rows checked by token count, not by ids: %s", n, why)
+    for reason, n in served["by_count_why"].items():
+        log.info("%d rows checked by token count, not by ids: %s", n, reason)
     if served["unusable_ids"]:
         log.warning("%d rows carry engine token ids that are not a list of token ids",
                     served["unusable_ids"])
@@ -163,12 +163,18 @@ class RenderMismatch(StageError):
         self.report = report
 
 
+GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
+
+
 def generation_facts(src: Path) -> dict:
     """What generate recorded beside the completions (stages/generate.py write_outputs:
     model, sampling params, why rows may lack engine ids); {} when there is no such file."""
     path = src.parent / contract.GENERATION_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return {}
+    if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
+        raise StageError(f"{path}: not a regular file of at most {GENERATION_MAX_BYTES} bytes "
+                         "(the generate stage writes it)")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -177,7 +183,9 @@ def generation_facts(src: Path) -> dict:
     sampling = facts.get("sampling")
     if not isinstance(sampling, dict) or not isinstance(sampling.get("enable_thinking"), bool):
         raise StageError(f"{path}: 'sampling.enable_thinking' must be true or false "
-                         "(written by the generate stage)")
+                         "(the generate stage writes it)")
+    if not isinstance(facts.get("engine_ids_missing", ""), str):
+        raise StageError(f"{path}: 'engine_ids_missing' must be a string")
     return facts
 
 

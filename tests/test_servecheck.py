@@ -128,6 +128,8 @@ def test_unusable_ids_are_counted_as_such(tmp_path, bundled):
 
 
 def test_wrong_template_fails_in_one_line_naming_it(tmp_path, bundled):
+    """The same SGLang completions tokenized with the original Qwen3 template: every row
+    fails the check by ids."""
     src = generate(tmp_path, bundled)
     out = tmp_path / "out"
     with pytest.raises(TK.RenderMismatch) as e:
@@ -136,6 +138,7 @@ def test_wrong_template_fails_in_one_line_naming_it(tmp_path, bundled):
     assert "\n" not in message and "different chat template" in message
     assert "24 of 24 checked rows" in message and not out.exists()
     check = e.value.report["serve_check"]
+    assert check["checked_by_ids"] == 24
     assert sum(check["causes"].values()) == 24 and check["causes"]["chat_template"] > 12
     first = check["examples"][0]
     assert first["row"] == "p000" and first["engine_prompt_tokens"] != first["prompt_tokens"]

@@ -21,8 +21,8 @@ so that tokenize checks every row's prompt id by id and, with `tokenize.ids: eng
 trains on exactly these tokens, without sending anything again. Two other forms:
 `{"unusable": why}` when the engine sent ids that are not a list of token ids (an empty
 prompt, a string), counted as such by the serve-render check; and the digest form
-`{"prompt_sha256", "prompt", "completion"}` that replies cached by earlier runs against
-vLLM hold, still checked by digest.
+`{"prompt_sha256", "prompt", "completion"}` of vLLM's ids, which cached replies may hold
+in place of the lists, checked by that digest.
 """
 
 from __future__ import annotations

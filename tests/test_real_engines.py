@@ -228,6 +228,18 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
     report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
     check = report["serve_check"]
     assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
+    # engine-exact rows: vLLM's own prompt ids, then the ids it generated, loss on those
+    engine = TK.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine")
+    assert engine["engine_rows"] == engine["rows"] == 8
+    import datasets
+
+    by_id = {r["id"]: r["engine_tokens"] for r in served}
+    ds = datasets.load_from_disk(str(tmp_path / "engine"))
+    for rid, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        prompt, generated = by_id[rid]["prompt_ids"], by_id[rid]["completion_ids"]
+        assert ids[:len(prompt) + len(generated)] == prompt + generated
+        assert mask[len(prompt):len(prompt) + len(generated)] == [1] * len(generated)
+        assert sum(mask) == len(generated)
     with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
         TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
                          chat_template="bundled:qwen3")

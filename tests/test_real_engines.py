@@ -547,7 +547,9 @@ def sglang_router(tmp_path_factory):
     port = servers.free_port()
     argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", worker.url,
-            "--policy", "cache_aware", "--disable-retries"]  # the docs' flags
+            "--policy", "cache_aware", "--disable-retries",  # the docs' flags
+            # its metrics listener has a fixed default port: another router may hold it
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(servers.free_port())]
     with open(tmp / "router.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from stages import thinking
 from stages.errors import StageError
 
 POLICIES = ("last", "all", "expand")
@@ -190,14 +191,24 @@ class ControlTokenCodec:
             return [self.sanitize(v) for v in obj]
         return obj
 
-    def sanitize_messages(self, messages: list[dict]) -> list[dict]:
+    def sanitize_messages(self, messages: list[dict],
+                          inline: dict[int, tuple[str, str]] | None = None) -> list[dict]:
         """`sanitize` for a conversation, but a user message that is wholly one
         `<tool_response>...</tool_response>` block keeps that wrapper: the format gives it
         meaning (a tool result, not a query: it decides which turns keep their thinking),
         and the engine read it as those control tokens. Only the text inside is sanitized.
+        `inline`: {index: (reasoning, content)} of messages whose thinking the template
+        takes from their content (stages/thinking.py); each keeps the one `</think>` the
+        template splits at, between its two parts sanitized.
         """
         out = []
-        for m in messages:
+        for i, m in enumerate(messages):
+            if inline and i in inline:
+                reasoning, rest = inline[i]
+                joined = self.sanitize(reasoning) + thinking.CLOSE + self.sanitize(rest)
+                out.append({**self.sanitize({k: v for k, v in m.items() if k != "content"}),
+                            "content": joined})
+                continue
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str) and m.get("role") == "user":
                 body = content.strip()
@@ -308,6 +319,7 @@ class ChatEncoder:
             )
         if not self.generation_tags:
             self.header, self.prefill = self._probe_generation_prompt()
+        self.inline_thinking = self._moves_inline_thinking()
         self._self_test()
 
     # ---------------------------------------------------------------- encoders
@@ -408,6 +420,16 @@ class ChatEncoder:
         head = suffix if nl < 0 else suffix[: nl + 1]
         return head, suffix[len(head):]
 
+    def _moves_inline_thinking(self) -> bool:
+        """Whether the template moves thinking written inline in an assistant's content
+        into its thinking block, as the Qwen formats do (stages/thinking.py)."""
+        written = "r" + thinking.CLOSE + "a"
+        try:
+            return written not in self.render([{"role": "user", "content": "x"},
+                                               {"role": "assistant", "content": written}])
+        except StageError:
+            return False
+
     def _self_test(self) -> None:
         """Encoding a rendering cut at its control tokens must give a whole-text encode's
         ids on a plain chat. (A row is also cut at the end of its generation prompt, so
@@ -446,16 +468,39 @@ class ChatEncoder:
         if not messages or messages[-1].get("role") != "assistant":
             raise StageError("the conversation does not end with an assistant message")
         messages = with_parsed_arguments(messages)
-        look = self.codec.has_lookalikes(messages, tools) if lookalikes is None else lookalikes
-        msgs = self.codec.sanitize_messages(messages) if look else messages
-        tls = self.codec.sanitize(tools) if (look and tools) else tools
-        turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if policy != "expand":
-            return [self._plan_one(msgs, tls, len(turns), policy == "all", truncated, look)]
-        return [
-            self._plan_one(msgs[: i + 1], tls, k, False, truncated and i == len(msgs) - 1, look)
-            for k, i in enumerate(turns, 1)
-        ]
+            conv = self._for_template(messages, tools, lookalikes, answer=True)
+            return [self._plan_one(*conv[:2], len(turns), policy == "all", truncated, conv[2])]
+        rows = []
+        for k, i in enumerate(turns, 1):
+            conv = self._for_template(messages[: i + 1], tools, lookalikes, answer=True)
+            last = truncated and i == len(messages) - 1
+            rows.append(self._plan_one(*conv[:2], k, False, last, conv[2]))
+        return rows
+
+    def _for_template(self, messages: list[dict], tools: list | None,
+                      lookalikes: bool | None = None, answer: bool = False):
+        """(messages, tools, whether their text spells a control token) as the template
+        gets them here: spellings swapped for sentinels when there are any, thinking
+        written inline in an assistant's content cut where the template cuts it
+        (stages/thinking.py), and with `answer` (the messages end with the answer a row
+        trains on) and enable_thinking off, that answer taken as written after the
+        generation prompt's closed, empty thinking block."""
+        if answer and not self.enable_thinking:
+            messages = messages[:-1] + [thinking.answered_after_closed_block(messages[-1])]
+        inline = {}
+        if self.inline_thinking and lookalikes is not False:
+            inline = thinking.inline_parts(messages)
+        look = lookalikes
+        if look is None:  # the split `</think>` is the template's to read, not a look-alike
+            view = [{**m, "content": list(inline[i])} if i in inline else m
+                    for i, m in enumerate(messages)] if inline else messages
+            look = self.codec.has_lookalikes(view, tools)
+        if not look:
+            return messages, tools, False
+        tls = self.codec.sanitize(tools) if tools else tools
+        return self.codec.sanitize_messages(messages, inline), tls, True
 
     def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> RenderedRow:
         if self.generation_tags:
@@ -644,10 +689,7 @@ class ChatEncoder:
         parsed, as an engine that does not sanitize message text encodes it."""
         if engine_style:
             return np.array(self.engine_ids(self.engine_prompt(messages, tools)), dtype=np.int32)
-        messages = with_parsed_arguments(messages)
-        look = self.codec.has_lookalikes(messages, tools)
-        msgs = self.codec.sanitize_messages(messages) if look else messages
-        tls = self.codec.sanitize(tools) if (look and tools) else tools
+        msgs, tls, look = self._for_template(with_parsed_arguments(messages), tools)
         text = self.render(msgs, tls, add_generation_prompt=True)
         return self.encode_plans([self._cut(text, len(text), [], look)]).ids
 

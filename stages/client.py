@@ -18,7 +18,8 @@ Errors are sorted by what a retry can change:
              (`aborted`: an admin abort, a pause or a weight update cut it, the model
              did not stop): retried with exponential backoff + jitter up to
              `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
-             well-formed reply (`bad_reply`, stages/replies.py) up to `max_retries_500`.
+             well-formed reply (`bad_reply`; `bad_tool_call`, a tool call whose
+             arguments are not a JSON object: stages/replies.py) up to `max_retries_500`.
   fatal      401/403/404: the configuration is wrong; the run stops (StageError).
   down       the server refuses connections: requests wait (not counted as retries)
              until `unreachable_deadline` passes with no answer from any URL.
@@ -40,10 +41,9 @@ from typing import Any, Optional
 
 import aiohttp
 
+from stages import engineids, replies
 from stages import params as P
-from stages import replies
 from stages.errors import StageError
-from stages.messages import token_ids_digest
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
@@ -66,6 +66,8 @@ MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its messag
 # tokens of text is under 16 MiB; this bounds memory per request against a server that
 # sends without end or a gzip bomb
 MAX_REPLY_BYTES = 64 << 20
+# a 200 that is not a reply to keep (stages/replies.py): retried up to max_retries_500
+BAD_REPLIES = (replies.BAD_REPLY, replies.BAD_TOOL_CALL)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,9 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
         body["rid"] = prompt["id"]
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
-        # the engine's own token ids come back: tokenize checks its render against them
-        body["return_token_ids"] = True
+    # the engine's own token ids come back: tokenize checks its render against them, and
+    # may train on them (stages/engineids.py)
+    body.update(engineids.request_fields(engine))
     body["stream"] = False
     return body
 
@@ -286,53 +289,6 @@ def parse_reply(data: Any, enable_thinking: bool) -> tuple:
     )
 
 
-def engine_tokens(data: Any) -> Optional[dict]:
-    """What a completion row keeps of the engine's token ids (vLLM's `return_token_ids`):
-    the prompt ids' digest and count and the completion's count; None when the reply has
-    no well-formed ids. Enough to check a training render against, a few dozen bytes.
-    A cached reply already holds it (`compact_token_ids`)."""
-    if "engine_tokens" in data:
-        kept = data["engine_tokens"]
-        return kept if _well_formed_tokens(kept) else None
-    prompt_ids = data.get("prompt_token_ids")
-    try:
-        completion_ids = data["choices"][0].get("token_ids")
-        return {
-            "prompt_sha256": token_ids_digest(prompt_ids),
-            "prompt": len(prompt_ids),
-            "completion": len(completion_ids) if isinstance(completion_ids, list) else None,
-        }
-    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError):
-        return None
-
-
-def _well_formed_tokens(kept: Any) -> bool:
-    """A cached `engine_tokens` is read back from disk: check its shape like any reply."""
-    return (
-        isinstance(kept, dict) and set(kept) == {"prompt_sha256", "prompt", "completion"}
-        and isinstance(kept["prompt_sha256"], str) and type(kept["prompt"]) is int
-        and (kept["completion"] is None or type(kept["completion"]) is int)
-    )
-
-
-def compact_token_ids(data: dict) -> bool:
-    """Swap the engine's id lists (`prompt_token_ids`, `choices[].token_ids`) for
-    `engine_tokens`, in place; True when the reply changed. The lists are as long as the
-    prompt and the answer: cached whole they would double the request cache."""
-    choices = data.get("choices")
-    listed = [c for c in choices if isinstance(c, dict) and "token_ids" in c] if isinstance(
-        choices, list) else []
-    if "prompt_token_ids" not in data and not listed:
-        return False
-    kept = engine_tokens(data)
-    data.pop("prompt_token_ids", None)
-    for choice in listed:
-        del choice["token_ids"]
-    if kept is not None:
-        data["engine_tokens"] = kept
-    return True
-
-
 def classify(status: int, message: str) -> tuple[str, str]:
     """(kind, class) of an HTTP error; class is permanent/transient/t500/fatal."""
     low = message.lower()
@@ -396,8 +352,8 @@ def read_body(raw: bytes) -> tuple[Any, Optional[tuple[str, str]]]:
         return None, ("malformed", "the body is not UTF-8")
     except (ValueError, RecursionError) as e:
         return None, ("malformed", f"the body is not JSON ({e})")
-    why = replies.problem(data)
-    return (None, ("bad_reply", why)) if why else (data, None)
+    bad = replies.check(data)
+    return (None, bad) if bad else (data, None)
 
 
 class ChatClient:
@@ -573,7 +529,7 @@ class ChatClient:
             kind, why = bad
             text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
             err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
-            return err, "t500" if kind == "bad_reply" else "transient"
+            return err, "t500" if kind in BAD_REPLIES else "transient"
         message = _error_message(raw)
         kind, cls = classify(status, message)
         if cls == "fatal":
@@ -622,13 +578,9 @@ class ChatClient:
         return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
-        """A checked reply; one that echoes a secret is re-encoded with the secret masked,
-        one with the engine's token id lists with only what a row keeps of them."""
-        changed = compact_token_ids(data)
+        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
         if self.redact and self.redact.found(raw.decode("utf-8")):
             data = self.redact.scrub(data)
-            changed = True
-        if changed:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         parsed = parse_reply(data, self.enable_thinking)
         return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)

@@ -10,6 +10,9 @@ writes, in prompt order:
                                       and engine_tokens where the engine gave its ids
   data/completions/failures.jsonl     prompts that failed: kind, HTTP status, message,
                                       attempts (completions + failures = prompts)
+  data/completions/generation.json    the model and sampling params of the rows (tokenize
+                                      follows their enable_thinking), why rows lack
+                                      engine ids when some do
   reports/generate.json               requests, failures by kind, tokens, req/s,
                                       output tok/s, latency percentiles, concurrency
 
@@ -53,7 +56,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from stages import cli, outputs, replies, secrets
+from stages import cli, engineids, outputs, replies, secrets, servesetup
 from stages import context as fitting
 from stages import messages as contract
 from stages import params as P
@@ -66,7 +69,6 @@ from stages.client import (
     RetryPolicy,
     Sampling,
     build_body,
-    engine_tokens,
     parse_reply,
 )
 from stages.errors import StageError, json_object, writable
@@ -84,7 +86,6 @@ BREAKER = 32
 BAD_BODIES = ("malformed", "bad_reply")  # a 200 whose body is not a chat completion
 # "abort" is retried now (client.py), but caches written before may still hold one
 TRUNCATED_FINISH = ("length", "abort")
-ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
 
 
 # ------------------------------------------------------------------------ params
@@ -117,7 +118,7 @@ def check(cfg: P.Generate) -> None:
             )
     P.check_ranges(cfg, "generate")
     if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
-        raise StageError(router_timeout_advice(cfg.request_timeout, s.router_timeout))
+        raise StageError(servesetup.router_timeout_advice(cfg.request_timeout, s.router_timeout))
     for name in ("max_transient_failures", "max_permanent_failures"):
         limit = getattr(cfg, name)
         if isinstance(limit, float) and not 0 <= limit <= 1:
@@ -132,17 +133,6 @@ def check(cfg: P.Generate) -> None:
 def server_urls(server: P.Server) -> list[str]:
     """generate.server.url as a list (empty for a launched server)."""
     return [server.url] if isinstance(server.url, str) else list(server.url or [])
-
-
-def router_timeout_advice(request_timeout: float, router_timeout: float) -> str:
-    return (
-        f"generate.request_timeout ({request_timeout:g} s) is longer than the router's "
-        f"--request-timeout-secs ({router_timeout:g} s, generate.server.router_timeout): the "
-        "router would cut long generations and they would start over; set "
-        f"generate.request_timeout <= {router_timeout:g} or start the router with "
-        f"--request-timeout-secs {int(request_timeout) + 60} and set "
-        "generate.server.router_timeout to match"
-    )
 
 
 def api_key(server: P.Server) -> Optional[str]:
@@ -167,6 +157,7 @@ class PromptLocations:
         offsets = array("q")
         keys = bytearray()
         pos = 0
+        self.tools = False  # whether any prompt carries tools (an engine needs a parser)
         try:
             f = open(path, "rb")
         except FileNotFoundError:
@@ -176,6 +167,7 @@ class PromptLocations:
                 if limit is not None and len(offsets) >= limit:
                     break
                 prompt = _parse_prompt(line, path, lineno)
+                self.tools = self.tools or bool(prompt.get("tools"))
                 offsets.append(pos)
                 keys += request_key(namespace, prompt["messages"], prompt.get("tools"))
                 pos += len(line)
@@ -630,16 +622,21 @@ def write_outputs(
     plan: PromptLocations,
     cache: RequestCache,
     transient: dict[int, dict],
-    model: str,
-    sampling_hash: str,
-    enable_thinking: bool,
+    meta: dict,
+    why_without_ids: str,
     out: Path,
 ) -> dict:
-    """completions.jsonl + failures.jsonl in prompt order, from the cache only."""
+    """completions.jsonl + failures.jsonl in prompt order, from the cache only, and
+    generation.json: `meta` (the model, sampling params and their hash the rows were
+    generated with), and when some rows lack the engine's ids, why (`why_without_ids`),
+    which tokenize reads."""
+    model, sampling_hash = meta["model"], meta["sampling_hash"]
+    enable_thinking = meta["sampling"]["enable_thinking"]
     counts = {
         "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
         "prompt_tokens": 0, "output_tokens": 0,
     }  # fmt: skip
+    ids = dict.fromkeys(("rows_with_ids", "rows_unusable_ids", "rows_without_ids"), 0)
     kinds: dict[str, int] = {}
     transient_kinds: dict[str, int] = {}
     by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
@@ -672,6 +669,9 @@ def write_outputs(
                 mine["truncated"] += row["truncated"]
                 counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
                 counts["output_tokens"] += row["usage"]["completion_tokens"]
+                served = row.get("engine_tokens")
+                ids["rows_without_ids" if served is None else "rows_unusable_ids"
+                    if "unusable" in served else "rows_with_ids"] += 1
                 comp.write(dumps(row) + "\n")
             else:
                 counts["failed"] += 1
@@ -679,6 +679,12 @@ def write_outputs(
                 mine["failed"] += 1
                 mine["failed_by_kind"][rec["kind"]] = mine["failed_by_kind"].get(rec["kind"], 0) + 1
                 fail.write(dumps(failure_row(prompt, rec)) + "\n")
+        generation = dict(meta)
+        if ids["rows_without_ids"]:
+            ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
+        (tmp / contract.GENERATION_FILE).write_text(
+            json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
     permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
@@ -716,7 +722,7 @@ def completion_row(
         model=model,
         sampling=sampling_hash,
     )
-    served = engine_tokens(reply)
+    served = engineids.from_reply(reply)
     if served is not None:
         row["engine_tokens"] = served
     return row
@@ -760,8 +766,8 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
     server = ServerHandle(cfg, key, redact)
     label = await server.resolve_label()
     seed_used = await asyncio.to_thread(_seed_used, server, cfg)
-    if server.urls and cfg.server.router_timeout is None:
-        await asyncio.to_thread(_warn_router_timeout, server, cfg)
+    router = bool(server.urls) and await asyncio.to_thread(
+        servesetup.behind_router, cfg, server.urls, server.shown_urls(), key)
     sampling = Sampling.of(cfg)
     sampling_hash = short_hash(sampling.as_dict())
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
@@ -780,8 +786,8 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
         if pending:
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
-        counts = write_outputs(plan, cache, transient, label, sampling_hash, cfg.enable_thinking,
-                               paths.out)
+        counts = write_outputs(plan, cache, transient, meta,
+                               engineids.why_without(server.engine, router), paths.out)
     report = {
         "requests": plan.n,
         **counts,
@@ -812,6 +818,13 @@ def _conclude(counts: dict, n: int, cfg: P.Generate, transient: dict, out: Path)
         counts["completed"], counts["truncated"], counts["failed"],
         counts["failed_by_kind"] or "", out,
     )  # fmt: skip
+    ids = counts["engine_ids"]
+    if ids["rows_without_ids"]:
+        log.info("%d of %d completions carry no engine token ids: %s", ids["rows_without_ids"],
+                 counts["completed"], ids["why_without"])
+    if ids["rows_unusable_ids"]:
+        log.warning("%d completions came with token ids that are not a list of token ids "
+                    "(counted as such by tokenize's serve-render check)", ids["rows_unusable_ids"])
     problem = verdict(counts, n, cfg, transient, out)
     if problem:
         raise StageError(problem)
@@ -842,19 +855,6 @@ def _seed_used(server: ServerHandle, cfg: P.Generate) -> Optional[bool]:
             cfg.seed, servers.DETERMINISTIC_FLAG,
         )  # fmt: skip
     return used
-
-
-def _warn_router_timeout(server: ServerHandle, cfg: P.Generate) -> None:
-    from stages import servers
-
-    if cfg.request_timeout <= ROUTER_DEFAULT_TIMEOUT:
-        return
-    if any(servers.is_router(u, server.key) for u in server.urls):
-        log.warning(
-            "%s is an sglang-router (default --request-timeout-secs %d). %s",
-            ", ".join(server.shown_urls()), ROUTER_DEFAULT_TIMEOUT,
-            router_timeout_advice(cfg.request_timeout, ROUTER_DEFAULT_TIMEOUT),
-        )  # fmt: skip
 
 
 def allowed(limit: int | float, n: int) -> int:
@@ -936,7 +936,8 @@ async def _send(
             gen = Generation(cfg, plan, cache, server, client, budget)
             await gen.run(pending, watch=_watch_url)
             return gen
-    launched = servers.EngineProcess(cfg.server.launch, SERVER_LOG, key)
+    launch = servesetup.launch_for(cfg.server.launch, plan.tools)
+    launched = servers.EngineProcess(launch, SERVER_LOG, key)
     server.launched = launched
     try:
         # in a thread: an engine can take minutes to start and Ctrl-C must still work

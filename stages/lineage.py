@@ -509,7 +509,7 @@ def _tokenizer(tok: dict) -> str:
     t = tok["tokenizer"] or {}
     policy = tok["policy"] or {}
     keys = ("multi_turn", "max_seq_len", "on_too_long", "keep_truncated", "min_loss_tokens",
-            "enable_thinking")
+            "enable_thinking", "ids")
     lines = ["## Tokenizer\n",
              f"- tokenizer: `{t.get('name')}`, vocabulary {_n(t.get('vocab_size'))} "
              f"(sha256 `{t.get('vocab_sha256')}`)",

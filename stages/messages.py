@@ -7,6 +7,7 @@ that a completion keeps of what the engine served and tokenize checks its render
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any, Optional
 
@@ -20,6 +21,9 @@ ROLES = ("system", "user", "assistant", "tool")
 # the files that carry these rows between stages, in the folders dvc.yaml names
 PROMPTS_FILE = "prompts.jsonl"  # prepare writes it, generate reads it
 COMPLETIONS_FILE = "completions.jsonl"  # generate writes it, tokenize reads it
+# beside it: the model and sampling params the rows were generated with (tokenize follows
+# their enable_thinking) and why rows may lack the engine's token ids
+GENERATION_FILE = "generation.json"
 
 # optional keys of a message and the types they may hold (besides null)
 _OPTIONAL = {"reasoning_content": str, "name": str, "tool_call_id": str, "tool_calls": list}
@@ -31,8 +35,10 @@ MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurs
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def problem(messages: Any, tools: Any = None) -> Optional[str]:
-    """What in `messages` / `tools` breaks the contract (a short phrase), or None."""
+def problem(messages: Any, tools: Any = None, check_calls: bool = True) -> Optional[str]:
+    """What in `messages` / `tools` breaks the contract (a short phrase), or None. With
+    `check_calls` false, tool calls are held only to being objects (prepare checks the
+    rest itself, before it settles them)."""
     if type(messages) is not list or not messages:
         return "'messages' must be a non-empty list"
     for i, m in enumerate(messages):
@@ -51,6 +57,10 @@ def problem(messages: Any, tools: Any = None) -> Optional[str]:
             bad = objects_problem(calls)
             if bad:
                 return f"messages[{i}].tool_calls {bad}"
+            for k, call in enumerate(calls if check_calls else ()):
+                bad = tool_call_problem(call)
+                if bad:
+                    return f"messages[{i}].tool_calls[{k}] {bad}"
     if tools is not None:
         bad = objects_problem(tools)
         if bad:
@@ -66,6 +76,37 @@ def objects_problem(value: Any) -> Optional[str]:
     if _deeper_than(value, MAX_DEPTH):
         return f"nest deeper than {MAX_DEPTH} levels"
     return None
+
+
+def tool_call_problem(call: Any) -> Optional[str]:
+    """What keeps `call` from being a tool call a template can write (a short phrase), or
+    None: an object whose `function` is an object with a non-empty string `name` and,
+    unless absent, `arguments` that are a JSON object or a string holding one (engines
+    parse the string; the template writes one parameter per key)."""
+    if type(call) is not dict:
+        return "is not an object"
+    fn = call.get("function")
+    if type(fn) is not dict:
+        return "has no 'function' object"
+    if type(fn.get("name")) is not str or not fn["name"]:
+        return "function.name is not a non-empty string"
+    if "arguments" not in fn:
+        return None
+    args = fn["arguments"]
+    if type(args) is str:
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return f"function.arguments is not JSON: {_quoted(fn['arguments'])}"
+    if type(args) is not dict:
+        return f"function.arguments is {json_type(args)}, not a JSON object"
+    if _deeper_than(args, MAX_DEPTH):
+        return f"function.arguments nest deeper than {MAX_DEPTH} levels"
+    return None
+
+
+def _quoted(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def unicode_problem(raw: bytes, row: dict) -> Optional[str]:

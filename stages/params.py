@@ -238,7 +238,12 @@ class Tokenize:
     max_render_mismatch: int = ranged(0, ge=0, le=INT64)
     # a shard also closes at this many MiB of Arrow data
     shard_max_mb: int = ranged(512, ge=1, le=1 << 20)
-    enable_thinking: bool = True
+    # null: as generate recorded it (data/completions/generation.json)
+    enable_thinking: Optional[bool] = None
+    # render: ids of the rendered text; engine: the engine's own prompt and generated ids
+    ids: Literal["render", "engine"] = "render"
+    # with ids: engine, a row whose completion kept no engine ids is rendered or dropped
+    on_missing_ids: Literal["render", "drop"] = "render"
 
 
 # ------------------------------------------------------------------ merge / validate

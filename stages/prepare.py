@@ -22,7 +22,7 @@ converted from the source row, before tool turns are settled. Converted turns al
 the same key order, so keys are sorted only in rows with tools or tool calls (whose
 structures come as the source wrote them): the same prompt keeps its id in every run,
 whatever the row order.
-Tool turns are then settled for engines and routers (sources.settle_tool_turns).
+Tool turns and calls are then settled for engines and routers (stages/toolturns.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import orjson
 import xxhash
 
 from stages import checker as checker_mod
-from stages import cli, decontam, outputs, sources
+from stages import cli, decontam, outputs, sources, toolturns
 from stages import messages as contract
 from stages import params as P
 from stages.errors import StageError, json_type
@@ -145,7 +145,8 @@ class _Spec:
 
 class _RowMaker:
     """Raw item -> None (blank line) | BadRow | drop reason | candidate tuple
-    (dedup key or None, output line, chars, is multi-turn, has tools, sample hash or None).
+    (dedup key or None, output line, chars, is multi-turn, has tools, sample hash or None,
+    repairs of its tool calls).
     Runs in the main process or in a worker; the main process does the dedup check."""
 
     def __init__(self, spec: _Spec):
@@ -195,7 +196,7 @@ class _RowMaker:
                 return item
             return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
-        if type(res) is str:
+        if type(res) is str or type(res) is sources.BadRow:
             return res
         messages, tools, chars, calls = res
         spec = self.spec
@@ -211,9 +212,11 @@ class _RowMaker:
         canon = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) if structured else body
         key = None if spec.dedup == "off" else dedup_key(messages, tools, spec.dedup)
         pid = xxhash.xxh3_128_hexdigest(self.id_prefix + canon).encode()
-        # after the id and dedup key: adding tool_call_ids and unwrapping <tool_response>
-        # keeps the ids prompts had before, and depends only on the conversation
-        if sources.settle_tool_turns(messages):
+        # after the id and dedup key: adding tool_call_ids, unwrapping <tool_response> and
+        # writing arguments as text keep the ids prompts had before, and depend only on
+        # the conversation
+        repairs = toolturns.settle_tool_calls(messages) if calls else ()
+        if toolturns.settle_tool_turns(messages) or repairs:
             body = orjson.dumps(payload)
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
@@ -228,7 +231,8 @@ class _RowMaker:
             else:  # a system and a user turn at most: no comprehension to run
                 texts.extend(map(_CONTENT, messages))
             counts.append(len(messages))
-        return key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"), sample
+        return (key, line, chars, multi, bool(structured or messages[-1]["role"] == "tool"),
+                sample, repairs)
 
 
 _CONTENT = operator.itemgetter("content")
@@ -345,6 +349,7 @@ def _one_source(
     probe = _Probe(src, layout)
     reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
     dropped = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
+    repaired = dict.fromkeys(toolturns.TOOL_CALL_REPAIRS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
     limit = src.limit
@@ -379,7 +384,7 @@ def _one_source(
                     )
                 dropped[res.reason] += 1
                 continue
-            key, line, chars, is_multi, has_tools, sample = res
+            key, line, chars, is_multi, has_tools, sample, repairs = res
             if key is not None:
                 first = seen.get(key)
                 if first is not None:
@@ -394,6 +399,8 @@ def _one_source(
             chars_sum += chars
             multi += is_multi
             with_tools += has_tools
+            for reason in repairs:
+                repaired[reason] += 1
         if time.monotonic() - last_log > 15:
             last_log = time.monotonic()
             log.info("source %s: %d rows read, %d prompts so far", src.name, read, candidates)
@@ -423,6 +430,7 @@ def _one_source(
         "limit": limit,
         "multi_turn_prompts": multi,
         "tool_prompts": with_tools,
+        "repaired": repaired,
         "mean_prompt_chars": round(chars_sum / candidates, 1) if candidates else 0.0,
     }
     if unknown_roles:
@@ -708,6 +716,10 @@ def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> di
     for stats in per_source.values():
         for reason, n in stats["dropped_by_reason"].items():
             by_reason[reason] += n
+    repaired = dict.fromkeys(toolturns.TOOL_CALL_REPAIRS, 0)
+    for stats in per_source.values():
+        for reason, n in stats["repaired"].items():
+            repaired[reason] += n
     read = sum(s["read"] for s in per_source.values())
     kept = sum(s["kept"] for s in per_source.values())
     return {
@@ -716,6 +728,7 @@ def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> di
             "kept": kept,
             "dropped": read - kept,
             "dropped_by_reason": by_reason,
+            "repaired": repaired,
             "unique_prompts_seen": unique,
         },
         "sources": per_source,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import orjson
 
 from stages import messages as contract
+from stages import toolturns
 from stages.errors import StageError, json_object, json_type
 from stages.params import Prepare, Source
 
@@ -56,6 +57,8 @@ SOURCE_DROP_REASONS = (
     "non_text_content",   # content parts that are not text (images, audio)
     "no_user_turn",       # nothing for the model to answer
     "empty",              # the turn to answer is empty or whitespace only
+    "empty_user_turn",    # an earlier user turn is empty (sglang-router refuses it)
+    "bad_tool_call",      # a tool call no template can write (on_bad_row: skip)
     "too_long",           # prompt characters over prepare.max_prompt_chars
     "invalid_text",       # text that is not valid Unicode (lone surrogates)
     "contaminated",       # shares n-grams with an evaluation set (prepare.decontaminate)
@@ -706,6 +709,8 @@ class Layout:
             return self._conversation(row, system, tools)
         if "user" not in roles or not texts[-1].strip():
             return self._conversation(row, system, tools)
+        if any(r == "user" and not t.strip() for r, t in zip(roles, texts)):
+            return "empty_user_turn"
         messages = [{"role": r, "content": c} for r, c in zip(roles, texts)]
         return self._finish(messages, system, tools, chars, False)
 
@@ -763,8 +768,14 @@ class Layout:
             messages.append(msg)
         if not messages[-1]["content"].strip():
             return "empty"
-        if self.extras and contract.problem(messages):  # e.g. tool_calls that are not objects
-            return "bad_value"
+        if any(m["role"] == "user" and not m["content"].strip() for m in messages):
+            return "empty_user_turn"
+        if self.extras and contract.problem(messages, check_calls=False):
+            return "bad_value"  # e.g. tool_calls that are not objects
+        if calls:
+            bad = toolturns.bad_tool_call(messages)
+            if bad:
+                return BadRow("bad_tool_call", bad)
         return self._finish(messages, system, tools, chars, calls)
 
     def _roles(self, turns: list) -> Optional[list]:
@@ -814,78 +825,6 @@ class Layout:
 
 
 _MISSING = object()
-
-
-_RESPONSE = re.compile(r"\s*<tool_response>\n?(.*?)\n?</tool_response>\s*", re.S)
-
-
-def settle_tool_turns(messages: list) -> bool:
-    """Tool turns as chat templates and sglang-router take them; True when any changed.
-
-    A tool result the source already wrapped in <tool_response> (Hermes) is unwrapped,
-    one message per block: every Qwen-style template (the engine's and tokenize's)
-    wraps each tool message itself. Every tool message gets a `tool_call_id` (the
-    router rejects one without): the id of the assistant call it answers, in order,
-    the call given an id `call_<turn>_<k>` when it has none; `call_<turn>` when
-    there is no structured call to answer (calls written as text). Ids depend only on
-    the conversation, so a prompt sends the same request in every run.
-    """
-    if not any(m["role"] == "tool" for m in messages):
-        return False
-    changed = _unwrap_responses(messages)
-    pending: list[str] = []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            pending, named = _call_ids(m, i)
-            changed = changed or named
-        elif m["role"] == "tool":
-            answered = m.get("tool_call_id")
-            if type(answered) is str and answered:
-                if answered in pending:
-                    pending.remove(answered)
-            else:
-                m["tool_call_id"] = pending.pop(0) if pending else f"call_{i}"
-                changed = True
-    return changed
-
-
-def _unwrap_responses(messages: list) -> bool:
-    changed = False
-    i = 0
-    while i < len(messages):
-        m = messages[i]
-        text = m["content"] if m["role"] == "tool" else None
-        if type(text) is str and text.lstrip().startswith("<tool_response>"):
-            blocks, pos = [], 0
-            for match in _RESPONSE.finditer(text):
-                if match.start() != pos:
-                    break
-                blocks.append(match.group(1))
-                pos = match.end()
-            whole = blocks and pos == len(text) and not any("<tool_response>" in b for b in blocks)
-            if whole and (len(blocks) == 1 or "tool_call_id" not in m):
-                messages[i : i + 1] = [{**m, "content": b} for b in blocks]
-                i += len(blocks) - 1
-                changed = True
-        i += 1
-    return changed
-
-
-def _call_ids(message: dict, turn: int) -> tuple[list[str], bool]:
-    """(ids of an assistant turn's structured calls, whether one had to be given an id)."""
-    calls = message.get("tool_calls")
-    if type(calls) is not list:
-        return [], False
-    ids, out, named = [], [], False
-    for k, call in enumerate(calls):
-        if type(call) is dict:
-            if not (type(call.get("id")) is str and call["id"]):
-                call, named = {"id": f"call_{turn}_{k}", **call}, True
-            ids.append(call["id"])
-        out.append(call)
-    if named:
-        message["tool_calls"] = out
-    return ids, named
 
 
 def _tools(value) -> Union[list, str, None]:

@@ -20,11 +20,18 @@ multi_turn: `last` (one row, loss on the final answer), `all` (one row, loss on 
 assistant turn as rendered), `expand` (one row per assistant turn, rendered as at
 inference; the final turn's row keeps the conversation id, earlier ones are `<id>#<k>`).
 
+enable_thinking: null (the default) is what generate recorded beside the completions
+(generation.json), so the two cannot disagree.
+
 Serve-render check (stages/servecheck.py): every row's prompt, rendered here, against
-the tokens the engine served (their digest where generate kept it, else
-usage.prompt_tokens), and its supervised answer tokens against the engine's completion
-count; counts and the first examples go to the report's `serve_check`, and more than
+the tokens the engine served (its ids where generate kept them, else
+usage.prompt_tokens), and its supervised answer tokens against the engine's completion;
+counts and the first examples go to the report's `serve_check`, and more than
 max_render_mismatch differing prompts fail the stage with the likely cause.
+
+ids: engine (stages/enginerows.py) makes each row from the engine's own prompt and
+generated ids, loss on exactly the generated ones; a row without them is counted and
+rendered or dropped (on_missing_ids).
 
 num_proc worker processes take chunks of about equal bytes from a shared queue (long
 rows do not pile up in one worker); results are written in input order, so the output
@@ -51,11 +58,12 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import cli, outputs
+from stages import cli, enginerows, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck
 from stages.chat import ChatEncoder
+from stages.engineids import Served
 from stages.errors import StageError, json_object
 from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name, write_metadata
 
@@ -63,7 +71,8 @@ log = logging.getLogger(__name__)
 
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
-COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens")
+COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens",
+                           "no_engine_ids")
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
 # the file (a quarter of each worker's share of what is left) so that the last chunks
 # do not leave a worker idle while another finishes a big one; never under
@@ -93,15 +102,19 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
     started = time.monotonic()
+    generation = generation_facts(src)
+    cfg = dataclasses.replace(cfg, enable_thinking=thinking_of(cfg, generation, src))
     tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
                                   _file_stamp(cfg.chat_template))
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
-    log.info("tokenizing %s with %s (template %s), multi_turn=%s, %d process(es)", src,
-             cfg.tokenizer, _template_name(cfg), cfg.multi_turn, cfg.num_proc)
+    log.info("tokenizing %s with %s (template %s), multi_turn=%s, enable_thinking=%s, "
+             "ids=%s, %d process(es)", src, cfg.tokenizer, _template_name(cfg),
+             cfg.multi_turn, cfg.enable_thinking, cfg.ids, cfg.num_proc)
     totals = Totals()
+    why = generation.get("engine_ids_missing", servecheck.NO_IDS)
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
-        for result in _results(src, cfg, encoder):
+        for result in _results(src, cfg, encoder, why):
             totals.add(result)
             if result.batch is not None:
                 writer.write(result.batch)
@@ -126,6 +139,15 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     if served["unchecked"]:
         log.warning("%d rows carry no engine token counts: not checked against what was "
                     "served", served["unchecked"])
+    for reason, n in served["by_count_why"].items():
+        log.info("%d rows checked by token count, not by ids: %s", n, reason)
+    if served["unusable_ids"]:
+        log.warning("%d rows carry engine token ids that are not a list of token ids",
+                    served["unusable_ids"])
+    if report["engine_ids_missing"]:
+        log.warning("tokenize.ids: engine: %d rows have no engine token ids (%s): %s",
+                    report["engine_ids_missing"], why,
+                    "dropped" if cfg.on_missing_ids == "drop" else "rendered instead")
     if served["completion"]["beyond_slack"]:
         log.warning("%d rows supervise a token count beyond the slack from the engine's "
                     "completion count (see serve_check.completion in the report)",
@@ -139,6 +161,51 @@ class RenderMismatch(StageError):
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report
+
+
+GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
+
+
+def generation_facts(src: Path) -> dict:
+    """What generate recorded beside the completions (stages/generate.py write_outputs:
+    model, sampling params, why rows may lack engine ids); {} when there is no such file."""
+    path = src.parent / contract.GENERATION_FILE
+    if not os.path.lexists(path):
+        return {}
+    if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
+        raise StageError(f"{path}: not a regular file of at most {GENERATION_MAX_BYTES} bytes "
+                         "(the generate stage writes it)")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+    facts = json_object(raw, str(path))
+    sampling = facts.get("sampling")
+    if not isinstance(sampling, dict) or not isinstance(sampling.get("enable_thinking"), bool):
+        raise StageError(f"{path}: 'sampling.enable_thinking' must be true or false "
+                         "(the generate stage writes it)")
+    if not isinstance(facts.get("engine_ids_missing", ""), str):
+        raise StageError(f"{path}: 'engine_ids_missing' must be a string")
+    return facts
+
+
+def thinking_of(cfg: P.Tokenize, generation: dict, src: Path) -> bool:
+    """tokenize.enable_thinking, or when null what generate recorded: one fact, kept once.
+    Completions that came without generate's record (written by hand or another tool) are
+    taken as generated with generate's default, and the serve-render check tells."""
+    recorded = generation["sampling"]["enable_thinking"] if generation else None
+    if cfg.enable_thinking is None:
+        if recorded is None:
+            recorded = P.Generate.enable_thinking
+            log.warning("%s is missing: tokenize.enable_thinking is null, so the completions "
+                        "are taken as generated with generate's default, enable_thinking=%s",
+                        src.parent / contract.GENERATION_FILE, recorded)
+        return recorded
+    if recorded is not None and recorded != cfg.enable_thinking:
+        log.warning("tokenize.enable_thinking=%s, but the completions were generated with "
+                    "enable_thinking=%s (set it to null to follow generate)",
+                    cfg.enable_thinking, recorded)
+    return cfg.enable_thinking
 
 
 def _template_name(cfg: P.Tokenize) -> str:
@@ -236,13 +303,14 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
         yield first, lines
 
 
-def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["ChunkResult"]:
+def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
+             why_without: str = servecheck.NO_IDS) -> Iterator["ChunkResult"]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     # one encoding thread per process: num_proc processes use num_proc cores
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _STATE = (encoder, cfg, str(src))
+    _STATE = (encoder, cfg, str(src), why_without)
     try:
         if cfg.num_proc == 1:
             for chunk in _line_chunks(src, 1):
@@ -303,7 +371,8 @@ _STATE: Optional[tuple] = None
 def _new_stats() -> dict:
     return {"conversations": 0, "rows": 0, "tokens": 0, "loss_tokens": 0,
             "dropped": dict.fromkeys(COMPLETION_DROP_REASONS, 0), "cut_to_max_seq_len": 0,
-            "lookalike_rows": 0}
+            "lookalike_rows": 0, "engine_rows": 0, "engine_ids_missing": 0,
+            "engine_history_unsupervised": 0}
 
 
 def _add_counts(into: dict, st: dict) -> None:
@@ -326,10 +395,10 @@ class ChunkResult:
 
 def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     """Parse, filter, render, encode and check one chunk of completion lines."""
-    encoder, cfg, path = _STATE
+    encoder, cfg, path, why_without = _STATE
     stats: dict = collections.defaultdict(_new_stats)
     plans, meta = _plan_chunk(chunk, encoder, cfg, path, stats)
-    check = servecheck.ServeCheck(encoder)
+    check = servecheck.ServeCheck(encoder, why_without)
     if not plans:
         return ChunkResult(None, dict(stats), {}, check.stats)
     batch = encoder.encode_plans(plans)
@@ -382,11 +451,25 @@ def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
     and their lengths per source; each answer checked against the engine's tokens."""
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
     lengths: dict = collections.defaultdict(lambda: array("i"))
+    control = set(check.encoder.control.values())
     for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
         ids, mask = batch.row(i)
-        if row is not None:
-            check.row(row, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
         st = stats[src]
+        if row is not None:
+            served = Served(row)
+            check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
+            if cfg.ids == "engine":
+                exact = enginerows.engine_row(served, ids, mask, batch.prompt_lens[i],
+                                              row["truncated"], control)
+                if exact is not None:
+                    ids, mask, unsupervised = exact
+                    st["engine_rows"] += 1
+                    st["engine_history_unsupervised"] += unsupervised
+                else:
+                    st["engine_ids_missing"] += 1
+                    if cfg.on_missing_ids == "drop":
+                        st["dropped"]["no_engine_ids"] += 1
+                        continue
         st["lookalike_rows"] += p.lookalikes
         if len(ids) > cfg.max_seq_len:
             if cfg.on_too_long == "drop":

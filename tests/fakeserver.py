@@ -6,9 +6,10 @@ Import it:  FakeServer(spec).start()  -> in this process, on a thread (.url, .st
             command(port, spec)       -> the argv that runs it
             launch_command(spec)      -> the same as a generate.server.launch.command
 
-It answers POST /v1/chat/completions (non-streaming) like SGLang: `choices[0].message`
-with `content` and `reasoning_content` (`reasoning` in vLLM mode), `finish_reason`,
-`usage`, and `id` = the request's `rid`. The reply text is a pure function of the
+It answers POST /v1/chat/completions (non-streaming) like SGLang 0.5.23: `choices[0].message`
+with `content` ("" when empty) and `reasoning_content` (`reasoning` in vLLM mode),
+`finish_reason`, `usage`, and `id` = the request's `rid`; with a `tokenizer`, the token
+ids where its dialect puts them. The reply text is a pure function of the
 request's messages, tools and sampling params, so a re-run gets identical replies.
 Also: GET /health, /health_generate, /v1/models, /get_model_info, /get_server_info,
 /metrics (`sglang:generation_tokens_total`, rising while requests decode), /stats
@@ -20,6 +21,8 @@ Fault spec: a JSON object, every key optional.
                                    so the same attempt always gets the same fate)
   model             str     "fake-model"  the served model name
   check_model       bool    false  404 when a request names another model
+  dialect           str     "sglang" | "vllm": where token ids go (see tokenizer) and
+                                   whether an empty content is "" (SGLang) or null
   reasoning_field   str     "reasoning_content" | "reasoning" (vLLM) | "both"
   reasoning_tokens  int     16     reasoning words when thinking is on (the default;
                                    off with chat_template_kwargs.enable_thinking=false)
@@ -51,8 +54,14 @@ Fault spec: a JSON object, every key optional.
   tokenizer         str     null   a tokenizer folder: the server then renders each
                                    request with its chat template (and the request's
                                    chat_template_kwargs) and counts real tokens, like an
-                                   engine; `"return_token_ids": true` gets vLLM's
-                                   `prompt_token_ids` and `choices[0].token_ids`
+                                   engine. Token ids, as SGLang 0.5.23 gives them:
+                                   `return_prompt_token_ids` (or `return_token_ids`) ->
+                                   `choices[0].prompt_token_ids`, `return_token_ids` ->
+                                   `choices[0].response_token_ids` (through the stop
+                                   token); as vLLM (dialect vllm): `return_token_ids` ->
+                                   a top-level `prompt_token_ids` and `choices[0].token_ids`
+  answer_by_characters bool false  generated ids spell the answer one character a token:
+                                   the same text, not its canonical encoding
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -144,6 +153,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": "fake-model",
     "check_model": False,
+    "dialect": "sglang",
     "reasoning_field": "reasoning_content",
     "reasoning_tokens": 16,
     "reply_tokens": 24,
@@ -162,6 +172,7 @@ DEFAULTS: dict[str, Any] = {
     "record": True,
     "record_bodies": False,
     "tokenizer": None,
+    "answer_by_characters": False,
     "rules": [],
     "models": None,
 }
@@ -186,6 +197,8 @@ def load_spec(spec: dict | str | Path | None) -> dict:
                         "set", "body", "content_type", "headers", "bytes", "location",
                         "retry_after"}:
             raise ValueError(f"fault spec: rules[{i}] has unknown keys")
+    if full["dialect"] not in ("sglang", "vllm"):
+        raise ValueError("fault spec: dialect must be sglang or vllm")
     if full["reasoning_field"] not in ("reasoning_content", "reasoning", "both"):
         raise ValueError("fault spec: reasoning_field must be reasoning_content, reasoning or both")
     return full
@@ -418,7 +431,10 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         finish = "abort"
     reasoning_text = " ".join(reasoning) or None
     content_text = " ".join(content) + ("." if finish == "stop" and content else "") or None
-    message: dict[str, Any] = {"role": "assistant", "content": content_text, "tool_calls": None}
+    sglang = spec["dialect"] == "sglang"
+    message: dict[str, Any] = {"role": "assistant", "content": content_text}
+    if not sglang:
+        message["tool_calls"] = None  # SGLang leaves the key out when there are none
     field = spec["reasoning_field"]
     if body.get("separate_reasoning") is False and field == "reasoning_content":
         # SGLang without separation: the raw text, think block and all, in content
@@ -431,12 +447,15 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning_content"] = reasoning_text
     if field in ("reasoning", "both"):
         message["reasoning"] = reasoning_text
+    if sglang and message["content"] is None:
+        message["content"] = ""  # serving_chat.py: `content=text if text else ""`
     prompt_tokens = _count(messages)
     completion_tokens = len(reasoning) + len(content)
     ids = None
     if spec["tokenizer"]:
+        closed = bool(content) or finish == "stop"  # the model wrote </think>
         ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
-                          finish == "stop")
+                          closed, finish == "stop", spec["answer_by_characters"])
         prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
     reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
@@ -452,8 +471,14 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    if ids is not None and body.get("return_token_ids"):
+    if ids is not None and not sglang and body.get("return_token_ids"):
         reply["prompt_token_ids"], reply["choices"][0]["token_ids"] = ids
+    elif ids is not None and sglang:
+        choice = reply["choices"][0]
+        if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
+            choice["prompt_token_ids"] = ids[0]
+        if body.get("return_token_ids"):
+            choice["response_token_ids"] = ids[1]
     return reply
 
 
@@ -461,11 +486,14 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
-                content: str | None, stopped: bool) -> tuple[list[int], list[int]]:
+                content: str | None, closed: bool, stopped: bool,
+                by_characters: bool = False) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) as an engine serving `folder` would have them: the
     chat template renders the request (JSON-text tool arguments parsed into objects,
     as vLLM and SGLang do), the text is encoded whole with control tokens parsed, and
-    the completion is what the model wrote after the generation prompt."""
+    the completion is what the model wrote after the generation prompt, through its stop
+    token (with `by_characters`, its answer one token per character: the same text, not
+    its canonical encoding)."""
     from transformers import PreTrainedTokenizerFast
 
     tok = _TOKENIZERS.get(folder)
@@ -486,10 +514,15 @@ def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
     prompt = tok.apply_chat_template(
         messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
         **(body.get("chat_template_kwargs") or {}))
-    written = (reasoning or "") + "\n</think>\n\n" if thinking else ""
-    written += (content or "") + ("<|im_end|>" if stopped else "")
     encode = functools.partial(tok, add_special_tokens=False)
-    return encode(prompt)["input_ids"], encode(written)["input_ids"]
+    written = ((reasoning or "") + ("\n</think>\n\n" if closed else "")) if thinking else ""
+    end = "<|im_end|>" if stopped else ""
+    if not by_characters:
+        return encode(prompt)["input_ids"], encode(written + (content or "") + end)["input_ids"]
+    ids = encode(written)["input_ids"] if written else []
+    for piece in [*(content or ""), end]:
+        ids += encode(piece)["input_ids"] if piece else []
+    return encode(prompt)["input_ids"], ids
 
 
 def build_app(spec: dict, die) -> web.Application:

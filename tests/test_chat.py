@@ -163,12 +163,26 @@ class Reference:
             return [self.opaque(v) for v in obj]
         return obj
 
-    def opaque_messages(self, msgs):
+    def opaque_messages(self, msgs, answer=False):
         """`opaque`, except the <tool_response> wrapper of a user message that is wholly
-        one such block: the format reads it as a tool result, so it stays structure."""
+        one such block: the format reads it as a tool result, so it stays structure; and
+        in an assistant message without reasoning, the `</think>`s and the `<think>`s
+        before the first of them: the template cuts the thinking out of the content there
+        (the rest of the text stays text). With thinking off, the final answer (`answer`)
+        was written after a closed empty block: its text is all answer."""
         out = []
-        for m in msgs:
+        for k, m in enumerate(msgs):
             c = m.get("content")
+            if answer and not self.enable_thinking and k == len(msgs) - 1 \
+                    and m.get("reasoning_content") is None:
+                m = {**m, "reasoning_content": ""}
+            if m["role"] == "assistant" and m.get("reasoning_content") is None \
+                    and isinstance(c, str) and "</think>" in c:
+                first, *rest = c.split("</think>")
+                first = "<think>".join(self.opaque(p) for p in first.split("<think>"))
+                out.append({**self.opaque(m),
+                            "content": "</think>".join([first, *map(self.opaque, rest)])})
+                continue
             if m["role"] == "user" and isinstance(c, str):
                 wrapped = re.fullmatch(r"(\s*<tool_response>)(.*)(</tool_response>\s*)", c, re.S)
                 if wrapped:
@@ -197,9 +211,9 @@ class Reference:
 
     def spans(self, msgs, tools, policy="last", truncated=False):
         """(rendered text, generation-prompt end, assistant spans) by character."""
-        o_msgs, o_tools = self.opaque_messages(msgs), self.opaque(tools)
+        o_msgs, o_tools = self.opaque_messages(msgs, answer=True), self.opaque(tools)
         full = self.render(o_msgs, o_tools)
-        prompt = self.render(o_msgs[:-1], o_tools, gen=True)
+        prompt = self.render(self.opaque_messages(msgs[:-1]), o_tools, gen=True)
         assert full.startswith(prompt)
         cut = len(prompt)
         end = full.index(IM_END, cut)

@@ -18,8 +18,6 @@ from stages.client import (
     build_body,
     classify,
     context_numbers,
-    compact_token_ids,
-    engine_tokens,
     split_think,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
@@ -89,6 +87,8 @@ def test_sglang_body_has_every_field_and_the_prompt_id_as_rid():
         "chat_template_kwargs": {"enable_thinking": True},
         "separate_reasoning": True,
         "rid": "p1",
+        "return_prompt_token_ids": True,
+        "return_token_ids": True,
         "stream": False,
     }
 
@@ -396,30 +396,28 @@ def test_url_credentials_are_sent_as_basic_auth_and_never_shown(fake):
     assert bad.message == "who is ***?"
 
 
-def test_engine_tokens_kept_from_vllm_ids_and_hostile_ids_ignored():
-    assert build_body(prompt(1), "m", SAMPLING, "vllm")["return_token_ids"] is True
-    assert all("return_token_ids" not in build_body(prompt(1), "m", SAMPLING, e)
-               for e in ("sglang", "transformers"))
-    reply = {"prompt_token_ids": [1, 2, 248045], "choices": [{"token_ids": [5, 6]}]}
-    kept = engine_tokens(reply)
-    assert kept["prompt"] == 3 and kept["completion"] == 2 and len(kept["prompt_sha256"]) == 16
-    assert engine_tokens({**reply, "prompt_token_ids": [1, 2, 248044]}) != kept
-    for bad in ("abc", [[1, 2]], [1, -2], [1, "2"], [2 ** 40], None, {"a": 1}):
-        assert engine_tokens({**reply, "prompt_token_ids": bad}) is None, bad
-    assert engine_tokens({"choices": [{}]}) is None  # an engine without ids
-    assert engine_tokens({**reply, "choices": [{"token_ids": "x"}]})["completion"] is None
+def test_each_engine_is_asked_for_its_token_ids_in_its_own_words():
+    """SGLang 0.5.23 and vLLM name the switch differently; `transformers serve` refuses
+    any field it does not know (422)."""
+    fields = ("return_prompt_token_ids", "return_token_ids")
+    asked = {e: {f: build_body(prompt(1), "m", SAMPLING, e).get(f) for f in fields}
+             for e in ("sglang", "vllm", "transformers")}
+    assert asked == {"sglang": {"return_prompt_token_ids": True, "return_token_ids": True},
+                     "vllm": {"return_prompt_token_ids": None, "return_token_ids": True},
+                     "transformers": dict.fromkeys(fields)}
+    encoded = BodyEncoder("m", SAMPLING, "sglang").encode(prompt(1))
+    assert json.loads(encoded) == build_body(prompt(1), "m", SAMPLING, "sglang")
 
 
-def test_the_cache_keeps_what_a_row_needs_of_the_engine_ids_not_the_lists():
-    reply = {"prompt_token_ids": list(range(3000)), "choices": [{"token_ids": [5, 6]}]}
-    kept = engine_tokens(reply)
-    assert compact_token_ids(reply) is True
-    assert reply == {"choices": [{}], "engine_tokens": kept}
-    assert engine_tokens(reply) == kept  # read back from a cached reply
-    assert compact_token_ids(reply) is False and compact_token_ids({"choices": []}) is False
-    # a damaged cached copy is not trusted
-    for bad in ({"prompt": 1}, {**kept, "prompt": "3"}, {**kept, "completion": 1.5}, [1]):
-        assert engine_tokens({"engine_tokens": bad}) is None, bad
+def test_a_reply_is_cached_with_the_engines_ids_as_sent(fake, tmp_path):
+    """The ids are kept whole (tokenize may train on them): the client passes the body on
+    as the engine sent it."""
+    from stages import tokenizer as T
+
+    s = fake({"tokenizer": str(T.ensure_bundled().resolve())})
+    reply, = run(send(client(s.url), body(1)))
+    choice = json.loads(reply.raw)["choices"][0]
+    assert choice["prompt_token_ids"][0] == 248045 and choice["response_token_ids"][-1] == 248046
 
 
 @pytest.mark.parametrize("rule", [{"fault": "huge", "bytes": 3 << 20}, {"fault": "endless"},

@@ -640,6 +640,38 @@ def test_every_bad_reply_is_a_counted_failure_never_cached(tmp_path):
     assert r["completed"] == 30 and [c["id"] for c in outputs(tmp_path)[0]] == [x["id"] for x in rows]
 
 
+def test_tool_calls_no_template_can_write_are_failures_never_cached(tmp_path):
+    """Arguments that are not a JSON object, or a call without `function`: cached, they
+    would stop tokenize on every run (or train on `<function=>`); a cache holding one
+    from an earlier version drops it as damaged and sends the request again."""
+    make_prompts(tmp_path, 6)
+    bad = [{"function": {"name": "f", "arguments": "{not json"}}, {"name": "f", "arguments": "{}"},
+           {"function": {"name": "f", "arguments": "[1,2]"}}]
+    rules = [{"fault": "patch", "match": f"p{i:05d}$",
+              "set": {"choices.0.message.tool_calls": [call]}} for i, call in enumerate(bad)]
+    with spawn({"rules": rules}) as fake:
+        write_params(tmp_path, server=url_server(fake.url), max_retries_500=1,
+                     max_transient_failures=3)
+        r = here(tmp_path)
+        assert r["completed"] == 3 and r["failed_by_kind"] == {"bad_tool_call": 3}
+        _, failures = outputs(tmp_path)
+        assert "function.arguments is not JSON" in failures[0]["message"]
+        assert "has no 'function' object" in failures[1]["message"]
+        assert all(f["attempts"] == 2 for f in failures)
+        assert len(cache_entries(tmp_path)) == 3
+        # what an earlier version cached: a reply with such a call
+        seg = next((tmp_path / ".cache/requests").rglob("seg-*.log"))
+        lines = seg.read_bytes().splitlines(keepends=True)
+        key, record = lines[0].split(b" ", 1)
+        reply = json.loads(record)
+        reply["reply"]["choices"][0]["message"]["tool_calls"] = [bad[2]]
+        seg.write_bytes(b"".join([key + b" " + json.dumps(reply).encode() + b"\n", *lines[1:]]))
+        fake.reset({})
+        r = here(tmp_path)
+        assert r["cache_damaged"] == 1 and fake.stats()["received"] == 4
+        assert r["completed"] == 6
+
+
 def test_a_server_that_always_answers_garbage_stops_the_run_in_one_line(tmp_path):
     make_prompts(tmp_path, 80)
     with spawn({"rules": [{"fault": "reasoning_number", "match": "[13579]$"}]}) as fake:

@@ -147,7 +147,7 @@ DEMO_CHOICES = {
     "generate.max_tokens", "generate.temperature", "generate.seed",
     "generate.request_timeout",
     # the random demo model answers without thinking (it never closes a thinking block)
-    "generate.enable_thinking", "tokenize.enable_thinking",
+    "generate.enable_thinking",
     "tokenize.max_seq_len", "merge.base",
     # the demo model's logits cost ~4 MB of CPU memory a token: demo-sized steps
     "validate.train_check.tokens_per_batch", "validate.train_check.longest_batch_tokens",

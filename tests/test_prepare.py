@@ -211,6 +211,52 @@ def test_tool_turns_get_ids_and_one_wrapper_and_keep_their_prompt_ids(tmp_path):
     assert (tmp_path / "data/prompts/prompts.jsonl").read_bytes() == before
 
 
+def test_tool_calls_are_settled_as_the_router_takes_them_and_bad_ones_refused(tmp_path):
+    """sglang-router refuses arguments that are not a string and calls without "type";
+    SGLang parses the string back, so the rendering is the same. Arguments that are not a
+    JSON object, or a call without a `function` object, no template can write: refused
+    (on_bad_row), never left for tokenize to fail on after generation was paid for."""
+    import xxhash
+
+    d = tmp_path / "src"
+
+    def conv(call, *, user="Price of NVDA?"):
+        return {"messages": [{"role": "user", "content": user},
+                             {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": "131.2"}]}
+
+    fn = {"name": "get_stock_price", "arguments": {"symbol": "NVDA", "n": [1, 2]}}
+    good = [conv({"function": fn}),
+            conv({"type": "function", "function": {**fn, "arguments": None}}, user="AAPL?"),
+            conv({"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+                 user="as is")]
+    bad = [conv({"function": {"name": "f", "arguments": "{not json"}}, user="b1"),
+           conv({"function": {"name": "f", "arguments": "[1,2]"}}, user="b2"),
+           conv({"type": "function", "name": "f", "arguments": "{}"}, user="b3")]
+    empty_turn = {"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "?"},
+                               {"role": "user", "content": "again"}]}
+    write_jsonl(d / "calls.jsonl", good + bad + [empty_turn])
+    source = {"name": "oa", "path": str(d / "calls.jsonl"), "format": "messages"}
+    with pytest.raises(StageError, match=r"calls.jsonl:4: messages\[1\]\.tool_calls\[0\] "
+                                         r"function\.arguments is not JSON: '\{not json'; set "
+                                         r"prepare\.on_bad_row: skip"):
+        run(tmp_path, [source])
+    report, rows, _ = run(tmp_path, [source], on_bad_row="skip")
+    dropped = report["sources"]["oa"]["dropped_by_reason"]
+    assert dropped["bad_tool_call"] == 3 and dropped["empty_user_turn"] == 1
+    assert report["sources"]["oa"]["repaired"] == report["totals"]["repaired"] == {
+        "tool_call_arguments_to_string": 1, "tool_call_arguments_null": 1,
+        "tool_call_type_added": 1}
+    calls = [r["messages"][1]["tool_calls"][0] for r in rows]
+    assert [c["type"] for c in calls] == ["function"] * 3
+    assert [c["function"]["arguments"] for c in calls] == [
+        '{"symbol": "NVDA", "n": [1, 2]}', "{}", '{"a": 1}']
+    # the prompt id hashes the conversation as the source gave it
+    canon = json.dumps({"messages": good[0]["messages"]}, separators=(",", ":"),
+                       ensure_ascii=False, sort_keys=True)
+    assert rows[0]["id"] == xxhash.xxh3_128_hexdigest(b"oa\0" + canon.encode())
+
+
 def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_path):
     # the fake server speaks sglang-router's schema here: a tool message without a
     # tool_call_id is a 400 "missing field `tool_call_id`"

@@ -228,6 +228,18 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
     report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
     check = report["serve_check"]
     assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
+    # engine-exact rows: vLLM's own prompt ids, then the ids it generated, loss on those
+    engine = TK.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine")
+    assert engine["engine_rows"] == engine["rows"] == 8
+    import datasets
+
+    by_id = {r["id"]: r["engine_tokens"] for r in served}
+    ds = datasets.load_from_disk(str(tmp_path / "engine"))
+    for rid, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        prompt, generated = by_id[rid]["prompt_ids"], by_id[rid]["completion_ids"]
+        assert ids[:len(prompt) + len(generated)] == prompt + generated
+        assert mask[len(prompt):len(prompt) + len(generated)] == [1] * len(generated)
+        assert sum(mask) == len(generated)
     with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
         TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
                          chat_template="bundled:qwen3")
@@ -518,3 +530,106 @@ def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, 
     assert done.returncode == 0, done.stderr[-3000:]
     warning = [ln for ln in done.stderr.splitlines() if "sglang-router" in ln]
     assert warning and "--request-timeout-secs" in warning[0], done.stderr[-3000:]
+
+
+# ------------------------------------------------- the real router in front of SGLang's wire
+
+
+@pytest.fixture(scope="module")
+def sglang_router(tmp_path_factory):
+    """The real sglang-router (0.3.2) in front of our fake SGLang 0.5.23, which renders
+    with the bundled template and returns token ids where SGLang does when asked."""
+    from stages import tokenizer as T
+    from tests.fakeserver import spawn
+
+    tmp = tmp_path_factory.mktemp("sglang-router")
+    worker = spawn({"tokenizer": str(T.ensure_bundled().resolve())}, log_path=tmp / "w.log")
+    port = servers.free_port()
+    argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--worker-urls", worker.url,
+            "--policy", "cache_aware", "--disable-retries",  # the docs' flags
+            # its metrics listener has a fixed default port: another router may hold it
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(servers.free_port())]
+    with open(tmp / "router.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if servers._request(f"{url}/v1/models", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < end, (tmp / "router.log").read_text()[-2000:]
+            time.sleep(0.3)
+        yield url, worker
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        worker.stop()
+
+
+def test_through_the_router_rows_are_checked_by_count_and_the_stage_says_why(sglang_router, tmp_path):
+    """The router re-serialises requests without the token-id switches: the log, the
+    generate report and the tokenize report name it; straight to the worker, every
+    row is checked by ids."""
+    url, worker = sglang_router
+    write_prompts(tmp_path, user_prompts(6))
+    write_params(tmp_path, {"url": url, "unreachable_deadline": 60}, max_tokens=32)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [ln for ln in done.stderr.splitlines() if "is an sglang-router" in ln]
+    assert any("generate.context_length" in ln for ln in said), done.stderr[-3000:]
+    assert any("generate.server.model" in ln for ln in said)
+    assert any("return_token_ids" in ln for ln in said)
+    report = json.loads((tmp_path / "reports/generate.json").read_text())
+    assert report["engine_ids"]["rows_without_ids"] == 6
+    assert "sglang-router" in report["engine_ids"]["why_without"]
+    src = tmp_path / "data/completions/completions.jsonl"
+    check = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)["serve_check"]
+    assert check["checked_by_count"] == check["checked"] == 6 and check["mismatches"] == 0
+    assert list(check["by_count_why"]) == [report["engine_ids"]["why_without"]]
+
+    direct = tmp_path / "direct"
+    write_prompts(direct, user_prompts(6))
+    write_params(direct, {"url": worker.url, "unreachable_deadline": 60}, max_tokens=32)
+    assert stage(direct).returncode == 0
+    check = TK.tokenize_file(direct / "data/completions/completions.jsonl", direct / "out",
+                             keep_truncated=True)["serve_check"]
+    assert check["checked_by_ids"] == check["checked"] == 6 and check["mismatches"] == 0
+
+
+def test_prepared_tool_calls_and_user_turns_pass_the_router(sglang_router, tmp_path):
+    """The router refuses arguments that are not a string, a call without "type" and an
+    empty user turn (400); prepare settles the first two and drops the third."""
+    url, _ = sglang_router
+    call = {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    convs = [{"messages": [{"role": "user", "content": f"Weather {i}?"},
+                           {"role": "assistant", "content": "", "tool_calls": [call]},
+                           {"role": "tool", "content": "3 C", "tool_call_id": "c1"}],
+              "tools": TOOLS} for i in range(3)]
+    convs.append({"messages": [{"role": "user", "content": ""},
+                               {"role": "assistant", "content": "?"},
+                               {"role": "user", "content": "again"}]})
+    raw = {"model": "fake-model", "max_tokens": 8, "tools": TOOLS}
+    for conv in convs[0], convs[3]:  # as the source has them: refused
+        status, _ = servers._request(f"{url}/v1/chat/completions", {**raw, **conv})
+        assert status == 400
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
+    prepare = {"sources": [{"name": "agent", "path": str(src), "format": "messages",
+                            "tools_field": "tools"}]}  # fmt: skip
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"prepare": prepare}), encoding="utf-8")
+    done = stage(tmp_path, "prepare")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "reports/prepare.json").read_text())["totals"]
+    assert report["dropped_by_reason"]["empty_user_turn"] == 1
+    assert report["repaired"]["tool_call_arguments_to_string"] == 3
+    assert report["repaired"]["tool_call_type_added"] == 3
+    write_params(tmp_path, {"url": url, "unreachable_deadline": 60, "model": "fake-model"},
+                 max_tokens=16, context_length=4096)
+    done = stage(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(rows(tmp_path / "data/completions/completions.jsonl")) == 3
+    assert not rows(tmp_path / "data/completions/failures.jsonl")

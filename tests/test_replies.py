@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stages.replies import problem
+from stages.replies import check, problem
 from tests.fakeserver import DEFAULTS, reply_for
 
 GOOD = reply_for({"messages": [{"role": "user", "content": "hi"}]}, DEFAULTS)
@@ -54,7 +54,7 @@ def test_well_formed_replies_pass(reply):
     (changed("choices.0.message.tool_calls", ["x"]), "tool_calls[0] is not an object"),
     (changed("choices.0.message.tool_calls", [{"function": {"arguments": "{}"}}]), "name is not"),
     (changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": 3}}]), "arguments is a number"),
-    (changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": "\udfff"}}]), "lone surrogate"),
+    (changed("choices.0.message.tool_calls", [{"function": {"name": "f", "arguments": '{"q": "\udfff"}'}}]), "lone surrogate"),
     (changed("choices.0.finish_reason", 1), "finish_reason is a number"),
     (changed("choices.0.finish_reason", ["stop"]), "finish_reason is an array"),
     (changed("choices.0.finish_reason", "s" * 65), "finish_reason is longer than 64"),
@@ -73,3 +73,21 @@ def test_bad_replies_are_named(reply, why):
         assert problem(reply) is None
         return
     assert why in problem(reply)
+
+
+@pytest.mark.parametrize("call, why", [
+    ({"function": {"name": "f", "arguments": "{not json"}}, "arguments is not JSON: '{not json'"),
+    ({"function": {"name": "f", "arguments": "[1,2]"}}, "arguments is an array, not a JSON object"),
+    ({"function": {"name": "f", "arguments": '"text"'}}, "arguments is a string, not a JSON object"),
+    ({"function": {"name": "f", "arguments": None}}, "arguments is null, not a JSON object"),
+    ({"type": "function", "name": "f", "arguments": "{}"}, "has no 'function' object"),
+    ({"function": "f"}, "has no 'function' object"),
+], ids=["not-json", "array", "json-string", "null", "flat", "function-string"])  # fmt: skip
+def test_tool_calls_a_template_cannot_write_are_their_own_kind(call, why):
+    """Never cached: tokenize would fail on the row on every run, or train on
+    `<function=>`; a retry may get a well-formed call."""
+    kind, said = check(changed("choices.0.message.tool_calls", [CALL, call]))
+    assert kind == "bad_tool_call" and said.startswith("message.tool_calls[1] ")
+    assert said.endswith(why)
+    assert check(changed("choices.0.message.tool_calls", [CALL, {"function": {
+        "name": "f"}}])) is None  # no arguments at all: the template writes none

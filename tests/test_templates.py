@@ -18,6 +18,12 @@ from stages.tokenizer import template_path
 
 GOLDEN = Path(__file__).parent / "fixtures" / "qwen36_renders.jsonl"
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines()]
+# Thinking written inline in an assistant's content, rendered by the published Qwen3.6
+# template (stages/thinking.py gives its rule): thinking on and off, final turns, history
+# before the last query, tool chains after it, several tags, an empty reasoning string.
+INLINE = Path(__file__).parent / "fixtures" / "qwen36_inline_thinking_renders.jsonl"
+INLINE_CASES = [json.loads(line) for line in INLINE.read_text(encoding="utf-8").splitlines()]
+RENDERED = [c for c in CASES + INLINE_CASES if "text" in c]
 USER = "<|im_start|>user\n{}<|im_end|>\n"
 
 
@@ -42,6 +48,33 @@ def test_golden_renders(tok, case):
             render(*args, **kwargs)
     else:
         assert render(*args, **kwargs) == case["text"]
+
+
+@pytest.mark.parametrize("case", INLINE_CASES, ids=[c["name"] for c in INLINE_CASES])
+def test_inline_thinking_renders(tok, case):
+    kwargs = {"enable_thinking": case["enable_thinking"]} if "enable_thinking" in case else {}
+    assert render(tok, case["messages"], case.get("tools"), case.get("add_generation_prompt",
+                                                                      False), **kwargs) == case["text"]
+
+
+@pytest.mark.parametrize("case", RENDERED, ids=[c["name"] for c in RENDERED])
+def test_the_encoder_gives_every_golden_render(tok, case):
+    """What tokenize trains on and checks with is the golden text byte for byte: a
+    training render, a prompt, and the prompt generate counts to fit max_tokens. A
+    prompt's ids are the engine's own encode where no control-token spelling is left as
+    text (a training row is cut at the end of its generation prompt: `<think>\n` +
+    `\n</think>` are not merged into one `\n\n` there, as the engine never saw them so)."""
+    enc = ChatEncoder(tok, enable_thinking=case.get("enable_thinking", True))
+    if not case.get("add_generation_prompt"):
+        (ids, mask, _), = enc.encode(case["messages"], case.get("tools"))
+        assert tok.decode(ids.tolist()) == case["text"]
+        return
+    engine = tok.backend_tokenizer.encode(case["text"], add_special_tokens=False).ids
+    assert enc.engine_ids(enc.engine_prompt(case["messages"], case.get("tools"))) == engine
+    ids = enc.prompt_ids(case["messages"], case.get("tools")).tolist()
+    assert tok.decode(ids) == case["text"]
+    if not enc.codec.has_lookalikes([tok.decode(ids, skip_special_tokens=True)]):
+        assert ids == engine
 
 
 def test_golden_file_covers_both_outcomes():

@@ -98,9 +98,11 @@ def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
     # thinking block and "Yo")
     assert ds["id"] == ["c0", "c5", "c6"]
     assert rep["sources"]["alpha"]["dropped"] == {
-        "truncated": 1, "empty_content": 0, "too_long": 0, "too_few_loss_tokens": 1}
+        "truncated": 1, "empty_content": 0, "too_long": 0, "too_few_loss_tokens": 1,
+        "no_engine_ids": 0}
     assert rep["sources"]["beta"]["dropped"] == {
-        "truncated": 0, "empty_content": 2, "too_long": 1, "too_few_loss_tokens": 0}
+        "truncated": 0, "empty_content": 2, "too_long": 1, "too_few_loss_tokens": 0,
+        "no_engine_ids": 0}
     assert rep["conversations"] == len(ROWS)
     assert rep["rows"] == 3 and rep["dropped_total"] == 5
     assert rep["tokens"] == sum(ds["num_tokens"])
@@ -219,6 +221,13 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
     (json.dumps(completion(9, "s", [{"role": "user", "content": "q"},
                                     {"role": "assistant", "content": "", "tool_calls": ["f"]}]))
      + "\n", "messages[1].tool_calls must be a list of objects"),
+    (json.dumps(completion(9, "s", [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{}"}]}]))
+     + "\n", "messages[1].tool_calls[0] has no 'function' object"),  # not `<function=>`
+    (json.dumps(completion(9, "s", [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": "[1,2]"}}]}]))
+     + "\n", "messages[1].tool_calls[0] function.arguments is an array, not a JSON object"),
     (json.dumps(completion(9, "s", qa("q", "a\ud800"))) + "\n", "not valid Unicode"),
     (json.dumps(completion(9, "s", qa("q", "a"), tools=[{"f": json.loads("[" * 70 + "]" * 70)}]))
      + "\n", "'tools' nest deeper than 64 levels"),
@@ -313,3 +322,48 @@ def test_cli_row_breaking_the_contract_is_one_line(tmp_path):
     line, _ = stagecli.fail("tokenize", tmp_path)
     assert line == "error: data/completions/completions.jsonl:2: 'tools' must be a list of objects"
     assert not (tmp_path / "data/tokenized").exists()
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_inline_thinking_in_the_answer(tmp_path, tok, thinking):
+    """Thinking on: the answer's inline thinking is the thinking block, as the published
+    template reads it (one thinking block, not an empty one and the inline one). Thinking
+    off: the model wrote it after the prompt's closed empty block, so it is answer text.
+    generation.json says which; tokenize.enable_thinking null follows it."""
+    answer = {"role": "assistant", "content": "<think>\nx is 4\n</think>\n\n  4.",
+              "reasoning_content": None}
+    src = write(tmp_path / "c" / "completions.jsonl",
+                [completion(0, "s", [{"role": "user", "content": "x?"}, answer])])
+    (src.parent / "generation.json").write_text(json.dumps(
+        {"model": "m", "sampling": {"enable_thinking": thinking}, "sampling_hash": "s"}))
+    TK.tokenize_file(src, tmp_path / "out")
+    row = datasets.load_from_disk(str(tmp_path / "out"))[0]
+    ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
+    text = tok.decode(ids.tolist())
+    if thinking:
+        assert text.endswith("<|im_start|>assistant\n<think>\nx is 4\n</think>\n\n  4.<|im_end|>\n")
+        assert tok.decode(ids[mask == 1].tolist()) == "x is 4\n</think>\n\n  4.<|im_end|>"
+        assert int((ids == tok.convert_tokens_to_ids("<think>")).sum()) == 1
+    else:
+        assert text.endswith("<think>\n\n</think>\n\n<think>\nx is 4\n</think>\n\n  4.<|im_end|>\n")
+        # the spelled tags of the answer are text, not control tokens
+        assert int((ids == tok.convert_tokens_to_ids("<think>")).sum()) == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1]", "expected a JSON object"),
+    ('{"sampling": {"enable_thinking": "yes"}}', "'sampling.enable_thinking' must be true or false"),
+    ('{"sampling": {"enable_thinking": true}, "engine_ids_missing": 3}', "must be a string"),
+    (None, "not a regular file"),
+])
+def test_a_bad_generation_record_is_one_line_naming_it(tmp_path, content, message):
+    src = write(tmp_path / "c" / "completions.jsonl", ROWS[:1])
+    record = src.parent / "generation.json"
+    if content is None:
+        record.mkdir()
+    else:
+        record.write_text(content)
+    with pytest.raises(StageError) as e:
+        TK.tokenize_file(src, tmp_path / "out")
+    assert str(e.value).startswith(str(record)) and message in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -404,7 +404,7 @@ def test_a_base_card_header_that_is_not_plain_data_is_passed_over_quickly(repo, 
     new_version(repo, "n", 2)
     started = time.monotonic()
     merge.run(P.Merge(base="data/base"), MERGE_PATHS)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # expanded, it would never end
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 32)]
 

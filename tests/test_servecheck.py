@@ -69,6 +69,7 @@ def generate(wd: Path, bundled: str, engine: str = "vllm", thinking: bool = True
     return wd / "data/completions/completions.jsonl"
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_right_template_zero_mismatches_by_ids(tmp_path, bundled):
     src = generate(tmp_path, bundled)
     rows = [json.loads(line) for line in src.read_text().splitlines()]
@@ -90,6 +91,7 @@ def test_count_only_engine_is_checked_by_prompt_tokens(tmp_path, bundled):
     assert check["mismatches"] == 0 and check["checked_by_count"] == check["checked"] > 20
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_wrong_template_fails_in_one_line_naming_it(tmp_path, bundled):
     src = generate(tmp_path, bundled)
     out = tmp_path / "out"
@@ -124,6 +126,7 @@ def test_enable_thinking_flipped_is_named(tmp_path, bundled):
         TK.tokenize_file(src, tmp_path / "out2", enable_thinking=False)
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, monkeypatch):
     src = generate(tmp_path, bundled)
     monkeypatch.chdir(tmp_path)
@@ -167,6 +170,7 @@ def test_engine_tokens_are_small_and_do_not_change_what_a_rerun_sends(tmp_path, 
         assert fake.stats()["received"] == 0
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_template_rewriting_history_for_the_prompt_is_caught(tmp_path, bundled):
     """Same template on both sides, but it renders the history differently when asked for
     a generation prompt: what the model saw is not what a training render shows."""

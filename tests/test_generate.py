@@ -905,6 +905,7 @@ def test_the_engines_context_error_still_clamps_when_the_local_fit_cannot(tmp_pa
     assert set(cache_entries(tmp_path)) == set(cache_entries(ref))
 
 
+@pytest.mark.slow  # one answer takes 6 s by design
 def test_a_healthy_engine_busy_with_long_decodes_is_not_restarted(tmp_path):
     # one request decodes for 6 s; nothing completes meanwhile, but /metrics shows
     # tokens coming and /health_generate answers: the watchdog must not restart it

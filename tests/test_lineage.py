@@ -182,6 +182,7 @@ def test_history_is_read_from_the_card_when_lineage_json_is_gone(repo):
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]
 
 
+@pytest.mark.slow  # validate's training check loads the demo model
 def test_validate_checks_the_whole_set_against_the_widened_limits(repo):
     """A base tokenized with longer rows allowed: the merged fingerprint allows them."""
     long_rows = rows(ids("b", 4), "base")

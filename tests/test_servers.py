@@ -375,6 +375,7 @@ async def drive(server, watchdog: servers.Watchdog, n: int, workers: int = 4) ->
     return done
 
 
+@pytest.mark.slow  # waits out watchdog periods
 def test_watchdog_restarts_a_stalled_server_that_says_healthy(tmp_path):
     # After 5 replies (1 is the readiness probe) generation hangs; /health stays 200.
     spec = {"stall_after": 5, "once_file": str(tmp_path / "stalled-once")}
@@ -419,6 +420,7 @@ def test_watchdog_probes_an_idle_server_and_restarts_it(tmp_path):
         assert server.healthy(5)
 
 
+@pytest.mark.slow  # waits out watchdog periods
 def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
     # Every start stalls after its readiness probe: generation hangs, health generation fails.
     spec = {"stall_after": 1, "stall_health": "fail"}  # stalls right after the readiness probe

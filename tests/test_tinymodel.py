@@ -79,6 +79,7 @@ def test_loads_as_a_qwen3_with_the_bundled_vocabulary(built):
     assert gen["eos_token_id"] == [248046, 248044] and gen["do_sample"] is True
 
 
+@pytest.mark.slow  # builds a demo model
 def test_current_build_is_reused_and_stale_one_rebuilt(built, monkeypatch):
     path = built[0]
     weights = path / "model.safetensors"
@@ -108,6 +109,7 @@ def test_build_does_not_disturb_the_callers_random_state(built):
     assert torch.equal(after_build, torch.rand(3))
 
 
+@pytest.mark.slow  # builds a demo model
 def test_the_vllm_variant_has_heads_of_64_and_its_own_build(tmp_path):
     from transformers import AutoConfig
 

@@ -332,13 +332,15 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
 SHAPED_BY = {
     "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
-    "stages/errors.py": {"prepare", "generate", "tokenize", "merge"},
+    "stages/reports.py": {"prepare", "generate", "tokenize", "merge", "validate"},
+    "stages/errors.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/messages.py": {"prepare", "generate", "tokenize"},
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/lineage.py": {"merge"},
     "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
+    "stages/tokenizer.py": {"generate", "tokenize", "validate"},  # validate: the demo model's
     "stages/cli.py": set(),
     "stages/decontam.py": {"prepare"},
     "stages/checker.py": {"prepare"},

@@ -19,7 +19,7 @@ export PATH := $(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install engine-venv demo test bench clean-demo
+.PHONY: install engine-venv demo check test bench clean-demo
 
 install: $(STAMP)
 
@@ -46,6 +46,10 @@ $(ENGINE_STAMP):
 
 demo: install
 	$(BIN)/python -m stages.demo
+
+# The quick loop: no engine venv, no test marked slow (pyproject.toml says which are).
+check: install
+	$(BIN)/python -m pytest -m "not slow"
 
 test: install engine-venv
 	$(BIN)/python -m pytest

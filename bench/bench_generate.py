@@ -29,6 +29,8 @@ ROOT = HERE.parent
 WORK = HERE / "work" / "generate"
 sys.path.insert(0, str(ROOT))
 
+from stages import reports  # noqa: E402
+
 IN_FLIGHT = 1000
 
 
@@ -85,7 +87,7 @@ def run_stage(wd: Path, sample_rss: bool = False) -> tuple[dict, int]:
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"generate stage failed: {err[-2000:]}")
-    return json.loads((wd / "reports/generate.json").read_text()), peak
+    return reports.read(wd / "reports", "generate"), peak  # throughput: the run's part
 
 
 async def floor_loop(url: str, bodies: list[bytes]) -> float:

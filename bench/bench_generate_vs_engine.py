@@ -29,6 +29,8 @@ WORK = HERE / "work" / "generate_vs_engine"
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 sys.path.insert(0, str(ROOT))
 
+from stages import reports  # noqa: E402
+
 MODEL = "demo:tiny-qwen3-vllm"
 CONCURRENCY = 8
 MAX_TOKENS = 64
@@ -75,7 +77,7 @@ def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"generate stage failed: {done.stderr[-2000:]}")
-    report = json.loads((wd / "reports/generate.json").read_text())
+    report = reports.read(wd / "reports", "generate")  # throughput: the run's part
     assert report["completed"] == len(prompts), report
     assert report["output_tokens"] == len(prompts) * MAX_TOKENS, report  # EOS ignored
     return report["output_throughput"]

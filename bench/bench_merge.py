@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peak import outcome, stage_command  # noqa: E402
+from stages import reports  # noqa: E402
 from stages.schema import (  # noqa: E402
     ARROW_SCHEMA,
     FINGERPRINT_FILE,
@@ -142,7 +143,7 @@ def _stage(name: str, repo: Path) -> tuple[dict, float]:
     rc, peak_mb = outcome(_sh(stage_command(name), repo))
     if rc:
         raise RuntimeError(f"{name} failed")
-    return json.loads((repo / "reports" / f"{name}.json").read_text()), peak_mb
+    return reports.read(repo / "reports", name), peak_mb  # seconds: the run's part
 
 
 def _cache_bytes(repo: Path) -> int:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages import charts, cli
+from stages import charts, cli, reports
 from stages import params as P
 from stages.errors import StageError
 
@@ -114,15 +114,10 @@ def repro() -> list[str]:
     return ran
 
 
-def _report(reports: Path, stage: str) -> dict:
-    path = reports / f"{stage}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def summary(ran: list[str] | None) -> str:
-    merged, reports = where()
+    merged, folder = where()
     prep, gen, tok, mer, val = (
-        _report(reports, s) for s in ("prepare", "generate", "tokenize", "merge", "validate")
+        reports.read(folder, s) for s in ("prepare", "generate", "tokenize", "merge", "validate")
     )
     lines = ["", "=== demo summary ==="]
     if ran is not None:
@@ -144,7 +139,7 @@ def summary(ran: list[str] | None) -> str:
         f" = {mer.get('merged', {}).get('rows', '?')} rows, {mer.get('merged', {}).get('tokens', '?')} tokens"
     )
     lines.append(f"validate  {'passed' if val.get('passed') else 'FAILED'}")
-    lines += training_lines(val, reports)
+    lines += training_lines(val, folder)
     lines.append(f"merged dataset: {merged.resolve()}")
     card = merged / "README.md"
     if card.exists():
@@ -159,8 +154,9 @@ def summary(ran: list[str] | None) -> str:
     return "\n".join(lines)
 
 
-def training_lines(val: dict, reports: Path) -> list[str]:
-    """The training check, the token budget and the pictures, from reports/validate.json."""
+def training_lines(val: dict, folder: Path) -> list[str]:
+    """The training check, the token budget and the pictures, from validate's report (its
+    facts and its run's figures) in the reports folder."""
     lines = []
     check, budget = val.get("train_check") or {}, val.get("budget")
     if "skipped" in check or "failed" in check:
@@ -187,7 +183,7 @@ def training_lines(val: dict, reports: Path) -> list[str]:
         )
         lines.append(f"          {packed['supervised_tokens_per_step']:.0f} supervised tokens per "
                      f"packed step (by source: reports/validate.json)")
-    pictures = sorted(str(p) for p in charts.plots(reports).glob("*.svg"))
+    pictures = sorted(str(p) for p in charts.plots(folder).glob("*.svg"))
     if pictures:
         lines.append(f"pictures  {', '.join(pictures)}")
     return lines

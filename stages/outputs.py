@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from stages import reports
+
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -100,7 +102,10 @@ def write_json(path: str | Path, obj) -> None:
 
 
 def write_report(folder: Path, stage: str, obj: dict) -> Path:
-    """Write `<folder>/<stage>.json` (folder: `--reports`), the stage's DVC metrics file."""
-    path = Path(folder) / f"{stage}.json"
-    write_json(path, obj)
+    """Write the stage's report under `folder` (`--reports`): its data facts to the DVC
+    metrics file, which is returned, and the run's figures beside (stages/reports.py)."""
+    facts, run = reports.split(stage, obj)
+    write_json(reports.run_path(folder, stage), run)
+    path = reports.facts_path(folder, stage)
+    write_json(path, facts)
     return path

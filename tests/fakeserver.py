@@ -932,7 +932,7 @@ def spawn(
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(command(port, spec), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a busy machine may take long to start Python
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"fakeserver exited with code {proc.returncode}")
@@ -942,7 +942,7 @@ def spawn(
         except (urllib.error.URLError, ConnectionError, OSError):
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("fakeserver did not answer /health within 20 s")
+    raise RuntimeError("fakeserver did not answer /health within 120 s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
 
@@ -58,8 +60,21 @@ def prebuilt_caches() -> None:
         os.chdir(cwd)
 
 
+def run_products() -> list[str]:
+    """What runs write into a checkout besides ignored folders: dvc.lock and every out,
+    metric and plot of dvc.yaml (`make demo` leaves them, untracked, in the project)."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    paths = ["dvc.lock"]
+    for stage in stages.values():
+        for kind in ("outs", "metrics", "plots"):
+            paths += [e if isinstance(e, str) else next(iter(e)) for e in stage.get(kind) or []]
+    return paths
+
+
 def demo_clone(dest: Path) -> Path:
-    """Copy the working tree (tracked + untracked, not ignored) into a fresh git repo.
+    """Copy the working tree (tracked + untracked, not ignored) into a fresh git repo,
+    less what earlier runs left in it (run_products): a test starts where a fresh clone
+    does, whatever the user ran before.
 
     The bundled tokenizer and demo model are linked in from the project's .cache (they
     are deterministic builds); the request cache and all data start empty.
@@ -69,10 +84,11 @@ def demo_clone(dest: Path) -> Path:
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT, capture_output=True, check=True,
     ).stdout.decode().split("\0")
+    left = run_products()
     repo = dest / "repo"
     for name in filter(None, files):
         src = ROOT / name
-        if not src.is_file():
+        if not src.is_file() or any(name == p or name.startswith(p + "/") for p in left):
             continue
         target = repo / name
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -254,20 +254,19 @@ def test_backoff_is_exponential_with_jitter(fake):
 
 def test_a_hung_request_times_out_and_does_not_stall_the_others(fake):
     s = fake({"rules": [{"fault": "hang", "match": "p0$"}], "latency": 0.01})
-    c = client(s.url, request_timeout=1.0, retry=RetryPolicy(0, 0, 0.01, 0.01))
+    c = client(s.url, request_timeout=4.0, retry=RetryPolicy(0, 0, 0.01, 0.01))
 
     async def go():
         async with c:
             hung = asyncio.ensure_future(c.complete(body(0)))
-            t0 = time.monotonic()
             others = await asyncio.gather(*(c.complete(body(i)) for i in range(1, 40)))
-            elapsed = time.monotonic() - t0
+            waiting = not hung.done()  # the others did not wait for its timeout
             with pytest.raises(Failure) as e:
                 await hung
-            return others, elapsed, e.value
+            return others, waiting, e.value
 
-    others, elapsed, failure = run(go())
-    assert len(others) == 39 and elapsed < 0.9
+    others, waiting, failure = run(go())
+    assert len(others) == 39 and waiting
     assert failure.kind == "timeout" and not failure.permanent
 
 
@@ -284,7 +283,7 @@ def test_a_server_that_is_gone_is_waited_for_until_the_deadline():
     t0 = time.monotonic()
     (err,) = run(send(client(url, unreachable_deadline=1.0), body(1)))
     assert isinstance(err, Unreachable) and "unreachable_deadline" in str(err)
-    assert 1.0 <= time.monotonic() - t0 < 5
+    assert 1.0 <= time.monotonic() - t0 < 30  # bounded on a busy machine too
 
 
 def test_a_server_that_comes_back_is_used(fake):
@@ -428,11 +427,11 @@ def test_a_body_past_the_size_cap_is_refused_while_it_arrives(fake, monkeypatch,
     monkeypatch.setattr(stages.client, "MAX_REPLY_BYTES", 1 << 20)
     s = fake({"rules": [{**rule, "match": "p1$"}]})
     started = time.monotonic()
-    ok, f = run(send(client(s.url, request_timeout=30.0), body(0), body(1)))
+    ok, f = run(send(client(s.url, request_timeout=300.0), body(0), body(1)))
     assert isinstance(ok.content, str)
     assert isinstance(f, Failure) and (f.kind, f.status, f.permanent) == ("bad_reply", 200, False)
     assert "body over 1048576 bytes" in f.message and f.attempts == FAST.max_retries_500 + 1
-    assert time.monotonic() - started < 20  # stopped at the cap, not at request_timeout
+    assert time.monotonic() - started < 120  # stopped at the cap, not at request_timeout
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])

@@ -284,7 +284,7 @@ def test_a_yaml_alias_bomb_is_refused_fast_with_a_short_message(tmp_path):
         started = time.monotonic()
         with pytest.raises(P.ParamError, match=rf"{key}: expected .*, got list \[\[") as e:
             P.load(tail.split(":")[0], path)
-        assert time.monotonic() - started < 2 and len(str(e.value)) < 300
+        assert time.monotonic() - started < 10 and len(str(e.value)) < 300  # never, expanded
 
 
 @pytest.mark.parametrize("text, message", [

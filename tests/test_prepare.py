@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import checker, prepare, sources
+from stages import checker, prepare, reports, sources
 from stages.errors import StageError
 from tests import stagecli
 
@@ -51,7 +51,7 @@ def run(tmp_path: Path, sources: list[dict], **prepare_keys):
     report = prepare.run(cfg, PATHS)
     data = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
     rows = [json.loads(line) for line in data.splitlines()]
-    assert report == json.loads((tmp_path / "reports/prepare.json").read_text())
+    assert reports.read(tmp_path / "reports", "prepare") == {**report, "host": reports.host()}
     return report, rows, data
 
 

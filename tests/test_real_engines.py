@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import servers
+from stages import reports, servers
 from stages import tokenize as TK
 from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
@@ -190,7 +190,7 @@ def test_prompts_are_fitted_to_the_served_context_before_they_are_sent(vllm, tmp
     # no status, no attempt: the engine never saw it (it would have answered 400)
     assert (failure["id"], failure["kind"], failure["status"], failure["attempts"]) == (
         "over", "context_overflow", None, 0)
-    report = json.loads((tmp_path / "reports/generate.json").read_text())
+    report = reports.read(tmp_path / "reports", "generate")
     assert report["context"]["context_length"] == CONTEXT and report["sent"] == 1
     assert (report["context"]["fitted"], report["context"]["refused"], report["clamped"]) == (1, 1, 0)
 
@@ -323,7 +323,7 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
 
     again = run(["dvc", "repro"], repo, timeout=900)
     assert "Running stage 'validate'" in again
-    report = json.loads((repo / "reports/generate.json").read_text())
+    report = reports.read(repo / "reports", "generate")
     assert report["from_cache"] >= 3 and report["sent"] == report["requests"] - report["from_cache"]
     assert report["failed"] == 0 and report["server"]["python"] == str(ENGINE_PYTHON)
     tokenized = json.loads((repo / "reports/tokenize.json").read_text())

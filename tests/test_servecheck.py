@@ -77,6 +77,7 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # four generations, each tokenized three ways
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("thinking", [True, False])
 def test_every_row_is_checked_by_ids_with_zero_mismatches(tmp_path, bundled, engine, thinking):
@@ -127,6 +128,7 @@ def test_unusable_ids_are_counted_as_such(tmp_path, bundled):
     assert check["mismatches"] == 0 and check["unchecked"] == 0
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_wrong_template_fails_in_one_line_naming_it(tmp_path, bundled):
     """The same SGLang completions tokenized with the original Qwen3 template: every row
     fails the check by ids."""
@@ -168,6 +170,7 @@ def test_enable_thinking_flipped_is_named(tmp_path, bundled):
         TK.tokenize_file(src, tmp_path / "out2", enable_thinking=False)
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, monkeypatch):
     src = generate(tmp_path, bundled)
     monkeypatch.chdir(tmp_path)
@@ -224,6 +227,7 @@ def test_the_request_cache_keeps_the_ids_whole_and_its_keys_do_not_change(tmp_pa
     assert src.read_bytes() == first
 
 
+@pytest.mark.slow  # a generation, then tokenize
 def test_template_rewriting_history_for_the_prompt_is_caught(tmp_path, bundled):
     """Same template on both sides, but it renders the history differently when asked for
     a generation prompt: what the model saw is not what a training render shows."""

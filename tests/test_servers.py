@@ -34,7 +34,7 @@ FAKE = str(ROOT / "tests" / "fakeserver.py")
 
 def fake_launch(spec: dict | None = None, **kw) -> P.Launch:
     command = launch_command(spec)
-    options = dict(engine="sglang", model="unused-name", startup_timeout=20.0, stop_timeout=3.0)
+    options = dict(engine="sglang", model="unused-name", startup_timeout=120.0, stop_timeout=3.0)
     return P.Launch(command=command, **{**options, **kw})
 
 
@@ -163,7 +163,7 @@ def test_exit_during_startup_reports_code_and_log(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(StageError, match=r"vllm server exited with code 7 while starting .*loading weights \| CUDA out of memory"):  # fmt: skip
         servers.EngineProcess(launch, tmp_path / "e.log").start()
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # not the startup_timeout (600 s)
 
 
 def test_missing_executable_is_one_line(tmp_path):
@@ -193,12 +193,12 @@ def test_api_key_is_sent_but_never_written(tmp_path):
         assert key not in json.dumps(server.info())
     assert key not in log.read_text()
     # without the key: refused, and said at once rather than after startup_timeout
-    launch = fake_launch({"api_key": key}, startup_timeout=60)
+    launch = fake_launch({"api_key": key}, startup_timeout=600)
     t0 = time.monotonic()
     refused = "refused the readiness request .*HTTP 401.*Invalid API key"
     with pytest.raises(StageError, match=refused):
         servers.EngineProcess(launch, tmp_path / "f.log").start()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 120
 
 
 # ------------------------------------------------------------------------ stopping
@@ -212,10 +212,9 @@ FAMILY = (
 
 
 def family_launch(**kw) -> P.Launch:
-    return P.Launch(
-        engine="sglang", model="m", startup_timeout=20, stop_timeout=3,
-        command=["{python}", "-c", FAMILY, "--host", "{host}", "--port", "{port}"], **kw,
-    )  # fmt: skip
+    options = dict(engine="sglang", model="m", startup_timeout=120, stop_timeout=3,
+                   command=["{python}", "-c", FAMILY, "--host", "{host}", "--port", "{port}"])
+    return P.Launch(**{**options, **kw})
 
 
 def group_pids(server: servers.EngineProcess) -> list[int]:
@@ -232,12 +231,12 @@ def _pgid(pid: int) -> int | None:
 
 
 def test_stop_kills_the_whole_group_and_is_idempotent(tmp_path):
-    server = servers.EngineProcess(family_launch(), tmp_path / "e.log")
+    server = servers.EngineProcess(family_launch(stop_timeout=60), tmp_path / "e.log")
     server.start()
     pids = group_pids(server)
     t0 = time.monotonic()
     server.stop()
-    assert time.monotonic() - t0 < 5  # the engine exits on SIGTERM: no need to wait the grace
+    assert time.monotonic() - t0 < 30  # the engine exits on SIGTERM: not the grace (60 s)
     assert wait_gone(pids, 5)
     server.stop()
     assert server.exit_code() is None and not server.healthy(1)
@@ -257,7 +256,7 @@ def test_a_group_ignoring_sigterm_is_killed_after_the_grace():
     proc.stdout.readline()  # the handler is in place
     t0 = time.monotonic()
     servers._kill_group(proc, grace=1.0)
-    assert 0.9 <= time.monotonic() - t0 < 5
+    assert 0.9 <= time.monotonic() - t0 < 30
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -300,6 +299,7 @@ with servers.EngineProcess(launch, Path(sys.argv[2])) as s:
 """
 
 
+@pytest.mark.slow  # three parents, three engines
 def test_no_orphan_when_the_parent_is_interrupted_terminated_or_killed(tmp_path):
     launch = family_launch()
     doc = {k: getattr(launch, k) for k in ("engine", "model", "command", "stop_timeout")}
@@ -321,8 +321,8 @@ def test_no_orphan_when_the_parent_is_interrupted_terminated_or_killed(tmp_path)
         for parent, sig in zip(parents, sigs):
             parent.send_signal(sig)
         for parent, group, sig in zip(parents, groups, sigs):
-            parent.wait(15)
-            assert wait_gone(group, 10), (sig.name, [p for p in group if not gone(p)])
+            parent.wait(60)  # seconds when idle; a busy machine may take many more
+            assert wait_gone(group, 30), (sig.name, [p for p in group if not gone(p)])
     finally:
         for parent in parents:
             parent.kill()
@@ -375,6 +375,7 @@ async def drive(server, watchdog: servers.Watchdog, n: int, workers: int = 4) ->
     return done
 
 
+@pytest.mark.slow  # waits out watchdog periods
 def test_watchdog_restarts_a_stalled_server_that_says_healthy(tmp_path):
     # After 5 replies (1 is the readiness probe) generation hangs; /health stays 200.
     spec = {"stall_after": 5, "once_file": str(tmp_path / "stalled-once")}
@@ -388,7 +389,7 @@ def test_watchdog_restarts_a_stalled_server_that_says_healthy(tmp_path):
         assert re.fullmatch(r"no request completed for \d+ s with 4 in flight", watchdog.last_reason)
         assert gone(first)
         assert get_json(server.url + "/stats")["completed"] == 1 + 12  # probe + the rest
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 120
     assert "restarting: no request completed" in (tmp_path / "e.log").read_text()
 
 
@@ -419,6 +420,7 @@ def test_watchdog_probes_an_idle_server_and_restarts_it(tmp_path):
         assert server.healthy(5)
 
 
+@pytest.mark.slow  # waits out watchdog periods
 def test_watchdog_gives_up_on_a_server_that_never_recovers(tmp_path):
     # Every start stalls after its readiness probe: generation hangs, health generation fails.
     spec = {"stall_after": 1, "stall_health": "fail"}  # stalls right after the readiness probe
@@ -440,19 +442,19 @@ def test_wait_ready_waits_for_a_late_server_and_gives_up_on_a_dead_one():
         loop = asyncio.get_running_loop()
         loop.call_later(0.7, late.start)
         t0 = time.monotonic()
-        name = await servers.wait_ready([f"http://127.0.0.1:{port}"], deadline=10)
+        name = await servers.wait_ready([f"http://127.0.0.1:{port}"], deadline=120)
         return time.monotonic() - t0, name
 
     try:
         took, name = asyncio.run(run())
-        assert 0.6 < took < 5 and name == "fake-model"
+        assert 0.6 < took and name == "fake-model"
     finally:
         late.stop()
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(StageError, match=rf"no model ready at {dead} within 0.6 s .*unreachable_deadline"):  # fmt: skip
         asyncio.run(servers.wait_ready([dead], deadline=0.6))
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 30
 
 
 def test_wait_ready_stops_at_once_on_a_wrong_key(fake_server):
@@ -553,6 +555,7 @@ def demo_server(tmp_path_factory):
         yield server
 
 
+@pytest.mark.slow  # a real transformers serve
 def test_real_transformers_serve_on_the_demo_model(demo_server):
     assert demo_server.model_name == demo_server.model_path
     assert Path(demo_server.model_path).is_dir()

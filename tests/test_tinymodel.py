@@ -26,6 +26,7 @@ def built(tmp_path_factory):
     return a, M.ensure_model(root / "b"), after_build
 
 
+@pytest.mark.slow  # builds the demo model twice
 def test_two_builds_are_byte_identical(built):
     a, b, _ = built
     assert a.is_absolute() and b.is_absolute()
@@ -38,6 +39,7 @@ def test_two_builds_are_byte_identical(built):
     assert not [p for p in a.parent.iterdir() if p.name.startswith(".") and "tmp" in p.name]
 
 
+@pytest.mark.slow  # builds the demo model twice
 def test_loads_as_a_qwen3_with_the_bundled_vocabulary(built):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -77,6 +79,7 @@ def test_loads_as_a_qwen3_with_the_bundled_vocabulary(built):
     assert gen["eos_token_id"] == [248046, 248044] and gen["do_sample"] is True
 
 
+@pytest.mark.slow  # builds a demo model
 def test_current_build_is_reused_and_stale_one_rebuilt(built, monkeypatch):
     path = built[0]
     weights = path / "model.safetensors"
@@ -97,6 +100,7 @@ def test_current_build_is_reused_and_stale_one_rebuilt(built, monkeypatch):
     assert json.loads((path / M.STAMP).read_text())["build_version"] == M.BUILD_VERSION
 
 
+@pytest.mark.slow  # builds the demo model twice
 def test_build_does_not_disturb_the_callers_random_state(built):
     import torch
 
@@ -105,6 +109,7 @@ def test_build_does_not_disturb_the_callers_random_state(built):
     assert torch.equal(after_build, torch.rand(3))
 
 
+@pytest.mark.slow  # builds a demo model
 def test_the_vllm_variant_has_heads_of_64_and_its_own_build(tmp_path):
     from transformers import AutoConfig
 

@@ -151,6 +151,26 @@ def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch):
     assert load(tmp_path / "two")["id"] == [f"c{i}" for i in range(60)]
 
 
+def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
+    """What DVC compares (and merge depends on) moves only with the data: a rerun with
+    other num_proc writes the same metrics file, its timings go to the run's report."""
+    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    rows = [completion(i, f"s{i % 2}", qa(f"q{i} " * (i % 5 + 1), f"a{i} " * (i * 7 % 30 + 1)))
+            for i in range(40)]
+    write(tmp_path / "data/completions/completions.jsonl", rows)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(TK, "CHUNK_ROWS", 4)
+    written = {}
+    for num_proc in (1, 2):
+        TK.run(Tokenize(num_proc=num_proc), PATHS)
+        written[num_proc] = (Path("reports/tokenize.json").read_bytes(),
+                             json.loads(Path("reports/runs/tokenize.json").read_text()))
+    assert written[1][0] == written[2][0]
+    assert json.loads(written[1][0])["rows"] == 40
+    for _, run in written.values():
+        assert run["seconds"] > 0 and run["tokens_per_second"] > 0
+
+
 def test_shards_are_bounded(tmp_path):
     rows = [completion(i, "s", qa(f"q{i}", "a " * (20 + i))) for i in range(7)]
     out = tmp_path / "out"

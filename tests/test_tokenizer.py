@@ -269,6 +269,7 @@ def test_fingerprint_is_stable_and_complete(tok):
 # -------------------------------------------------------------------------- cache
 
 
+@pytest.mark.slow  # builds the tokenizer twice
 def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     # start from a copy of the already built cache so only the rebuilds are paid for
     root = tmp_path / "cache"

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from stages import reports
 from tests.repo import ROOT, demo_clone, env, git_commit, run
 
 pytestmark = pytest.mark.slow
@@ -103,7 +104,7 @@ def segment_sizes(repo: Path, namespace: str) -> dict[str, int]:
 
 
 def report(repo: Path, stage: str) -> dict:
-    return json.loads((repo / "reports" / f"{stage}.json").read_text())
+    return reports.read(repo / "reports", stage)
 
 
 def token_lengths(repo: Path) -> list[int]:
@@ -150,6 +151,12 @@ def pushed_count(output: str) -> int:
     m = re.search(r"(\d+) files? pushed", output)
     assert m, output
     return int(m.group(1))
+
+
+def is_run_key(name: str) -> bool:
+    """Whether a metric's dotted name ends in a key the split sends to reports/runs/."""
+    return name.rsplit(".", 1)[-1] in {k.rsplit(".", 1)[-1] for keys in reports.RUN.values()
+                                       for k in keys}
 
 
 def delete_cache_and_data(repo: Path) -> None:
@@ -317,9 +324,10 @@ def test_params_and_metrics_diff_between_commits(history):
     merged = metrics["reports/merge.json"]
     assert merged["merged.rows"]["diff"] == rows_b - rows_a, merged
     assert merged["merged.tokens"]["diff"] < 0, merged
-    # generation did not change between A and B: its counts are not in the diff
-    assert not any(k in metrics.get("reports/generate.json", {})
-                   for k in ("requests", "completed", "failed"))
+    # generation did not change between A and B: nothing of it is in the diff
+    assert "reports/generate.json" not in metrics and "reports/prepare.json" not in metrics
+    # nor any timing of the stages that reran: those are in reports/runs/, not metrics
+    assert not [k for f in metrics.values() for k in f if is_run_key(k)]
 
     params_ac = dvc_json(repo, "params", "diff", a, history.commits["C"])["params.yaml"]
     assert set(params_ac) == {"tokenize.max_seq_len", "generate.temperature"}
@@ -425,6 +433,63 @@ def test_exp_run_and_show_lists_both_runs(history):
     print("\n" + table)
 
 
+# what every table of experiments shows whatever changed
+EXP_COLUMNS = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
+
+
+def changed_columns(repo: Path) -> tuple[list[str], list[dict]]:
+    """`dvc exp show --only-changed` for the current commit: its columns less the ones
+    naming the row, and its rows."""
+    import csv
+
+    table = list(csv.DictReader(run(["dvc", "exp", "show", "--only-changed", "--csv"],
+                                    repo).splitlines()))
+    assert table, "dvc exp show printed no rows"
+    return [c for c in table[0] if c not in EXP_COLUMNS], table
+
+
+def test_an_experiment_shows_only_what_changed_in_the_data(history):
+    """A data-neutral param (num_proc) moves no metric; max_seq_len moves the counts."""
+    repo = history.repo
+    value = between(token_lengths(repo), 0.5)
+    assert value != history.max_seq_len["C"]
+    try:
+        run(["dvc", "exp", "remove", "--all-commits"], repo)  # only this test's runs
+        out = run(["dvc", "exp", "run", "-n", "procs2", "-S", "tokenize.num_proc=2"], repo)
+        ran, skipped = stages_of(out)
+        assert ran == ["tokenize"] and {"merge", "validate"} <= set(skipped), out
+        columns, _ = changed_columns(repo)
+        assert columns == ["tokenize.num_proc"], columns
+
+        run(["git", "reset", "-q", "--hard"], repo)
+        run(["dvc", "checkout"], repo)
+        run(["dvc", "exp", "run", "-n", "seq", "-S", f"tokenize.max_seq_len={value}"], repo)
+        columns, table = changed_columns(repo)
+    finally:
+        run(["git", "reset", "-q", "--hard"], repo)
+        run(["dvc", "checkout"], repo)
+    assert out_hashes(repo) == history.hashes["C"]
+    print("\n" + ", ".join(columns))
+    rows = {r["Experiment"] or r["rev"]: r for r in table}
+    for column in ("reports/tokenize.json:rows", "reports/tokenize.json:tokens",
+                   "merged.rows", "merged.tokens", "tokenize.max_seq_len"):
+        assert column in columns, columns
+        assert rows["procs2"][column] == rows["main"][column] != rows["seq"][column], column
+    assert not [c for c in columns if is_run_key(c.rsplit(":", 1)[-1])]
+
+
+def test_every_key_the_split_names_is_in_a_real_run_report(history):
+    """reports.RUN names keys the stages really write (none renamed away unnoticed)."""
+    for stage, keys in reports.RUN.items():
+        written = json.loads((history.repo / "reports" / "runs" / f"{stage}.json").read_text())
+        for key in keys:
+            value = written
+            for name in key.split("."):
+                assert isinstance(value, dict) and name in value, (
+                    f"reports/runs/{stage}.json has no {key}")
+                value = value[name]
+
+
 def test_cpu_host_runs_only_the_cpu_stages_from_the_remote(history, tmp_path):
     """The GPU host generated and pushed; a CPU-only host clones the repo, freezes
     generate, changes a tokenize param and runs `dvc repro --pull --allow-missing`:
@@ -495,13 +560,13 @@ def sshd(tmp_path):
     proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, (d / "sshd.log").read_text()
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
-            assert time.monotonic() < deadline, "sshd did not listen within 15 s"
+            assert time.monotonic() < deadline, "sshd did not listen within 60 s"
             time.sleep(0.1)
         home = d / "home"
         (home / ".ssh").mkdir(parents=True)
@@ -541,6 +606,104 @@ def test_push_pull_through_ssh_remote(history, sshd, tmp_path):
         run(["dvc", "remote", "remove", "backup"], repo)
         shutil.rmtree(store, ignore_errors=True)
     assert "backup" not in (repo / ".dvc" / "config").read_text()
+
+
+# --------------------------------------------------------------------------- 8: S3 remote
+
+
+BUCKET = "distill-versions"
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """A real S3 API on a loopback port (moto's server), with one empty bucket, and the
+    environment that keeps dvc off the user's own AWS setup (empty config files)."""
+    import boto3
+
+    binary = Path(sys.executable).parent / "moto_server"
+    assert binary.exists(), f"{binary} is missing: pip install -e '.[dev]' (moto[server])"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "moto.log", "w")
+    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "moto.log").read_text()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "moto_server did not listen within 60 s"
+            time.sleep(0.1)
+        client = boto3.client("s3", endpoint_url=url, aws_access_key_id="test",
+                              aws_secret_access_key="test", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        empty = tmp_path / "aws-config"
+        empty.touch()
+        env = {"AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+               "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}
+        yield {"url": url, "client": client, "env": env}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def s3_objects(client) -> set[str]:
+    """Objects under the remote's prefix, named like remote_objects() names them."""
+    names = set()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="dvc/"):
+        for obj in page.get("Contents", []):
+            *_, folder, name = obj["Key"].split("/")
+            names.add(folder + name)
+    return names
+
+
+def test_push_pull_roll_back_and_gc_through_an_s3_remote(history, s3):
+    repo, commits = history.repo, history.commits
+    pull = ["dvc", "pull", "-r", "store"]
+    run(["dvc", "remote", "add", "store", f"s3://{BUCKET}/dvc"], repo)
+    run(["dvc", "remote", "modify", "store", "endpointurl", s3["url"]], repo)
+    run(["dvc", "remote", "modify", "--local", "store", "access_key_id", "test"], repo)
+    run(["dvc", "remote", "modify", "--local", "store", "secret_access_key", "test"], repo)
+    try:
+        assert "secret_access_key" not in (repo / ".dvc" / "config").read_text()
+        for name in ("A", "B", "C"):  # every version, as each would have been pushed
+            # (the tests before may have left only C in the cache: the others are pulled)
+            with checked_out(repo, commits[name], data="pull"):
+                run_env(["dvc", "push", "-r", "store"], repo, s3["env"])
+        pushed = s3_objects(s3["client"])
+        assert {md5(p) for p in files(repo)} < pushed
+
+        # another machine: nothing local, every version from S3, links read-only
+        delete_cache_and_data(repo)
+        run_env(pull, repo, s3["env"])
+        assert out_hashes(repo) == history.hashes["C"]
+        for path in (p for p in files(repo) if p.stat().st_size):
+            st = path.stat()
+            assert st.st_nlink >= 2 and not st.st_mode & 0o222, f"{path} is a writable copy"
+        delete_cache_and_data(repo)
+        try:
+            run(["git", "checkout", "-q", commits["A"]], repo)
+            run_env(pull, repo, s3["env"])
+            assert out_hashes(repo) == history.hashes["A"]
+        finally:
+            run(["git", "checkout", "-q", "main"], repo)
+        run_env(pull, repo, s3["env"])
+        assert out_hashes(repo) == history.hashes["C"]
+
+        # gc keeps what the workspace version needs, in the cache and on S3
+        run_env(["dvc", "gc", "-w", "-c", "-r", "store", "-f"], repo, s3["env"])
+        kept = s3_objects(s3["client"])
+        assert {k for k in kept if not k.endswith(".dir")} == {md5(p) for p in files(repo)}
+        assert sum(k.endswith(".dir") for k in kept) == len(OUTS) and kept < pushed
+        delete_cache_and_data(repo)
+        run_env(pull, repo, s3["env"])
+        assert out_hashes(repo) == history.hashes["C"]
+    finally:
+        run(["dvc", "remote", "remove", "--local", "store"], repo)
+        run(["dvc", "remote", "remove", "store"], repo)
 
 
 # --------------------------------------------------------------------------- 6: disk use

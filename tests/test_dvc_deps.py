@@ -1,0 +1,152 @@
+"""dvc.yaml's deps hold the code that shapes each stage.
+
+A stage's code is the module its `cmd` runs and every module of the project it imports,
+at the top of a file or inside a function, followed through the modules they import in
+turn (read with `ast`: nothing is imported here). Each of those files must be a dep of
+the stage (itself or a folder holding it), unless LEFT_OUT says why not; and each code
+dep must be something the stage imports, so no stale dep reruns a stage for nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import shlex
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from tests.repo import ROOT
+
+PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+PACKAGE = "stages"
+EVERY_STAGE = frozenset(PIPELINE)
+
+# Imported by these stages and still not their deps, on purpose: editing them must not
+# rerun the stage. Neither are the modules only they import followed.
+LEFT_OUT = {
+    # the command line: options, logging, signals, one-line errors; it hands the params
+    # (params.py, a dep) to the stage unchanged, and no byte of any out depends on it
+    "stages/cli.py": EVERY_STAGE,
+    # the demo model, for `demo:` model names: editing demo code must never rerun a
+    # 15-hour generation (validate depends on it: its training check's default model)
+    "stages/tinymodel.py": frozenset({"generate"}),
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_file(name: str, root: Path = ROOT) -> Optional[Path]:
+    """The file of module `name` in this checkout; None when `name` is no module (a
+    class or function imported from one)."""
+    base = root.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported(path: Path, root: Path = ROOT) -> set[str]:
+    """The project's modules (and their packages) that the file imports, anywhere in it."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package, one level up per extra dot
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if module_file(sub, root) else base)
+    mine = {m for m in found if m.split(".")[0] == PACKAGE}
+    return mine | {m.rsplit(".", k)[0] for m in mine for k in range(1, m.count(".") + 1)}
+
+
+def holds_code(path: Path) -> bool:
+    """False for a package marker: an __init__.py with nothing but a docstring."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+               for n in body)
+
+
+def stage_code(stage: str, left_out: dict = LEFT_OUT) -> set[str]:
+    """Paths (relative to the repo) of the code `stage` runs, less what `left_out` skips."""
+    argv = shlex.split(PIPELINE[stage]["cmd"])
+    assert argv[:2] == ["python", "-m"], PIPELINE[stage]["cmd"]
+    todo, seen, files = [argv[2]], set(), set()
+    while todo:
+        name = todo.pop()
+        path = module_file(name)
+        if name in seen or path is None:
+            continue
+        seen.add(name)
+        rel = path.relative_to(ROOT).as_posix()
+        if stage in left_out.get(rel, ()):
+            continue
+        if path.name != "__init__.py" or holds_code(path):
+            files.add(rel)
+        todo += imported(path)
+    return files
+
+
+def covers(dep: str, path: str) -> bool:
+    return path == dep or path.startswith(dep.rstrip("/") + "/")
+
+
+def deps(stage: str) -> list[str]:
+    return [d if isinstance(d, str) else next(iter(d)) for d in PIPELINE[stage]["deps"]]
+
+
+def code_deps(stage: str) -> list[str]:
+    """The deps that are code: a .py file, or a folder holding one."""
+    return [d for d in deps(stage) if d.endswith(".py")
+            or ((ROOT / d).is_dir() and any((ROOT / d).rglob("*.py")))]
+
+
+@pytest.mark.parametrize("stage", sorted(PIPELINE))
+def test_every_module_a_stage_imports_is_its_dep(stage):
+    missing = sorted(p for p in stage_code(stage) if not any(covers(d, p) for d in deps(stage)))
+    assert not missing, (
+        f"{stage} imports {missing}, which dvc.yaml does not list as its deps: add them "
+        "(or, if editing them must not rerun the stage, to LEFT_OUT with the reason)")
+
+
+@pytest.mark.parametrize("stage", sorted(PIPELINE))
+def test_every_code_dep_of_a_stage_is_imported_by_it(stage):
+    code = stage_code(stage)
+    stale = [d for d in code_deps(stage) if not any(covers(d, p) for p in code)]
+    assert not stale, f"dvc.yaml lists {stale} as deps of {stage}, which never imports them"
+
+
+def test_what_is_left_out_is_imported_and_not_a_dep():
+    for path, stages in LEFT_OUT.items():
+        for stage in stages:
+            assert path in stage_code(stage, left_out={}), (
+                f"LEFT_OUT: {stage} does not import {path}: remove it there")
+            assert not any(covers(d, path) for d in deps(stage)), (
+                f"{path} is in LEFT_OUT for {stage} and in its dvc.yaml deps")
+
+
+def test_imports_are_found_at_any_depth_and_relative(tmp_path):
+    """The reader itself, on a package laid out in subpackages."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "io").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""marker"""\n')
+    (pkg / "io" / "__init__.py").write_text("from .atomic import write\n")
+    (pkg / "io" / "atomic.py").write_text("def write(): pass\n")
+    (pkg / "io" / "names.py").write_text("X = 1\n")
+    (pkg / "run.py").write_text(
+        "import os\nfrom stages.io import atomic\n"
+        "def later():\n    from .io.names import X\n    return X\n")
+    assert imported(pkg / "run.py", tmp_path) == {"stages", "stages.io", "stages.io.atomic",
+                                        "stages.io.names"}
+    assert imported(pkg / "io" / "__init__.py", tmp_path) == {"stages", "stages.io", "stages.io.atomic"}
+    assert not holds_code(pkg / "__init__.py") and holds_code(pkg / "io" / "__init__.py")

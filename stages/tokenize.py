@@ -26,9 +26,9 @@ usage.prompt_tokens), and its supervised answer tokens against the engine's comp
 count; counts and the first examples go to the report's `serve_check`, and more than
 max_render_mismatch differing prompts fail the stage with the likely cause.
 
-num_proc worker processes take chunks of about equal bytes from a shared queue (long
-rows do not pile up in one worker); results are written in input order, so the output
-does not depend on num_proc. Each process encodes on one thread.
+num_proc worker processes (0: one per usable CPU) take chunks of about equal bytes from a
+shared queue (long rows do not pile up in one worker); results are written in input
+order, so the output does not depend on num_proc. Each process encodes on one thread.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import cli, outputs
+from stages import cli, cpus, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck
@@ -89,6 +89,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
     cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
     P.check_ranges(cfg, "tokenize")
+    # 0: a worker per usable CPU (the reading and writing here take little of one)
+    cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")

@@ -339,6 +339,8 @@ SHAPED_BY = {
     "stages/charts.py": {"merge", "validate"},  # the card links the pictures validate draws
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/cli.py": set(),
+    "stages/cpus.py": set(),  # how many processes: the output is the same for any count
+    "stages/headloss.py": {"validate"},
     "stages/decontam.py": {"prepare"},
     "stages/checker.py": {"prepare"},
 }

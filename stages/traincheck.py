@@ -69,6 +69,7 @@ def run(cfg: P.TrainCheck, folder: Path, max_seq_len: int) -> dict:
     """The report section of the check; TrainCheckFailed on the first miss."""
     import torch
 
+    started = time.perf_counter()
     device = _device(cfg.device)
     dtype = _dtype(cfg.dtype, device)
     memory = Memory(device)
@@ -127,6 +128,7 @@ def run(cfg: P.TrainCheck, folder: Path, max_seq_len: int) -> dict:
                           else {"skipped": longest_off} if longest_off else None),
     }
     out["process_peak_rss_mb"] = memory.process_peak_mb()
+    out["seconds"] = round(time.perf_counter() - started, 1)  # the whole check, loading included
     del model, head
     if device.type == "cuda":
         torch.cuda.empty_cache()

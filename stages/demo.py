@@ -169,7 +169,7 @@ def training_lines(val: dict, reports: Path) -> list[str]:
             f"train     {check['batches']} {check['layout']} steps of {check['tokens_per_batch']} "
             f"tokens on {check['device']} ({check['model']}): loss {check['loss'][-1]:.3f}, "
             f"{check['tokens_per_second']:.0f} tokens/s, peak {check['peak_memory_mb']:.0f} MB "
-            f"(validate's process: {check['process_peak_rss_mb']:.0f} MB)"
+            f"(validate: {check['process_peak_rss_mb']:.0f} MB)"
         )
         if "tokens" in longest:
             lines.append(f"          longest batch {longest['tokens']} tokens: peak "

@@ -159,7 +159,8 @@ class Conversations:
             msgs = self._prompt(picks, picks if system else None)
             content = pool.count(picks) * (2 if system else 1)
             self.overhead[system] = len(self.encoder.prompt_ids(msgs)) - content
-        self.think_end = len(tok.backend_tokenizer.encode("</think>\n\n", add_special_tokens=False).ids)
+        end = tok.backend_tokenizer.encode("</think>\n\n", add_special_tokens=False)
+        self.think_end = len(end.ids)
 
     def _picks(self, tokens: float) -> np.ndarray:
         return self.rng.integers(0, len(self.pool.texts), max(1, round(tokens / self.pool.mean)))
@@ -258,7 +259,8 @@ def _check_counts(path: Path, conv: Conversations, rows: int = 50) -> None:
             real = len(conv.encoder.prompt_ids(row["messages"][:-1], row.get("tools")))
             if real != row["usage"]["prompt_tokens"]:
                 raise RuntimeError(f"bench_seed: row {row['id']}: the paragraph sum gives "
-                                   f"{row['usage']['prompt_tokens']} prompt tokens, a render {real}")
+                                   f"{row['usage']['prompt_tokens']} prompt tokens, a "
+                                   f"render {real}")
 
 
 # ------------------------------------------------------------------------- base

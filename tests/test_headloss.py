@@ -57,7 +57,33 @@ def test_loss_and_gradients_equal_the_models_own(model, monkeypatch, packed):
     got.backward()
     have = gradients(model)
     assert abs(got.item() - own.item()) < 1e-5, (got.item(), own.item())
-    assert set(have) == set(want) and "lm_head.weight" in want or "model.embed_tokens.weight" in want
+    # the output layer is tied to the embeddings: one weight, both gradients in it
+    assert set(have) == set(want) and "model.embed_tokens.weight" in want
+    for name, grad in want.items():
+        torch.testing.assert_close(have[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_an_untied_output_layer_with_a_bias_gets_its_own_gradients():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=500, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    model.lm_head = torch.nn.Linear(32, 500, bias=True)  # what the model's forward applies
+    head = headloss.Head(model, "model")
+    head.rows = 5
+    batch = loader.collate_packed(rows([12, 30], 500, seed=2))
+    own = model(**loader.to_torch(batch), use_cache=False).loss
+    own.backward()
+    want = gradients(model)
+    got = chunked(model, head, batch)
+    got.backward()
+    have = gradients(model)
+    assert abs(got.item() - own.item()) < 1e-5
+    assert {"lm_head.weight", "lm_head.bias", "model.embed_tokens.weight"} <= set(want) == set(have)
     for name, grad in want.items():
         torch.testing.assert_close(have[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 

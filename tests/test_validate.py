@@ -595,7 +595,8 @@ def test_the_longest_batch_is_off_on_a_cpu_unless_asked_for(repo, demo_model_cac
         "off on cpu: longest_batch_tokens null means max_seq_len (64 tokens)")
     check = validate.run(train_cfg(longest_batch_tokens=64, device="cpu"), PATHS)["train_check"]
     longest = check["longest_batch"]
-    assert longest["tokens"] == 64 and longest["full_logits_mb"] == round(64 * 248077 * 4 / 2**20, 1)
+    assert longest["tokens"] == 64
+    assert longest["full_logits_mb"] == round(64 * 248077 * 4 / 2**20, 1)
 
 
 def test_the_process_peak_survives_the_steps_resets(repo, demo_model_cache):

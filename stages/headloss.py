@@ -11,7 +11,7 @@ grows with positions × hidden size (plus one chunk's logits and the output laye
 gradient), and the loss and gradients equal the model's own up to float rounding
 (tests/test_headloss.py holds them to it on the demo model).
 
-    head = Head(model)
+    head = Head(model, "validate.train_check.model: PATH")   # where, for its errors
     hidden = last_hidden(model, inputs)                # [positions, hidden size]
     losses = token_losses(head, hidden, targets)       # [target rows, positions]
     loss = mean_loss(losses[0], targets[0])            # what model(**batch).loss gives

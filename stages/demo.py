@@ -166,11 +166,14 @@ def training_lines(val: dict, folder: Path) -> list[str]:
         lines.append(
             f"train     {check['batches']} {check['layout']} steps of {check['tokens_per_batch']} "
             f"tokens on {check['device']} ({check['model']}): loss {check['loss'][-1]:.3f}, "
-            f"{check['tokens_per_second']:.0f} tokens/s, peak {check['peak_memory_mb']:.0f} MB"
+            f"{check['tokens_per_second']:.0f} tokens/s, peak {check['peak_memory_mb']:.0f} MB "
+            f"(validate: {check['process_peak_rss_mb']:.0f} MB)"
         )
-        if longest:
+        if "tokens" in longest:
             lines.append(f"          longest batch {longest['tokens']} tokens: peak "
                          f"{longest['peak_memory_mb']:.0f} MB, {longest['seconds']:.1f} s")
+        elif longest:
+            lines.append(f"          longest batch {longest['skipped']}")
         worst = max(check["max_loss_difference"].values(), default=0.0)
         lines.append(f"          labels follow loss_mask; packed = padded = alone per token "
                      f"(max difference {worst:.1g})")

@@ -232,7 +232,7 @@ class Tokenize:
     on_too_long: Literal["drop", "truncate"] = "drop"
     keep_truncated: bool = False
     min_loss_tokens: int = ranged(1, ge=0, le=INT32)
-    num_proc: int = ranged(1, ge=1, le=MAX_PROCS)
+    num_proc: int = ranged(0, ge=0, le=MAX_PROCS)  # 0: one per usable CPU
     shard_rows: int = ranged(20000, ge=1, le=INT32)
     # rows whose prompt may differ from what the engine served before the stage fails
     max_render_mismatch: int = ranged(0, ge=0, le=INT64)

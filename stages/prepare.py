@@ -45,7 +45,7 @@ import orjson
 import xxhash
 
 from stages import checker as checker_mod
-from stages import cli, decontam, outputs, sources, toolturns
+from stages import cli, cpus, decontam, outputs, sources, toolturns
 from stages import messages as contract
 from stages import params as P
 from stages.errors import StageError, json_type
@@ -512,19 +512,11 @@ class _Evals:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _auto_workers() -> int:
     """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
     or fewer that is a single process, because workers would only compete with it (a
     decontamination checker, which takes less of a core, may run beside it)."""
-    n = min(_cpus() - 1, 8)
+    n = min(cpus.usable() - 1, 8)
     return n if n >= 2 else 1
 
 
@@ -555,7 +547,7 @@ def _cpu_to_spare(since: Optional[tuple[int, int]]) -> bool:
     now = _cpu_times()
     if since is None or now is None or now[1] <= since[1]:
         return False
-    return (now[0] - since[0]) / (now[1] - since[1]) * _cpus() >= 0.5
+    return (now[0] - since[0]) / (now[1] - since[1]) * cpus.usable() >= 0.5
 
 
 class _LimitSampler:

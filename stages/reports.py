@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Optional
+
+from stages import cpus
 
 RUN_FOLDER = "runs"
 
@@ -49,9 +50,11 @@ RUN: dict[str, tuple[str, ...]] = {
     "merge": ("seconds", "bytes_written", "shards.base_linked", "shards.base_copied",
               "shards.new_linked", "shards.new_copied"),
     "validate": ("seconds", "train_check.tokens_per_second", "train_check.batches_per_second",
-                 "train_check.peak_memory_mb", "train_check.memory",
-                 "train_check.longest_batch.peak_memory_mb",
-                 "train_check.longest_batch.seconds"),
+                 "train_check.peak_memory_mb", "train_check.peak_memory_mb_per_step",
+                 "train_check.process_peak_rss_mb", "train_check.memory",
+                 "train_check.seconds", "train_check.longest_batch.peak_memory_mb",
+                 "train_check.longest_batch.seconds",
+                 "train_check.longest_batch.full_logits_mb"),
 }
 
 
@@ -84,11 +87,7 @@ def split(stage: str, report: dict) -> tuple[dict, dict]:
 
 def host() -> dict:
     """What the timings and memory figures of a run depend on besides the data."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count()
-    return {"cpus": cpus, "machine": platform.machine(), "system": platform.system(),
+    return {"cpus": cpus.usable(), "machine": platform.machine(), "system": platform.system(),
             "python": platform.python_version()}
 
 

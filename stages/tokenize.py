@@ -33,9 +33,9 @@ ids: engine (stages/enginerows.py) makes each row from the engine's own prompt a
 generated ids, loss on exactly the generated ones; a row without them is counted and
 rendered or dropped (on_missing_ids).
 
-num_proc worker processes take chunks of about equal bytes from a shared queue (long
-rows do not pile up in one worker); results are written in input order, so the output
-does not depend on num_proc. Each process encodes on one thread.
+num_proc worker processes (0: one per usable CPU) take chunks of about equal bytes from a
+shared queue (long rows do not pile up in one worker); results are written in input
+order, so the output does not depend on num_proc. Each process encodes on one thread.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import cli, enginerows, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck
@@ -98,6 +97,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
     cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
     P.check_ranges(cfg, "tokenize")
+    # 0: a worker per usable CPU (the reading and writing here take little of one)
+    cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")

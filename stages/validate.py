@@ -49,7 +49,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import charts, cli, loader, outputs, traincheck
+from stages import charts, cli, cpus, loader, outputs, traincheck
 from stages import params as P
 from stages.errors import StageError
 from stages.idhashes import IdHashes
@@ -234,9 +234,8 @@ def _idle_cpus() -> int:
     Summaries are memory-bound numpy work: a second thread on a CPU someone else keeps
     busy only adds hand-offs.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(4, int((cpus or 1) - busy + 0.5)))
+    return max(1, min(4, int(cpus.usable() - busy + 0.5)))
 
 
 # ---------------------------------------------------------------- dataset checks
@@ -255,17 +254,25 @@ def _training(cfg: P.Validate, findings: Findings, data: Path) -> tuple[Optional
     if missing:
         log.warning("training check skipped: %s", missing)
         return budget, {"skipped": missing}
-    findings.expect("train_step")
     try:
         result = traincheck.run(tc, data, cfg.max_seq_len)
     except traincheck.TrainCheckFailed as e:
+        findings.expect("train_step")
         findings.add("train_step", 1, [str(e)])
         return budget, {"failed": str(e)}
+    if "skipped" in result:
+        log.warning("training check skipped: %s", result["skipped"])
+        return budget, result
+    findings.expect("train_step")
     longest = result["longest_batch"] or {}
-    log.info("training check: %d steps of %s batches on %s, %.0f tokens/s, peak %.0f MB; "
-             "longest batch %s tokens, peak %s MB", result["batches"], result["layout"],
-             result["device"], result["tokens_per_second"], result["peak_memory_mb"],
-             longest.get("tokens", "-"), longest.get("peak_memory_mb", "-"))
+    log.info("training check: %d steps of %s batches on %s (%d longer rows skipped), "
+             "%.0f tokens/s, peak %.0f MB; longest batch %s; process peak RSS %.0f MB",
+             result["batches"], result["layout"], result["device"],
+             result["longer_than_batch"]["rows"], result["tokens_per_second"],
+             result["peak_memory_mb"],
+             f"{longest['tokens']} tokens, peak {longest['peak_memory_mb']:.0f} MB"
+             if "tokens" in longest else longest.get("skipped", "off"),
+             result["process_peak_rss_mb"])
     return budget, result
 
 

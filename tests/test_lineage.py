@@ -344,6 +344,8 @@ SHAPED_BY = {
     "stages/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/tokenizer.py": {"generate", "tokenize", "validate"},  # validate: the demo model's
     "stages/cli.py": set(),
+    "stages/cpus.py": set(),  # how many processes: the output is the same for any count
+    "stages/headloss.py": {"validate"},
     "stages/decontam.py": {"prepare"},
     "stages/checker.py": {"prepare"},
 }

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from stages import params as P
-from stages import checker, prepare, reports, sources
+from stages import checker, cpus, prepare, reports, sources
 from stages.errors import StageError
 from tests import stagecli
 
@@ -739,7 +739,7 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
 
 
 def test_the_checker_starts_only_beside_an_idle_cpu(monkeypatch):
-    monkeypatch.setattr(prepare, "_cpus", lambda: 2)
+    monkeypatch.setattr(cpus, "usable", lambda: 2)
     since = (100, 1000)  # (idle, all) ticks of this process's CPUs
     for now, spare in (((600, 2000), True), ((350, 2000), True), ((200, 2000), False), (None, False)):
         monkeypatch.setattr(prepare, "_cpu_times", lambda: now)

@@ -5,6 +5,7 @@ row: tests/test_servecheck.py; these rows carry no engine token counts.)"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 
+from stages import cpus
 from stages import tokenize as TK
 from stages.chat import ChatEncoder
 from stages.errors import StageError
@@ -132,23 +134,28 @@ def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
     assert set(fp["versions"]) == {"transformers", "tokenizers", "datasets", "pyarrow"}
 
 
-def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch):
+def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch, caplog):
     rows = [completion(i, f"s{i % 3}", qa(f"question {i} " * (i % 7 + 1),
                                           f"answer {i} " * (i * 13 % 50 + 1)))
             for i in range(60)]
     src = write(tmp_path / "c.jsonl", rows)
     monkeypatch.setattr(TK, "CHUNK_ROWS", 4)  # many chunks, handed out as workers free up
-    one = TK.tokenize_file(src, tmp_path / "one", num_proc=1, shard_rows=25)
-    two = TK.tokenize_file(src, tmp_path / "two", num_proc=2, shard_rows=25)
+    monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither of the others
+    caplog.set_level(logging.INFO, logger=TK.log.name)
+    reports = {name: TK.tokenize_file(src, tmp_path / name, num_proc=n, shard_rows=25)
+               for name, n in (("one", 1), ("two", 2), ("auto", 0))}
+    started = [r.getMessage() for r in caplog.records if "process(es)" in r.getMessage()]
+    assert [m.rsplit(", ", 1)[1] for m in started] == [f"{n} process(es)" for n in (1, 2, 3)]
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
     assert [n for n in names if n.endswith(".arrow")] == [
         f"data-0000{i}-of-00003.arrow" for i in range(3)]
-    for name in names:
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
-    for key in ("rows", "tokens", "loss_tokens", "sources"):
-        assert one[key] == two[key]
-    assert load(tmp_path / "two")["id"] == [f"c{i}" for i in range(60)]
+    for other in ("two", "auto"):
+        assert names == sorted(p.name for p in (tmp_path / other).iterdir())
+        for name in names:
+            assert (tmp_path / "one" / name).read_bytes() == (tmp_path / other / name).read_bytes()
+        for key in ("rows", "tokens", "loss_tokens", "sources"):
+            assert reports["one"][key] == reports[other][key]
+    assert load(tmp_path / "auto")["id"] == [f"c{i}" for i in range(60)]
 
 
 def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
@@ -279,7 +286,7 @@ def test_empty_input_gives_an_empty_dataset(tmp_path):
 
 def test_params_are_checked(tmp_path, src):
     with pytest.raises(ParamError, match="tokenize.num_proc"):
-        TK.tokenize_file(src, tmp_path / "out", num_proc=0)
+        TK.tokenize_file(src, tmp_path / "out", num_proc=-1)
     with pytest.raises(StageError, match="completions file not found"):
         TK.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages import cli
+from stages import cli, cpus
 from stages import params as P
 from stages import validate
 from stages.errors import StageError
@@ -372,6 +372,24 @@ def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
     assert report["checks"]["mask_binary"]["failures"] == len(bad)
 
 
+def test_the_report_is_the_same_whatever_the_threads(repo, monkeypatch):
+    monkeypatch.setattr(validate, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither 1 nor 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    parts = shards(5, 7)
+    for r in [r for p in parts for r in p][::5]:
+        mask_two(r)
+    write(repo, parts)
+    reports = []
+    for threads in (1, 2, 0):
+        failures(threads=threads)
+        report = json.loads(Path("reports/validate.json").read_text())
+        report.pop("seconds")
+        reports.append(report)
+    assert validate._idle_cpus() == 3
+    assert reports[0] == reports[1] == reports[2]
+
+
 @pytest.mark.parametrize("values, longest, skip", [
     ([0, 1, 1, 1, 2, -1], 12, 7),  # bad values: the per-row count path
     ([0, 1, 1], 40, 7),  # only 0/1: read eight bytes at a time, from an odd offset
@@ -541,3 +559,80 @@ def test_out_of_range_train_check_params_are_named(repo, key, value):
     write(repo, shards())
     with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
         validate.run(train_cfg(**{key: value}), PATHS)
+
+
+def rows_of_lengths(lengths: list[int]) -> list[list[dict]]:
+    return [[row(f"r{k}", prompt=2, answer=n - 2) for k, n in enumerate(lengths)]]
+
+
+def test_rows_longer_than_a_batch_are_skipped_and_counted(repo, demo_model_cache):
+    lengths = [30, 9, 12, 40, 7, 11, 25, 10, 8]
+    write(repo, rows_of_lengths(lengths))
+    report = validate.run(train_cfg(tokens_per_batch=12, batches=100), PATHS)
+    check = report["train_check"]
+    assert report["passed"] and report["checks"]["train_step"]["passed"]
+    longer = sum(n > 12 for n in lengths)
+    assert check["longer_than_batch"] == {"rows": longer, "of_rows_read": len(lengths)}
+    assert check["rows"] == len(lengths) - longer
+    assert check["tokens"] == sum(n for n in lengths if n <= 12)
+    assert len(check["peak_memory_mb_per_step"]) == check["batches"]
+
+
+def test_when_no_row_fits_a_batch_the_check_says_so_and_validate_passes(repo, demo_model_cache):
+    write(repo, rows_of_lengths([30, 9, 12]))
+    report = validate.run(train_cfg(tokens_per_batch=8), PATHS)
+    assert report["passed"] and "train_step" not in report["checks"]
+    assert report["train_check"] == {
+        "skipped": "no row of data/merged fits in validate.train_check.tokens_per_batch 8: "
+                   "all 3 rows are longer (the shortest has 9 tokens)",
+        "longer_than_batch": {"rows": 3, "of_rows_read": 3}}
+
+
+def test_the_longest_batch_is_off_on_a_cpu_unless_asked_for(repo, demo_model_cache):
+    write(repo, shards(3, 8))
+    check = validate.run(train_cfg(longest_batch_tokens=None, device="cpu"), PATHS)["train_check"]
+    assert check["longest_batch"]["skipped"].startswith(
+        "off on cpu: longest_batch_tokens null means max_seq_len (64 tokens)")
+    check = validate.run(train_cfg(longest_batch_tokens=64, device="cpu"), PATHS)["train_check"]
+    longest = check["longest_batch"]
+    assert longest["tokens"] == 64
+    assert longest["full_logits_mb"] == round(64 * 248077 * 4 / 2**20, 1)
+
+
+def test_the_process_peak_survives_the_steps_resets(repo, demo_model_cache):
+    """Each step resets the process's high-water mark (VmHWM); the report keeps the
+    process's own peak, here one set before the check by 1.5 GB touched and let go
+    (RSS counters are synced in batches of pages: a MB of slack)."""
+    write(repo, shards(3, 8))
+    block = np.ones(1536 << 20, np.uint8)
+    peak_before = status_mb("VmHWM")
+    del block
+    check = validate.run(train_cfg(), PATHS)["train_check"]
+    assert check["process_peak_rss_mb"] >= peak_before - 1
+    assert max(check["peak_memory_mb_per_step"]) == check["peak_memory_mb"] < peak_before - 500
+    assert status_mb("VmHWM") < peak_before - 500  # what /usr/bin/time would report
+
+
+def status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return int(status[key].split()[0]) / 1024
+
+
+def test_a_model_whose_logits_are_not_its_output_layer_is_named(repo, tmp_path):
+    """Gemma 2 soft-caps its logits: the chunked loss would not be its loss."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, final_logit_softcapping=1.0, initializer_range=1.0,
+                          pad_token_id=0)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    write(repo, shards(3, 8))
+    with pytest.raises(StageError) as e:
+        validate.run(train_cfg(model=str(tmp_path / "gemma2")), PATHS)
+    assert str(e.value).startswith(f"validate.train_check.model: {tmp_path / 'gemma2'}: its own "
+                                   "loss (")
+    assert "the check's chunked loss cannot stand for this model's" in str(e.value)

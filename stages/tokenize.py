@@ -58,6 +58,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
+from stages import cli, cpus, enginerows, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck

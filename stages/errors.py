@@ -46,12 +46,12 @@ def parse_json(text: bytes | str) -> Any:
     try:
         doc = json.loads(text)
     except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+        raise ValueError("nested too deeply") from None
     # a value cannot nest deeper than it has brackets: most text needs no walk at all
     brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
         text.count(b"{" if isinstance(text, bytes) else "{")
     if brackets > MAX_DEPTH and deeper_than(doc, MAX_DEPTH):
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        raise ValueError("nested too deeply")
     return doc
 
 

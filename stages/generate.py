@@ -69,7 +69,7 @@ from stages.client import (
     engine_tokens,
     parse_reply,
 )
-from stages.errors import StageError, json_object, writable
+from stages.errors import StageError, json_object, open_regular, parse_json, writable
 from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
 from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
@@ -184,7 +184,7 @@ class PromptLocations:
         keys = bytearray()
         pos = 0
         try:
-            f = open(path, "rb")
+            f = open_regular(path)
         except FileNotFoundError:
             raise StageError(f"{path}: not found (run the prepare stage first)") from None
         with f:
@@ -258,8 +258,8 @@ class PromptLocations:
 def cached_record(js: bytes) -> Optional[dict]:
     """A cache record as written by Generation, or None for anything else on disk."""
     try:
-        rec = json.loads(js)
-    except (ValueError, RecursionError):  # UnicodeDecodeError included
+        rec = parse_json(js)
+    except ValueError:  # UnicodeDecodeError included
         return None
     if not isinstance(rec, dict):
         return None

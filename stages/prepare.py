@@ -33,7 +33,6 @@ import multiprocessing
 import operator
 import os
 import shutil
-import tempfile
 import time
 import unicodedata
 from collections import Counter, deque
@@ -45,7 +44,7 @@ import orjson
 import xxhash
 
 from stages import checker as checker_mod
-from stages import cli, decontam, outputs, sources
+from stages import children, cli, decontam, outputs, sources
 from stages import messages as contract
 from stages import params as P
 from stages.errors import StageError, json_type
@@ -66,7 +65,7 @@ def run(cfg: P.Prepare, paths) -> dict:
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
     workers = _Workers(cfg.num_proc or _auto_workers())
-    evals = _Evals(cfg, workers.n > 1)
+    evals = _Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
             with open(tmp / contract.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
@@ -265,7 +264,8 @@ class _Workers:
     def get(self):
         if self.pool is None:
             # spawn, not fork: a source read earlier may have started pyarrow/datasets threads
-            self.pool = multiprocessing.get_context("spawn").Pool(self.n)
+            self.pool = multiprocessing.get_context("spawn").Pool(
+                self.n, initializer=children.init_worker, initargs=(os.getpid(),))
             log.info("started %d worker processes", self.n)
         return self.pool
 
@@ -435,8 +435,9 @@ class _Evals:
     worker processes find it (or the checker process, without workers), and the count of
     prompts it drops."""
 
-    def __init__(self, cfg: P.Prepare, workers: bool):
+    def __init__(self, cfg: P.Prepare, workers: bool, out: Path):
         self.key: Optional[str] = None
+        self.out = out  # the index is saved beside it (outputs.scratch_dir)
         self.folder: Optional[str] = None
         policy = cfg.decontaminate
         self.policy = policy
@@ -459,9 +460,10 @@ class _Evals:
         decontam.register(self.key, self.index)
 
     def saved(self) -> str:
-        """The folder of the index, saved once for the processes that memory-map it."""
+        """The folder of the index, saved once for the processes that memory-map it;
+        where a run killed outright left one, the next run removes it."""
         if self.folder is None:
-            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.folder = str(outputs.scratch_dir(self.out, "evals"))
             self.index.save(Path(self.folder))
         return self.folder
 
@@ -470,6 +472,9 @@ class _Evals:
         proves large, if a CPU sits idle then (else not at all this run), and takes groups
         once it has loaded the index."""
         if self.checker is None:
+            return False
+        if self.checker.gave_up:  # it stopped answering: this process checks from now on
+            self.checker = None
             return False
         if self.checker.proc is None:
             if not _cpu_to_spare(self.cpu_times):

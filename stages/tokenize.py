@@ -42,7 +42,6 @@ import json
 import logging
 import multiprocessing
 import os
-import signal
 import time
 from array import array
 from pathlib import Path
@@ -51,7 +50,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import cli, outputs
+from stages import children, cli, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck
@@ -90,8 +89,10 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
     P.check_ranges(cfg, "tokenize")
     src, dst = Path(src), Path(dst)
-    if not src.is_file():
+    if not src.exists():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
+    if not src.is_file():  # a FIFO would block the reader
+        raise StageError(f"{src}: not a regular file")
     started = time.monotonic()
     tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
                                   _file_stamp(cfg.chat_template))
@@ -270,7 +271,7 @@ def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
     inherit the loaded tokenizer instead of loading it again)."""
     ctx = multiprocessing.get_context("fork")
     window = collections.deque()
-    pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+    pool = ctx.Pool(cfg.num_proc, initializer=children.init_worker, initargs=(os.getpid(),))
     try:
         for chunk in _line_chunks(src, cfg.num_proc):
             window.append(pool.apply_async(work, (chunk,)))
@@ -286,13 +287,6 @@ def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
         raise
     finally:
         pool.join()
-
-
-def _worker_signals() -> None:
-    # Ctrl-C is the parent's to handle: it stops the pool, and nothing partial is kept;
-    # SIGTERM (terminate()) must end a worker at once, whatever handler fork copied
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------- one chunk

@@ -331,7 +331,7 @@ def test_no_key_or_password_anywhere_under_data_or_reports(runs):
 SHAPED_BY = {
     "stages/params.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
-    "stages/errors.py": {"prepare", "generate", "tokenize", "merge"},
+    "stages/errors.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/messages.py": {"prepare", "generate", "tokenize"},
     "stages/secrets.py": {"generate", "merge"},
     "stages/schema.py": {"prepare", "tokenize", "merge", "validate"},
@@ -341,6 +341,9 @@ SHAPED_BY = {
     "stages/cli.py": set(),
     "stages/decontam.py": {"prepare"},
     "stages/checker.py": {"prepare"},
+    "stages/children.py": {"prepare", "tokenize"},
+    "stages/logpipe.py": {"generate"},
+    "stages/markdown.py": {"merge"},
 }
 
 

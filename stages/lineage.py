@@ -67,7 +67,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "base_rows": merge_report["base"]["rows"] - merge_report["duplicates"]["dropped_base_rows"],
         "new_rows": merge_report["new"]["rows"] - merge_report["duplicates"]["dropped_new_rows"],
         "tokens": merged["tokens"],
-        "model": generate.get("model"),
+        "model": _text(generate.get("model")),
         "state_hash": state_hash,
     }
     lineage = {
@@ -137,6 +137,12 @@ def _mapping(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _text(value: Any) -> Optional[str]:
+    """`value` if it is a string (a model name), else None: the next merge reads it back
+    as a history entry, whose fields have their types (`_checked`)."""
+    return value if isinstance(value, str) else None
+
+
 def _strings(value: Any) -> Optional[list[str]]:
     """`value` if it is a list of strings (an argv, URLs), else None."""
     ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
@@ -153,7 +159,7 @@ def served_model(generate: dict) -> dict:
     args, command = _strings(server.get("args")), _strings(server.get("command"))
     urls = _strings(server.get("urls")) or _strings([server.get("url")]) or []
     return {
-        "name": generate.get("model"),
+        "name": _text(generate.get("model")),
         "engine": server.get("engine"),
         "engine_version": server.get("version"),
         "launched": "args" in server,

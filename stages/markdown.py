@@ -32,8 +32,10 @@ def code(value: Any, cell: bool = False) -> str:
     line = _one_line(value)
     longest = max((len(run) for run in re.findall(r"`+", line)), default=0)
     fence = "`" * (longest + 1)
-    if not line or line.startswith("`") or line.endswith("`"):
-        line = f" {line} "
+    if not line:
+        line = " "  # an empty span is no span
+    elif line.startswith("`") or line.endswith("`"):
+        line = f" {line} "  # the renderer strips one space from each end
     if cell:
         line = line.replace("|", "\\|")
     return f"{fence}{line}{fence}"

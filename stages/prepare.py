@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import multiprocessing
 import operator
 import os
 import shutil
@@ -259,20 +258,18 @@ class _Workers:
 
     def __init__(self, n: int):
         self.n = n
-        self.pool = None
+        self.pool: Optional[children.Workers] = None
 
-    def get(self):
+    def get(self) -> children.Workers:
         if self.pool is None:
             # spawn, not fork: a source read earlier may have started pyarrow/datasets threads
-            self.pool = multiprocessing.get_context("spawn").Pool(
-                self.n, initializer=children.init_worker, initargs=(os.getpid(),))
+            self.pool = children.Workers("spawn", self.n)
             log.info("started %d worker processes", self.n)
         return self.pool
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.terminate()
-            self.pool.join()
 
 
 def _prepared_groups(
@@ -294,10 +291,10 @@ def _prepared_groups(
                         probe.see(item, reader.where(pos))
             meta = (reader.current, reader.unit, positions)
             if workers.n > 1 and sent >= LOCAL_ROWS:
-                pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                pending.append((meta, workers.get().submit(_work, spec, items)))
                 while len(pending) > 4 * workers.n:
                     meta, job = pending.popleft()
-                    yield meta + job.get()
+                    yield meta + _result(job, workers)
             elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
                 pending.append((meta, _CheckJob(evals.checker, spec, items)))
                 while len(pending) > checker_mod.CHECK_AHEAD:
@@ -309,10 +306,17 @@ def _prepared_groups(
         probe.finish()
         while pending:
             meta, job = pending.popleft()
-            yield meta + job.get()
+            yield meta + _result(job, workers)
     finally:
         if pending and evals.checker is not None:  # left early: replies the next source must not read
             evals.checker.close()
+
+
+def _result(job, workers: _Workers) -> tuple:
+    """A group's result from a worker process or from the checker."""
+    if isinstance(job, _CheckJob):
+        return job.get()
+    return workers.get().result(job, "prepare")
 
 
 class _CheckJob:

@@ -238,9 +238,10 @@ def _request(
 
 def _read_bounded(response, end: float) -> bytes:
     """A response body, or OSError once it passes MAX_PROBE_BYTES or the deadline `end`
-    (each read waits at most the socket timeout: a trickle would never end)."""
+    (each read waits at most the socket timeout: a trickle would never end). read1: one
+    read of the socket (one chunk of a chunked body) at a time, so the deadline is seen."""
     chunks, size = [], 0
-    while chunk := response.read(1 << 16):
+    while chunk := response.read1(1 << 16):
         size += len(chunk)
         if size > MAX_PROBE_BYTES:
             raise ConnectionError(f"an answer over {MAX_PROBE_BYTES} bytes")
@@ -400,12 +401,12 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
     end = time.monotonic() + deadline
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     pause, warned = 0.5, False
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+    async with aiohttp.ClientSession(headers=headers) as session:
         while True:
             names, listless, last = set(), False, ""
             for url in urls:
-                status, data, why = await _get_models(session, url)
+                left = max(end - time.monotonic(), 1.0)  # one GET cannot outlast the deadline
+                status, data, why = await _get_models(session, url, min(left, 30.0))
                 if status in (401, 403):
                     raise StageError(
                         f"{url}/v1/models answered HTTP {status}: check the API key "
@@ -437,14 +438,16 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
             pause = min(pause * 2, 10.0)
 
 
-async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
+async def _get_models(session: Any, url: str,
+                      timeout: float) -> tuple[Optional[int], Any, str]:
     """(status, parsed body or None, what went wrong) of GET url/v1/models."""
     import aiohttp
 
     from stages.client import read_capped
 
     try:
-        async with session.get(url + "/v1/models", allow_redirects=False) as r:
+        async with session.get(url + "/v1/models", allow_redirects=False,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             raw = await read_capped(r, MAX_PROBE_BYTES)
             status = r.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

@@ -40,7 +40,6 @@ import functools
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import time
 from array import array
@@ -269,24 +268,21 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder) -> Iterator["Chun
 def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
     """Chunk results in input order from `num_proc` forked workers (forked: they
     inherit the loaded tokenizer instead of loading it again)."""
-    ctx = multiprocessing.get_context("fork")
     window = collections.deque()
-    pool = ctx.Pool(cfg.num_proc, initializer=children.init_worker, initargs=(os.getpid(),))
+    workers = children.Workers("fork", cfg.num_proc)
     try:
         for chunk in _line_chunks(src, cfg.num_proc):
-            window.append(pool.apply_async(work, (chunk,)))
+            window.append(workers.submit(work, chunk))
             if len(window) >= 3 * cfg.num_proc:
-                yield window.popleft().get()
+                yield workers.result(window.popleft(), "tokenize")
         while window:
-            yield window.popleft().get()
+            yield workers.result(window.popleft(), "tokenize")
         # all done: workers exit on their own (terminate() kills them mid-queue, where
         # one holding the queue's lock can leave another waiting on it for ever)
-        pool.close()
+        workers.close()
     except BaseException:
-        pool.terminate()
+        workers.terminate()
         raise
-    finally:
-        pool.join()
 
 
 # ---------------------------------------------------------------- one chunk

@@ -5,10 +5,17 @@ On a machine of two CPUs prepare runs in one process (workers would only compete
 it), which leaves one CPU idle; checking there takes most of decontamination's cost off
 prepare. prepare sends each batch as its counts and one packed buffer (decontam.pack) and
 reads the answers back in the order it sent them, CHECK_AHEAD batches ahead at most.
+
+An answer is awaited CHECK_TIMEOUT seconds at most: a checker that was stopped (SIGSTOP)
+or starved gives none, and prepare then checks the batches it holds itself (their texts
+are still at hand), with a warning, and stops the checker. Batches leave from a thread
+of their own, so a full pipe to a checker that reads nothing never holds prepare up; and
+stopping never waits on it for ever: a process deaf to SIGTERM (or stopped) is killed.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import queue
@@ -20,7 +27,13 @@ from typing import Callable, Optional, Sequence
 from stages import decontam
 from stages.errors import StageError
 
+log = logging.getLogger("prepare")
+
 CHECK_AHEAD = 4  # batches sent to the checker and not yet answered, at most
+# a batch is checked in milliseconds to a second; this long without an answer, the
+# checker is stopped or starved of CPU
+CHECK_TIMEOUT = 60.0
+STOP_TIMEOUT = 5.0  # seconds a checker has to exit on SIGTERM before SIGKILL
 _PIPE_BYTES = 1 << 20  # asked of the pipe to the checker: CHECK_AHEAD batches' texts fit
 
 
@@ -28,12 +41,17 @@ class Checker:
     """The checker process of one run, started on the first `ready()`; `folder()` gives
     the saved index it memory-maps. Until it has loaded the index it is not ready."""
 
-    def __init__(self, folder: Callable[[], str]):
+    def __init__(self, folder: Callable[[], str], timeout: float = CHECK_TIMEOUT):
         self.folder = folder
-        self.proc = self.asks = self.answers = None
+        self.timeout = timeout
+        self.proc = self.asks = self.answers = self._sender = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.loaded = False
+        self.gave_up = False  # it did not answer in time: every batch is checked here
 
     def ready(self) -> bool:
+        if self.gave_up:
+            return False
         if self.proc is None:
             ctx = multiprocessing.get_context("spawn")  # as prepare's workers
             asks, self.asks = ctx.Pipe(duplex=False)
@@ -43,21 +61,39 @@ class Checker:
             self.proc.start()
             asks.close()
             answers.close()
+            self._outbox = queue.SimpleQueue()
+            self._sender = threading.Thread(target=_send_batches, args=(self._outbox, self.asks),
+                                            daemon=True, name="checker-send")
+            self._sender.start()
         if not self.loaded and self.answers.poll():
             self.loaded = self._reply() == "loaded"
         return self.loaded
 
     def send(self, texts: Sequence[str], counts: list[int]) -> None:
         """Texts of prompts (counts[p] of them for prompt p), as Index.check takes them."""
-        try:
-            self.asks.send(counts)
-            self.asks.send_bytes(decontam.pack(texts))
-        except OSError:  # a broken pipe
-            raise _gone() from None
+        if self.gave_up:
+            return  # hits() answers None: the caller checks them
+        if not self.proc.is_alive():
+            raise _gone()
+        self._outbox.put((counts, decontam.pack(texts)))
 
     def hits(self) -> Optional[list]:
         """Index.check's answer for the oldest batch sent and not yet answered, or None
-        when a text held \\0, which a packed buffer cannot tell apart: check it here."""
+        when the caller must check it itself: a text held \\0, which a packed buffer
+        cannot tell apart, or the checker gave no answer in time."""
+        if self.gave_up:
+            return None
+        try:
+            answered = self.answers.poll(self.timeout)
+        except (EOFError, OSError):
+            raise _gone() from None
+        if not answered:
+            log.warning("decontamination checker (pid %d): no answer for %g s (stopped, or "
+                        "starved of CPU): checking in this process from here on",
+                        self.proc.pid, self.timeout)
+            self.close()
+            self.gave_up = True
+            return None
         return self._reply()
 
     def _reply(self):
@@ -71,12 +107,28 @@ class Checker:
 
     def close(self) -> None:
         if self.proc is not None:
+            self._outbox.put(None)
+            self.proc.terminate()
+            self.proc.join(STOP_TIMEOUT)
+            if self.proc.exitcode is None:  # stopped, or deaf to SIGTERM: SIGKILL ends both
+                self.proc.kill()
+                self.proc.join()
+            # the process is gone: a send blocked on a full pipe fails and its thread ends
+            self._sender.join(STOP_TIMEOUT)
             self.asks.close()
             self.answers.close()
-            self.proc.terminate()
-            self.proc.join()
-            self.proc = self.asks = self.answers = None
+            self.proc = self.asks = self.answers = self._sender = None
             self.loaded = False
+
+
+def _send_batches(outbox: queue.SimpleQueue, asks) -> None:
+    """prepare's side: send each (counts, packed texts) until None comes."""
+    while (batch := outbox.get()) is not None:
+        try:
+            asks.send(batch[0])
+            asks.send_bytes(batch[1])
+        except OSError:  # the checker is gone: hits() says so
+            return
 
 
 def _gone() -> StageError:

@@ -115,6 +115,16 @@ def pipeline_command(section: str, pipeline: Path = PIPELINE) -> list[str]:
     return shlex.split(doc["stages"][section]["cmd"])
 
 
+def pipeline_outs(pipeline: Path = PIPELINE) -> list[str]:
+    """Every out of every stage in dvc.yaml (paths a stage replaces as a whole)."""
+    doc = yaml.safe_load(pipeline.read_text(encoding="utf-8"))
+    found = []
+    for stage in doc["stages"].values():
+        for out in stage.get("outs") or []:
+            found.extend(out if isinstance(out, dict) else [out])
+    return found
+
+
 def pipeline_paths(section: str, paths: dict[str, str],
                    pipeline: Path = PIPELINE) -> argparse.Namespace:
     """The paths dvc.yaml gives the stage, for running it without DVC."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import re
 import time
@@ -43,7 +44,7 @@ import aiohttp
 
 from stages import engineids, replies
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, parse_json
 from stages.secrets import Redactor, strip_url_credentials
 
 CHAT_PATH = "/v1/chat/completions"
@@ -220,14 +221,18 @@ class BodyEncoder:
     """
 
     def __init__(self, model: str, sampling: Sampling, engine: str):
-        probe = {"id": "\0rid\0", "messages": "\0messages\0"}
+        # markers no model name can hold (the name is in the body too, and a server
+        # names it): a nonce of this run
+        nonce = os.urandom(8).hex()
+        messages, rid = f"\0messages-{nonce}\0", f"\0rid-{nonce}\0"
+        probe = {"id": rid, "messages": messages}
         marked = dataclasses.replace(sampling, max_tokens=_MAX_TOKENS_MARK)
         text = json.dumps(build_body(probe, model, marked, engine), ensure_ascii=False)
-        self._head, rest = text.split('"\\u0000messages\\u0000"')
+        self._head, rest = text.split(json.dumps(messages))
         self._to_max_tokens, rest = rest.split(str(_MAX_TOKENS_MARK), 1)  # max_tokens precedes seed
         self._max_tokens = str(sampling.max_tokens)
-        if '"\\u0000rid\\u0000"' in rest:
-            self._mid, self._tail = rest.split('"\\u0000rid\\u0000"')
+        if json.dumps(rid) in rest:
+            self._mid, self._tail = rest.split(json.dumps(rid))
         else:
             self._mid, self._tail = rest, None
         self._dumps = json.JSONEncoder(ensure_ascii=False).encode
@@ -329,28 +334,30 @@ def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
 
 
 def _error_message(raw: bytes) -> str:
-    """The server's message in an error body, whole: the caller redacts, then cuts."""
+    """The server's message in an error body, whole, its escapes undone (so that the
+    caller's redaction sees a secret however it was spelled): the caller redacts, then
+    cuts."""
     try:
-        data = json.loads(raw)
-        if isinstance(data, dict):
-            for key in ("message", "detail", "error"):
-                val = data.get(key)
-                if isinstance(val, dict):
-                    val = val.get("message")
-                if val:
-                    return str(val)
-    except (ValueError, RecursionError):
-        pass
-    return raw[:MAX_BODY_READ].decode("utf-8", "replace")
+        data = parse_json(raw)
+    except ValueError:
+        return raw[:MAX_BODY_READ].decode("utf-8", "replace")
+    if isinstance(data, dict):
+        for key in ("message", "detail", "error"):
+            val = data.get(key)
+            if isinstance(val, dict):
+                val = val.get("message")
+            if val:
+                return val if isinstance(val, str) else json.dumps(val, ensure_ascii=False)
+    return json.dumps(data, ensure_ascii=False)
 
 
 def read_body(raw: bytes) -> tuple[Any, Optional[tuple[str, str]]]:
     """(parsed reply, None) for a well-formed 200 body, else (None, (kind, why))."""
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = parse_json(raw.decode("utf-8"))
     except UnicodeDecodeError:
         return None, ("malformed", "the body is not UTF-8")
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
         return None, ("malformed", f"the body is not JSON ({e})")
     bad = replies.check(data)
     return (None, bad) if bad else (data, None)
@@ -492,7 +499,7 @@ class ChatClient:
             async with self.session.post(
                 self._endpoints[i], data=body, allow_redirects=False
             ) as resp:
-                raw = await _read_capped(resp)
+                raw = await read_capped(resp, MAX_REPLY_BYTES)
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After")
                 if 300 <= status < 400:
@@ -527,7 +534,7 @@ class ChatClient:
             if bad is None:
                 return self._reply(data, raw, attempts, sent.latency)
             kind, why = bad
-            text = self.redact(raw[:MAX_BODY_READ].decode("utf-8", "replace"))
+            text = self.redact(_error_message(raw))
             err = _Attempt(kind, status, f"{why}: {text[:120]!r}")
             return err, "t500" if kind in BAD_REPLIES else "transient"
         message = _error_message(raw)
@@ -578,22 +585,25 @@ class ChatClient:
         return self.redact(text)[:limit].encode("utf-8", "replace").decode("utf-8")
 
     def _reply(self, data: dict, raw: bytes, attempts: int, latency: float) -> Reply:
-        """A checked reply; one that echoes a secret is re-encoded with the secret masked."""
-        if self.redact and self.redact.found(raw.decode("utf-8")):
-            data = self.redact.scrub(data)
+        """A checked reply. With a secret to keep, every reply is re-encoded from its
+        parse, in which any escapes that spelled the secret are undone and it is masked:
+        what the parse dropped (a repeated key) is never written."""
+        if self.redact:
+            if self.redact.found_in(data):
+                data = self.redact.scrub(data)
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         parsed = parse_reply(data, self.enable_thinking)
         return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
 
 
-async def _read_capped(resp: aiohttp.ClientResponse) -> Optional[bytes]:
-    """The whole body, or None once it passes MAX_REPLY_BYTES (the rest is never read)."""
-    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> Optional[bytes]:
+    """The whole body, or None once it passes `limit` bytes (the rest is never read)."""
+    if (resp.content_length or 0) > limit:
         return None
     chunks, size = [], 0
     async for chunk in resp.content.iter_any():
         size += len(chunk)
-        if size > MAX_REPLY_BYTES:
+        if size > limit:
             return None
         chunks.append(chunk)
     return b"".join(chunks)

@@ -43,7 +43,7 @@ import numpy as np
 
 from stages import params as P
 from stages import sources
-from stages.errors import StageError
+from stages.errors import StageError, writable
 
 log = logging.getLogger("prepare")
 
@@ -678,4 +678,13 @@ def _eval_texts(ev: P.EvalSet, on_bad_row: str, max_record_bytes: int, st: dict)
             skipped[res] = skipped.get(res, 0) + 1
             yield None
             continue
-        yield "\n".join(m["content"] for m in res[0] if m["role"] == "user")
+        text = "\n".join(m["content"] for m in res[0] if m["role"] == "user")
+        if not writable(text):  # a lone surrogate (JSON "\ud800"): no UTF-8 to hash
+            if on_bad_row != "skip":
+                raise StageError(f"eval set {ev.name}: {reader.where(pos)}: text that is not "
+                                 "valid Unicode (a lone surrogate); set prepare.on_bad_row: "
+                                 "skip to count and skip such rows")
+            skipped["invalid_text"] = skipped.get("invalid_text", 0) + 1
+            yield None
+            continue
+        yield text

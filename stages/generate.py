@@ -71,7 +71,7 @@ from stages.client import (
     build_body,
     parse_reply,
 )
-from stages.errors import StageError, json_object, writable
+from stages.errors import StageError, json_object, open_regular, parse_json, writable
 from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
 from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
 
@@ -130,6 +130,22 @@ def check(cfg: P.Generate) -> None:
             raise StageError(f"generate.{name}: must be >= 0, got {limit}")
 
 
+def check_cache_dir(cache_dir: str, paths) -> None:
+    """StageError when the request cache would live inside a folder the pipeline writes
+    (this stage's paths, any out in dvc.yaml): the stage that writes it replaces it
+    whole, cache and all, and every request would be sent again."""
+    cache = Path(cache_dir).resolve()
+    taken = [str(p) for p in vars(paths).values()] + cli.pipeline_outs()
+    for folder in taken:
+        where = Path(folder).resolve()
+        if cache == where or where in cache.parents:
+            raise StageError(
+                f"generate.cache_dir: {cache_dir} is inside {folder}, which the pipeline "
+                "writes (dvc.yaml): a stage replaces it whole and the request cache with "
+                "it; keep the cache outside every stage's outputs (default .cache/requests)"
+            )
+
+
 def server_urls(server: P.Server) -> list[str]:
     """generate.server.url as a list (empty for a launched server)."""
     return [server.url] if isinstance(server.url, str) else list(server.url or [])
@@ -159,7 +175,7 @@ class PromptLocations:
         pos = 0
         self.tools = False  # whether any prompt carries tools (an engine needs a parser)
         try:
-            f = open(path, "rb")
+            f = open_regular(path)
         except FileNotFoundError:
             raise StageError(f"{path}: not found (run the prepare stage first)") from None
         with f:
@@ -234,8 +250,8 @@ class PromptLocations:
 def cached_record(js: bytes) -> Optional[dict]:
     """A cache record as written by Generation, or None for anything else on disk."""
     try:
-        rec = json.loads(js)
-    except (ValueError, RecursionError):  # UnicodeDecodeError included
+        rec = parse_json(js)
+    except ValueError:  # UnicodeDecodeError included
         return None
     if not isinstance(rec, dict):
         return None
@@ -745,6 +761,7 @@ def failure_row(prompt: dict, rec: dict) -> dict:
 def run(cfg: P.Generate, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     check(cfg)
+    check_cache_dir(cfg.cache_dir, paths)
     key = api_key(cfg.server)
     redact = Redactor([key], urls=server_urls(cfg.server))
     with redacting_logs(redact):
@@ -944,7 +961,8 @@ async def _send(
         await asyncio.to_thread(launched.start)
         server.request_model = cfg.server.model or launched.model_name
         budget = await _budget(cfg, [launched.url], server.request_model, key)
-        watchdog = servers.Watchdog(launched, cfg.server.watchdog_seconds, cfg.server.max_restarts)
+        watchdog = servers.Watchdog(launched, cfg.server.watchdog_seconds, cfg.server.max_restarts,
+                                    cfg.request_timeout)
         async with ChatClient(
             [launched.url], api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=retry, enable_thinking=cfg.enable_thinking,
@@ -982,13 +1000,16 @@ async def _budget(
 async def _watch_url(gen: Generation) -> None:
     """A URL server cannot be restarted from here. Requests in flight, none finished for
     watchdog_seconds, and no URL proving it generates: the server looks hung. Still so
-    after hang_timeout more: the run stops (the cache keeps every answer so far)."""
+    after hang_timeout more: the run stops (the cache keeps every answer so far). A
+    health generation that answers proves it only until nothing finished for
+    request_timeout + watchdog_seconds (servers.Watchdog says why)."""
     from stages.servers import GenerationProbe
 
     s = gen.cfg.server
     model = gen.server.request_model or ""
     probes = [GenerationProbe(u, gen.server.engine, model, gen.server.key) for u in gen.server.urls]
     limit, tick = s.watchdog_seconds, min(s.watchdog_seconds / 4, 30.0)
+    health_trusted = gen.cfg.request_timeout + limit
     last, since, hung_since = gen.done, time.monotonic(), None
     while True:
         await asyncio.sleep(tick)
@@ -998,8 +1019,9 @@ async def _watch_url(gen: Generation) -> None:
         quiet = time.monotonic() - since
         if quiet < limit:
             continue
-        checks = [asyncio.to_thread(p.generating, min(limit / 2, 30.0)) for p in probes]
-        if any(await asyncio.gather(*checks)):
+        checks = [asyncio.to_thread(p.evidence, min(limit / 2, 30.0)) for p in probes]
+        seen = set(await asyncio.gather(*checks))
+        if "tokens" in seen or ("health" in seen and quiet < health_trusted):
             hung_since = None
             continue
         if hung_since is None:

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import yaml
 
-from stages import charts, params, secrets
-from stages.errors import StageError, json_object, json_type, writable
+from stages import charts, markdown, params, secrets
+from stages.errors import StageError, json_file, json_type, open_regular, read_regular, writable
 from stages.schema import STATE_FILE
 
 log = logging.getLogger("merge")
@@ -67,7 +67,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "base_rows": merge_report["base"]["rows"] - merge_report["duplicates"]["dropped_base_rows"],
         "new_rows": merge_report["new"]["rows"] - merge_report["duplicates"]["dropped_new_rows"],
         "tokens": merged["tokens"],
-        "model": generate.get("model"),
+        "model": _text(generate.get("model")),
         "state_hash": state_hash,
     }
     lineage = {
@@ -84,13 +84,13 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "duplicates": merge_report["duplicates"],
         "sources": sources(reports),
         "model": served_model(generate),
-        "sampling": {"params": generate.get("sampling_params"),
+        "sampling": {"params": _mapping(generate.get("sampling_params")) or None,
                      "hash": generate.get("sampling")},
         "tokenizer": {
-            "tokenizer": fingerprint.get("tokenizer"),
+            "tokenizer": _mapping(fingerprint.get("tokenizer")) or None,
             "chat_template_sha256": fingerprint.get("chat_template_sha256"),
-            "policy": fingerprint.get("policy"),
-            "versions": fingerprint.get("versions"),
+            "policy": _mapping(fingerprint.get("policy")) or None,
+            "versions": _mapping(fingerprint.get("versions")) or None,
         },
         "dvc": dvc_hashes(upstream(paths)),
         "history": earlier + [version],
@@ -99,14 +99,17 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
 
 
 def read_report(folder: Path, stage: str) -> dict:
+    """reports/STAGE.json; {} when there is none. A fact of an unexpected type in it is
+    left out where it is used (`_mapping`, `_strings`)."""
     path = Path(folder) / f"{stage}.json"
     try:
-        return json_object(path.read_bytes(), str(path))
+        doc = json_file(path)
     except FileNotFoundError:
         log.warning("%s not found: the card says nothing about the %s stage", path, stage)
         return {}
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+    if not writable(doc):
+        raise StageError(f"{path}: holds a lone surrogate, which cannot be written as UTF-8")
+    return doc
 
 
 def sources(reports: dict) -> dict:
@@ -134,6 +137,18 @@ def _mapping(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _text(value: Any) -> Optional[str]:
+    """`value` if it is a string (a model name), else None: the next merge reads it back
+    as a history entry, whose fields have their types (`_checked`)."""
+    return value if isinstance(value, str) else None
+
+
+def _strings(value: Any) -> Optional[list[str]]:
+    """`value` if it is a list of strings (an argv, URLs), else None."""
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return value if ok else None
+
+
 def _nonzero(counts: Any) -> dict:
     return {k: v for k, v in counts.items() if v} if isinstance(counts, dict) else {}
 
@@ -141,21 +156,20 @@ def _nonzero(counts: Any) -> dict:
 def served_model(generate: dict) -> dict:
     """The target model as it was served: name, engine, version, launch args (no secrets)."""
     server = _mapping(generate.get("server"))
-    args = server.get("args")
-    command = server.get("command")
+    args, command = _strings(server.get("args")), _strings(server.get("command"))
+    urls = _strings(server.get("urls")) or _strings([server.get("url")]) or []
     return {
-        "name": generate.get("model"),
+        "name": _text(generate.get("model")),
         "engine": server.get("engine"),
         "engine_version": server.get("version"),
         "launched": "args" in server,
         # false: every answer came from the request cache, no engine was started this run
         "started": server.get("started", "args" in server),
         "launch_model": server.get("model"),
-        "launch_args": secrets.redact_args(args) if isinstance(args, list) else None,
-        "launch_command": secrets.redact_args(command) if isinstance(command, list) else None,
+        "launch_args": secrets.redact_args(args) if args is not None else None,
+        "launch_command": secrets.redact_args(command) if command is not None else None,
         # a URL server's report lists `urls`, a launched one its `url`
-        "urls": [secrets.strip_url_credentials(u)
-                 for u in server.get("urls") or [server.get("url")] if u],
+        "urls": [secrets.strip_url_credentials(u) for u in urls if u],
         "requests": generate.get("requests"),
         "completed": generate.get("completed"),
         "truncated": generate.get("truncated"),
@@ -211,9 +225,11 @@ def dvc_hashes(outs: dict[str, str]) -> dict:
 
 
 def _lock_outs() -> dict:
+    """dvc.lock's outs by path; {} when it cannot be read as plain data."""
     try:
-        doc = yaml.safe_load(LOCK.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        doc = yaml.load(read_regular(LOCK).decode("utf-8"), Loader=_HeaderLoader)
+    except (OSError, StageError, UnicodeDecodeError, yaml.YAMLError, ValueError,
+            params.TooDeep):
         return {}
     found = {}
     for stage in (doc or {}).get("stages", {}).values() if isinstance(doc, dict) else []:
@@ -251,13 +267,16 @@ def base_history(base: Optional[Path], base_totals: dict,
 def _read_history(base: Path) -> Optional[list[dict]]:
     """The history in base/lineage.json, else in the YAML header of base/README.md."""
     path = base / LINEAGE_FILE
-    if path.is_file():
-        history = json_object(path.read_bytes(), str(path)).get("history")
+    if path.exists():
+        history = json_file(path).get("history")
         return _checked(history, path)
     card = base / CARD_FILE
-    if card.is_file():
-        with open(card, "rb") as f:  # a header is a few KiB; a huge card is not read whole
-            head = f.read(MAX_HEADER_BYTES).decode("utf-8", errors="replace")
+    if card.exists():
+        try:
+            with open_regular(card) as f:  # a header is a few KiB; a huge card is not read whole
+                head = f.read(MAX_HEADER_BYTES).decode("utf-8", errors="replace")
+        except OSError as e:
+            raise StageError(f"{card}: cannot read ({e.strerror or e})") from None
         header = _front_matter(head, card)
         history = _mapping(header.get("distill_data")).get("history")
         if history is not None:
@@ -331,12 +350,13 @@ def _front_matter(text: str, path: Path) -> dict:
 
 def _state_hash(folder: Optional[Path]) -> Optional[str]:
     """state.json's `_fingerprint` (datasets' name for it)."""
-    try:
-        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
-    except (TypeError, OSError, ValueError):
+    if folder is None:
         return None
-    value = state.get("_fingerprint") if isinstance(state, dict) else None
-    return value if isinstance(value, str) else None
+    try:
+        value = json_file(folder / STATE_FILE).get("_fingerprint")
+    except (OSError, StageError):
+        return None
+    return value if isinstance(value, str) and writable(value) else None
 
 
 # ------------------------------------------------------------------------ write
@@ -386,29 +406,28 @@ def _size_category(rows: int) -> str:
     return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>1B")
 
 
+# Every value below comes from data, reports or params, not from this module: it is
+# written through markdown.text (prose, table cells) or markdown.code (code spans).
+
+
 def _n(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else (
-        "–" if value is None else str(value))
-
-
-def _cell(text: str) -> str:
-    """`text` safe inside a markdown table cell."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+        "–" if value is None else markdown.text(value))
 
 
 def _reasons(counts: Optional[dict]) -> str:
-    return ", ".join(f"{_cell(k)} {_n(v)}" for k, v in _mapping(counts).items()) or "–"
+    return ", ".join(f"{markdown.text(k)} {_n(v)}" for k, v in _mapping(counts).items()) or "–"
 
 
 def _intro(lin: dict, merged: Path) -> str:
-    commit = lin["git_commit"] or "unknown"
+    commit = markdown.text(lin["git_commit"] or "unknown")
     if lin["git_dirty"]:
         commit += " plus uncommitted edits to the code"
+    opened = markdown.code(f"datasets.load_from_disk({json.dumps(str(merged))})")
     return (
         f"# distill-data training set, version {lin['version']}\n\n"
         f"Written by the merge stage on {lin['created']} from code at git commit {commit}. "
-        f"Open it with `datasets.load_from_disk(\"{merged}\")`; the same facts are in "
-        f"`{LINEAGE_FILE}` beside this card.\n"
+        f"Open it with {opened}; the same facts are in `{LINEAGE_FILE}` beside this card.\n"
     )
 
 
@@ -416,15 +435,15 @@ def _contents(lin: dict) -> str:
     base, new, dup = lin["base"], lin["new"], lin["duplicates"]
     rows = [("this version", lin["rows"], lin["tokens"], lin["supervised_tokens"],
              lin["shards"]),
-            (f"base (`{base['path']}`)", base["rows"], base["tokens"], base["loss_tokens"],
-             base["shards"]),
-            (f"new (`{new['path']}`)", new["rows"], new["tokens"], new["loss_tokens"],
-             new["shards"])]
+            (f"base ({markdown.code(base['path'], cell=True)})", base["rows"], base["tokens"],
+             base["loss_tokens"], base["shards"]),
+            (f"new ({markdown.code(new['path'], cell=True)})", new["rows"], new["tokens"],
+             new["loss_tokens"], new["shards"])]
     lines = ["## Contents\n", "| | rows | tokens | supervised tokens | shards |",
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {a} | {_n(b)} | {_n(c)} | {_n(d)} | {_n(e)} |" for a, b, c, d, e in rows]
     lines.append(
-        f"\nIds in both base and new: {_n(dup['ids'])} (policy `{dup['policy']}`; dropped "
+        f"\nIds in both base and new: {_n(dup['ids'])} (policy {markdown.code(dup['policy'])}; dropped "
         f"{_n(dup['dropped_base_rows'])} base rows, {_n(dup['dropped_new_rows'])} new rows).\n")
     return "\n".join(lines)
 
@@ -439,19 +458,20 @@ def _adopted(history: list[dict]) -> list[str]:
     files = a.get("files") if isinstance(a.get("files"), list) else []
     lines = [
         "## Adopted base\n",
-        f"Version {_n(entry['version'])} is the set at `{_cell(a.get('path'))}` "
-        f"(`{_cell(a.get('folder'))}`), written by another tool and converted once by "
+        f"Version {_n(entry['version'])} is the set at {markdown.code(a.get('path'))} "
+        f"({markdown.code(a.get('folder'))}), written by another tool and converted once by "
         f"`merge.adopt`: {_n(a.get('rows'))} rows, {_n(a.get('tokens'))} tokens "
         f"({_n(a.get('loss_tokens'))} supervised) from {_n(len(files))} "
-        f"{_cell(', '.join(map(str, a.get('formats') or [])))} files, in their order. Its "
-        "shards are reused byte for byte by every later version.\n",
+        f"{markdown.text(', '.join(map(str, a.get('formats') or [])))} files, in their "
+        "order. Its shards are reused byte for byte by every later version.\n",
         "| column | from |", "|---|---|",
     ]
-    lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in _mapping(a.get("mapping")).items()]
+    lines += [f"| {markdown.text(k)} | {markdown.text(v)} |"
+              for k, v in _mapping(a.get("mapping")).items()]
     shape = ", ".join(f"{k} {v}" for k, v in _mapping(a.get("columns")).items())
     dropped = ", ".join(map(str, a.get("dropped_columns") or [])) or "none"
-    lines.append(f"\nThe base's columns as found: {_cell(shape) or '–'}. Dropped: "
-                 f"{_cell(dropped)}. Rows repeating an earlier row's content: "
+    lines.append(f"\nThe base's columns as found: {markdown.text(shape) or '–'}. Dropped: "
+                 f"{markdown.text(dropped)}. Rows repeating an earlier row's content: "
                  f"{_n(a.get('repeated_rows'))}.\n")
     return ["\n".join(lines)]
 
@@ -467,7 +487,7 @@ def _sources_table(table: dict) -> str:
         if g.get("failed_by_kind"):
             failed += f" ({_reasons(g['failed_by_kind'])})"
         lines.append(
-            f"| {_cell(name)} | {_n(p.get('read'))} | {_n(p.get('kept'))} | "
+            f"| {markdown.text(name)} | {_n(p.get('read'))} | {_n(p.get('kept'))} | "
             f"{_reasons(p.get('dropped'))} | {_n(g.get('completed'))} | "
             f"{_n(g.get('truncated'))} | {failed} | {_n(t.get('rows'))} | "
             f"{_reasons(t.get('dropped'))} |")
@@ -481,42 +501,45 @@ def _sources_table(table: dict) -> str:
 
 def _model(lin: dict) -> str:
     m, sampling = lin["model"], lin["sampling"]
-    engine = m["engine"] or "unknown engine"
+    engine = markdown.text(m["engine"] or "unknown engine")
     if m["engine_version"]:
-        engine += f" {m['engine_version']}"
-    lines = ["## Target model\n", f"- model: `{m['name']}`", f"- engine: {engine}"]
+        engine += f" {markdown.text(m['engine_version'])}"
+    lines = ["## Target model\n", f"- model: {markdown.code(m['name'])}", f"- engine: {engine}"]
     if m["launched"]:
-        lines.append(f"- launched by the generate stage: `{m['launch_model']}` with args "
-                     f"`{' '.join(m['launch_args'] or []) or '(none)'}`")
+        args = " ".join(m["launch_args"] or []) or "(none)"
+        lines.append(f"- launched by the generate stage: {markdown.code(m['launch_model'])} "
+                     f"with args {markdown.code(args)}")
         if not m["started"]:
             lines.append("- not started by the last generate run: every answer came from "
                          "the request cache")
         if m["launch_command"]:
-            lines.append(f"- launch command: `{' '.join(m['launch_command'])}`")
+            lines.append(f"- launch command: {markdown.code(' '.join(m['launch_command']))}")
     elif m["urls"]:
-        lines.append(f"- served at: {', '.join(m['urls'])} (not launched by this pipeline)")
+        urls = ", ".join(markdown.text(u) for u in m["urls"])
+        lines.append(f"- served at: {urls} (not launched by this pipeline)")
     kinds = f" ({_reasons(m['failed_by_kind'])})" if m["failed_by_kind"] else ""
     lines.append(f"- requests {_n(m['requests'])}: answered {_n(m['completed'])} "
                  f"(truncated {_n(m['truncated'])}), failed {_n(m['failed'])}{kinds}")
     lines.append(f"- output tokens: {_n(m['output_tokens'])}")
-    sampled = sampling["params"] or {}
-    lines.append(f"- sampling: {', '.join(f'{k} {v}' for k, v in sampled.items()) or 'unknown'}"
-                 f" (hash `{sampling['hash']}`)\n")
+    sampled = ", ".join(f"{markdown.text(k)} {_n(v)}"
+                        for k, v in _mapping(sampling["params"]).items())
+    lines.append(f"- sampling: {sampled or 'unknown'} (hash {markdown.code(sampling['hash'])})\n")
     return "\n".join(lines)
 
 
 def _tokenizer(tok: dict) -> str:
-    t = tok["tokenizer"] or {}
-    policy = tok["policy"] or {}
+    t, policy = _mapping(tok["tokenizer"]), _mapping(tok["policy"])
     keys = ("multi_turn", "max_seq_len", "on_too_long", "keep_truncated", "min_loss_tokens",
             "enable_thinking", "ids")
+    versions = _mapping(tok["versions"])
     lines = ["## Tokenizer\n",
-             f"- tokenizer: `{t.get('name')}`, vocabulary {_n(t.get('vocab_size'))} "
-             f"(sha256 `{t.get('vocab_sha256')}`)",
-             f"- chat template sha256: `{tok['chat_template_sha256']}`",
-             "- policy: " + (", ".join(f"{k} {policy[k]}" for k in keys if k in policy) or "–"),
-             "- libraries: " + ", ".join(f"{k} {v}" for k, v in (tok["versions"] or {}).items())
-             + "\n"]
+             f"- tokenizer: {markdown.code(t.get('name'))}, vocabulary "
+             f"{_n(t.get('vocab_size'))} (sha256 {markdown.code(t.get('vocab_sha256'))})",
+             f"- chat template sha256: {markdown.code(tok['chat_template_sha256'])}",
+             "- policy: " + (", ".join(f"{k} {_n(policy[k])}" for k in keys if k in policy)
+                             or "–"),
+             "- libraries: " + ", ".join(f"{markdown.text(k)} {_n(v)}"
+                                         for k, v in versions.items()) + "\n"]
     return "\n".join(lines)
 
 
@@ -542,15 +565,17 @@ def _training(paths) -> str:
 
 
 def _provenance(lin: dict) -> str:
-    lines = ["## Provenance\n", f"- git commit: `{lin['git_commit'] or 'unknown'}`",
-             f"- state hash (state.json `_fingerprint`): `{lin['state_hash']}`; base: "
-             f"`{lin['base']['state_hash']}`", "",
+    lines = ["## Provenance\n", f"- git commit: {markdown.code(lin['git_commit'] or 'unknown')}",
+             f"- state hash (state.json `_fingerprint`): {markdown.code(lin['state_hash'])}; "
+             f"base: {markdown.code(lin['base']['state_hash'])}", "",
              "| stage | out | DVC md5 | from |", "|---|---|---|---|"]
     for out, h in lin["dvc"].items():
+        where = markdown.code(out, cell=True)
         if h:
-            lines.append(f"| {h['stage']} | `{out}` | `{h['md5']}` | {h['from']} |")
+            lines.append(f"| {h['stage']} | {where} | {markdown.code(h['md5'], cell=True)} | "
+                         f"{markdown.text(h['from'])} |")
         else:
-            lines.append(f"| | `{out}` | (not on disk) | |")
+            lines.append(f"| | {where} | (not on disk) | |")
     return "\n".join(lines) + "\n"
 
 
@@ -559,11 +584,11 @@ def _history(history: list[dict]) -> str:
              "| version | created | git commit | rows | base rows | new rows | model |",
              "|---:|---|---|---:|---:|---:|---|"]
     for v in history:
-        commit = _cell(v.get("git_commit") or "–")[:12]
-        lines.append(f"| {v['version']} | {_cell(v.get('created') or '–')} | {commit} | "
+        commit = markdown.text((v.get("git_commit") or "–")[:12])
+        lines.append(f"| {v['version']} | {markdown.text(v.get('created') or '–')} | {commit} | "
                      f"{_n(v.get('rows'))} | {_n(v.get('base_rows'))} | "
                      f"{_n(v.get('new_rows'))} | "
-                     f"{_cell(v.get('model') or v.get('note') or '–')} |")
+                     f"{markdown.text(v.get('model') or v.get('note') or '–')} |")
     return "\n".join(lines) + "\n"
 
 

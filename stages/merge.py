@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 
 from stages import adopt, cli, lineage, outputs
 from stages import params as P
-from stages.errors import StageError, json_object
+from stages.errors import StageError, json_file, json_type
 from stages.schema import (
     ARROW_SCHEMA,
     FEATURES,
@@ -71,6 +71,8 @@ PATHS = {"tokenized": "tokenize's dataset (the new rows)",
          "prompts": "prepare's folder (for its dvc.lock hash)",
          "completions": "generate's folder (for its dvc.lock hash)"}
 FINGERPRINT_KEYS = ("tokenizer", "chat_template_sha256")
+# the tokenize limits a merged fingerprint widens to cover the base rows too
+POLICY_LIMITS = {"max_seq_len": max, "min_loss_tokens": min}
 
 
 @dataclasses.dataclass
@@ -211,15 +213,23 @@ def _vocab_size(fingerprint: dict, path: Path) -> int:
 
 
 def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
-    if not path.exists():
-        if required:
-            raise StageError(f"{path}: not found (the tokenize stage writes it)")
-        return None
+    """fingerprint.json, its policy limits checked: they are carried into the merged one."""
     try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
-    return json_object(text, str(path))
+        doc = json_file(path)
+    except FileNotFoundError:
+        if required:
+            raise StageError(f"{path}: not found (the tokenize stage writes it)") from None
+        return None
+    policy = doc.get("policy")
+    for key in POLICY_LIMITS:
+        value = policy.get(key) if isinstance(policy, dict) else None
+        if value is None:
+            continue
+        why = (f"is {json_type(value)}, not a whole number" if type(value) is not int
+               else P.range_problem(P.Tokenize, key, value))
+        if why:
+            raise StageError(f"{path}: policy.{key} {why}")
+    return doc
 
 
 def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict) -> None:
@@ -240,7 +250,7 @@ def _merged_fingerprint(base: Optional[dict], new: dict) -> dict:
     if not isinstance(policy, dict) or not isinstance(base_policy, dict):
         return new
     widened = dict(policy)
-    for key, pick in (("max_seq_len", max), ("min_loss_tokens", min)):
+    for key, pick in POLICY_LIMITS.items():
         values = [p.get(key) for p in (policy, base_policy)]
         if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             widened[key] = pick(values)

@@ -95,6 +95,17 @@ def atomic_file(target: str | Path, mode: str = "w") -> Iterator:
             os.unlink(tmp)
 
 
+def scratch_dir(target: str | Path, label: str) -> Path:
+    """A new empty folder beside `target` for a run's own temporary files (the caller
+    removes it), named like atomic_dir's: what a run killed outright left there is
+    removed by the next writer of `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale(target)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-{label}-",
+                                 dir=target.parent))
+
+
 def write_json(path: str | Path, obj) -> None:
     with atomic_file(path) as f:
         json.dump(obj, f, indent=2, sort_keys=False, ensure_ascii=False)

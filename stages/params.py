@@ -17,7 +17,6 @@ import dataclasses
 import math
 import os
 import reprlib
-import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from stages.errors import StageError
+from stages.errors import StageError, open_regular
 
 
 class ParamError(StageError):
@@ -65,12 +64,25 @@ def check_ranges(cfg, where: str) -> None:
                 check_ranges(item, f"{key}[{i}]" if isinstance(value, list) else key)
 
 
+def range_problem(cls, name: str, value) -> Optional[str]:
+    """Why `value` cannot be field `name` of params class `cls` by its declared range
+    ("must be >= 1, got 0"), or None; for a value read from data, not from params."""
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    return _out_of_range(value, f.metadata["range"])
+
+
 def _in_range(value, bounds, key: str) -> None:
+    why = _out_of_range(value, bounds)
+    if why:
+        raise ParamError(f"{key}: {why}")
+
+
+def _out_of_range(value, bounds) -> Optional[str]:
     ge, gt, le = bounds
     if (ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le):
-        return
+        return None
     parts = [f"{op} {_number(b)}" for op, b in ((">=", ge), (">", gt), ("<=", le)) if b is not None]
-    raise ParamError(f"{key}: must be {' and '.join(parts)}, got {_show(value)}")
+    return f"must be {' and '.join(parts)}, got {_show(value)}"
 
 
 def _number(bound) -> str:
@@ -340,11 +352,10 @@ def _read(path: Path) -> str:
     """The text of a regular params file of at most MAX_FILE_BYTES, or ParamError
     (never reads /dev/zero, a FIFO or a huge file to its end)."""
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ParamError(f"{path}: not a regular file")
+        with open_regular(path) as f:
             data = f.read(MAX_FILE_BYTES + 1)
+    except StageError as e:  # a FIFO, a device
+        raise ParamError(str(e)) from None
     except FileNotFoundError:
         raise ParamError(f"{path}: params file not found") from None
     except IsADirectoryError:

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-import multiprocessing
 import operator
 import os
 import shutil
-import tempfile
 import time
 import unicodedata
 from collections import Counter, deque
@@ -45,7 +43,7 @@ import orjson
 import xxhash
 
 from stages import checker as checker_mod
-from stages import cli, cpus, decontam, outputs, sources, toolturns
+from stages import children, cli, cpus, decontam, outputs, sources, toolturns
 from stages import messages as contract
 from stages import params as P
 from stages.errors import StageError, json_type
@@ -66,7 +64,7 @@ def run(cfg: P.Prepare, paths) -> dict:
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
     workers = _Workers(cfg.num_proc or _auto_workers())
-    evals = _Evals(cfg, workers.n > 1)
+    evals = _Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
             with open(tmp / contract.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
@@ -264,19 +262,18 @@ class _Workers:
 
     def __init__(self, n: int):
         self.n = n
-        self.pool = None
+        self.pool: Optional[children.Workers] = None
 
-    def get(self):
+    def get(self) -> children.Workers:
         if self.pool is None:
             # spawn, not fork: a source read earlier may have started pyarrow/datasets threads
-            self.pool = multiprocessing.get_context("spawn").Pool(self.n)
+            self.pool = children.Workers("spawn", self.n)
             log.info("started %d worker processes", self.n)
         return self.pool
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.terminate()
-            self.pool.join()
 
 
 def _prepared_groups(
@@ -298,10 +295,10 @@ def _prepared_groups(
                         probe.see(item, reader.where(pos))
             meta = (reader.current, reader.unit, positions)
             if workers.n > 1 and sent >= LOCAL_ROWS:
-                pending.append((meta, workers.get().apply_async(_work, (spec, items))))
+                pending.append((meta, workers.get().submit(_work, spec, items)))
                 while len(pending) > 4 * workers.n:
                     meta, job = pending.popleft()
-                    yield meta + job.get()
+                    yield meta + _result(job, workers)
             elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
                 pending.append((meta, _CheckJob(evals.checker, spec, items)))
                 while len(pending) > checker_mod.CHECK_AHEAD:
@@ -313,10 +310,17 @@ def _prepared_groups(
         probe.finish()
         while pending:
             meta, job = pending.popleft()
-            yield meta + job.get()
+            yield meta + _result(job, workers)
     finally:
         if pending and evals.checker is not None:  # left early: replies the next source must not read
             evals.checker.close()
+
+
+def _result(job, workers: _Workers) -> tuple:
+    """A group's result from a worker process or from the checker."""
+    if isinstance(job, _CheckJob):
+        return job.get()
+    return workers.get().result(job, "prepare")
 
 
 class _CheckJob:
@@ -443,8 +447,9 @@ class _Evals:
     worker processes find it (or the checker process, without workers), and the count of
     prompts it drops."""
 
-    def __init__(self, cfg: P.Prepare, workers: bool):
+    def __init__(self, cfg: P.Prepare, workers: bool, out: Path):
         self.key: Optional[str] = None
+        self.out = out  # the index is saved beside it (outputs.scratch_dir)
         self.folder: Optional[str] = None
         policy = cfg.decontaminate
         self.policy = policy
@@ -467,9 +472,10 @@ class _Evals:
         decontam.register(self.key, self.index)
 
     def saved(self) -> str:
-        """The folder of the index, saved once for the processes that memory-map it."""
+        """The folder of the index, saved once for the processes that memory-map it;
+        where a run killed outright left one, the next run removes it."""
         if self.folder is None:
-            self.folder = tempfile.mkdtemp(prefix="prepare-evals-")
+            self.folder = str(outputs.scratch_dir(self.out, "evals"))
             self.index.save(Path(self.folder))
         return self.folder
 
@@ -478,6 +484,9 @@ class _Evals:
         proves large, if a CPU sits idle then (else not at all this run), and takes groups
         once it has loaded the index."""
         if self.checker is None:
+            return False
+        if self.checker.gave_up:  # it stopped answering: this process checks from now on
+            self.checker = None
             return False
         if self.checker.proc is None:
             if not _cpu_to_spare(self.cpu_times):

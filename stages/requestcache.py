@@ -133,7 +133,11 @@ class RequestCache:
             tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             os.replace(tmp, meta_path)
         # Older segments first: the first valid entry for a key wins, deterministically.
-        self.segments: list[Path] = sorted(self.dir.glob("seg-*.log"))
+        # Only regular files: anything else named like one (a FIFO) would block the reader.
+        found = sorted(self.dir.glob("seg-*.log"))
+        self.segments: list[Path] = [path for path in found if path.is_file()]
+        for path in sorted(set(found) - set(self.segments)):
+            log.warning("%s: not a regular file, not read as a cache segment", path)
         self._readers: dict[int, Any] = {}
         self._fd: Optional[int] = None
         self._seg_no = -1

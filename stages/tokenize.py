@@ -47,9 +47,7 @@ import functools
 import gc
 import json
 import logging
-import multiprocessing
 import os
-import signal
 import time
 from array import array
 from pathlib import Path
@@ -58,7 +56,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import cli, cpus, enginerows, outputs
+from stages import children, cli, cpus, enginerows, outputs
 from stages import messages as contract
 from stages import params as P
 from stages import servecheck
@@ -101,8 +99,10 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = 
     # 0: a worker per usable CPU (the reading and writing here take little of one)
     cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
-    if not src.is_file():
+    if not src.exists():
         raise StageError(f"{src}: completions file not found (run the generate stage first)")
+    if not src.is_file():  # a FIFO would block the reader
+        raise StageError(f"{src}: not a regular file")
     started = time.monotonic()
     generation = generation_facts(src)
     cfg = dataclasses.replace(cfg, enable_thinking=thinking_of(cfg, generation, src))
@@ -338,31 +338,21 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
 def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
     """Chunk results in input order from `num_proc` forked workers (forked: they
     inherit the loaded tokenizer instead of loading it again)."""
-    ctx = multiprocessing.get_context("fork")
     window = collections.deque()
-    pool = ctx.Pool(cfg.num_proc, initializer=_worker_signals)
+    workers = children.Workers("fork", cfg.num_proc)
     try:
         for chunk in _line_chunks(src, cfg.num_proc):
-            window.append(pool.apply_async(work, (chunk,)))
+            window.append(workers.submit(work, chunk))
             if len(window) >= 3 * cfg.num_proc:
-                yield window.popleft().get()
+                yield workers.result(window.popleft(), "tokenize")
         while window:
-            yield window.popleft().get()
+            yield workers.result(window.popleft(), "tokenize")
         # all done: workers exit on their own (terminate() kills them mid-queue, where
         # one holding the queue's lock can leave another waiting on it for ever)
-        pool.close()
+        workers.close()
     except BaseException:
-        pool.terminate()
+        workers.terminate()
         raise
-    finally:
-        pool.join()
-
-
-def _worker_signals() -> None:
-    # Ctrl-C is the parent's to handle: it stops the pool, and nothing partial is kept;
-    # SIGTERM (terminate()) must end a worker at once, whatever handler fork copied
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------- one chunk

@@ -51,7 +51,7 @@ import pyarrow.compute as pc
 
 from stages import charts, cli, cpus, loader, outputs, traincheck
 from stages import params as P
-from stages.errors import StageError
+from stages.errors import StageError, json_file, json_type
 from stages.idhashes import IdHashes
 from stages.schema import (
     FEATURES,
@@ -112,15 +112,19 @@ def run(cfg: P.Validate, paths) -> dict:
         raise StageError(f"{data}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     fingerprint = _fingerprint(findings, data) or {}
-    cfg, used = _limits(cfg, fingerprint, data)  # vocab_size and the limits resolved here
+    cfg, used = _limits(cfg, findings, fingerprint, data)  # vocab_size, limits resolved here
     try:
         shards = list_shards(data)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
         findings.add("shards_readable", 1, [str(e)])
-        shards = []
-    _check_info(findings, data)
+        shards, listed = [], False
+    else:
+        listed = True
+    info_read = _check_info(findings, data)
 
-    scan = _scan(cfg, findings, shards, data)
+    # datasets opens state.json, dataset_info.json and every shard without asking what
+    # they are: it is let loose only on files already read as regular ones
+    scan = _scan(cfg, findings, shards, data, loadable=listed and info_read)
     expected = _check_row_count(findings, scan.rows, data, paths.reports / "merge.json")
     budget, train_check = _training(cfg, findings, data)
 
@@ -136,8 +140,10 @@ def run(cfg: P.Validate, paths) -> dict:
     return report
 
 
-def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path) -> "Scanner":
-    """Every row check over every shard, and the `datasets` load beside it."""
+def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path,
+          loadable: bool) -> "Scanner":
+    """Every row check over every shard, and the `datasets` load beside it (if
+    `loadable`: else that check fails, not tried)."""
     vocab = cfg.vocab_size
     threads = cfg.threads or _idle_cpus()
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
@@ -145,7 +151,8 @@ def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path) -> "Sca
             ThreadPoolExecutor(1, thread_name_prefix="load") as side, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
         scan = Scanner(cfg, vocab, findings, ids)
-        loads = side.submit(_load, data)  # mostly waiting on files: beside the scan
+        # mostly waiting on files: beside the scan
+        loads = side.submit(_load, data) if loadable else None
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()
@@ -157,7 +164,11 @@ def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path) -> "Sca
             scan.add(*queue.popleft())
         scan.flush()
         scan.check_unique_ids(shards)
-        _check_loads(findings, loads.result(), scan.rows)
+        if loads is None:
+            findings.add("loads", 1, ["load_from_disk not tried: the folder's state.json, "
+                                      "dataset_info.json or shards are unusable"])
+        else:
+            _check_loads(findings, loads.result(), scan.rows)
     return scan
 
 
@@ -204,24 +215,30 @@ RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
             "min_loss_tokens": ("policy", "min_loss_tokens")}
 
 
-def _limits(cfg: P.Validate, fingerprint: dict, data: Path) -> tuple[P.Validate, dict]:
+def _limits(cfg: P.Validate, findings: Findings, fingerprint: dict,
+            data: Path) -> tuple[P.Validate, dict]:
     """`cfg` with each null limit taken from the data's fingerprint, and where each came
-    from ("params" or the fingerprint's path and key)."""
+    from ("params" or the fingerprint's path and key). A recorded value that is no
+    value of the param (a string, 2**70) fails the fingerprint check and is not used."""
     path = data / FINGERPRINT_FILE
     values, used = {}, {}
     for name, (section, key) in RECORDED.items():
         part = fingerprint.get(section)
         recorded = part.get(key) if isinstance(part, dict) else None
-        if not isinstance(recorded, int) or isinstance(recorded, bool):
-            recorded = None
+        if recorded is not None:
+            why = (f"is {json_type(recorded)}, not a whole number"
+                   if type(recorded) is not int else P.range_problem(P.Validate, name, recorded))
+            if why:
+                findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
+                recorded = None
         value = getattr(cfg, name)
         if value is not None:
             if recorded is not None and value != recorded:
                 log.warning("validate.%s %d overrides %d from %s", name, value, recorded, path)
             values[name], used[name] = value, "params"
         elif recorded is None:
-            raise StageError(f"validate.{name}: null, and {path} has no {section}.{key}; "
-                             f"set validate.{name}")
+            raise StageError(f"validate.{name}: null, and {path} has no "
+                             f"{section}.{key}; set validate.{name}")
         else:
             values[name], used[name] = recorded, f"{path}: {section}.{key}"
     log.info("limits: %s", ", ".join(f"{k} {values[k]} ({used[k]})" for k in values))
@@ -280,18 +297,12 @@ def _training(cfg: P.Validate, findings: Findings, data: Path) -> tuple[Optional
 def _fingerprint(findings: Findings, data: Path) -> Optional[dict]:
     path = data / FINGERPRINT_FILE
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json_file(path)
     except FileNotFoundError:
         findings.add("fingerprint", 1, [f"{path} is missing"])
         return None
-    except OSError as e:
-        findings.add("fingerprint", 1, [f"{path}: cannot read ({e.strerror})"])
-        return None
-    except ValueError as e:
-        findings.add("fingerprint", 1, [f"{path} is not valid JSON ({e})"])
-        return None
-    if not isinstance(doc, dict):
-        findings.add("fingerprint", 1, [f"{path} is not a JSON object"])
+    except StageError as e:  # not a regular file, too large, not a JSON object
+        findings.add("fingerprint", 1, [str(e)])
         return None
     missing = [k for k in ("tokenizer", "chat_template_sha256") if k not in doc]
     if missing:
@@ -299,17 +310,22 @@ def _fingerprint(findings: Findings, data: Path) -> Optional[dict]:
     return doc
 
 
-def _check_info(findings: Findings, data: Path) -> None:
+def _check_info(findings: Findings, data: Path) -> bool:
+    """Check dataset_info.json's features; whether the file could be read at all."""
     path = data / INFO_FILE
     try:
-        features = datasets.Features.from_dict(
-            json.loads(path.read_text(encoding="utf-8"))["features"]
-        )
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        findings.add("features", 1, [f"{path}: unreadable features ({e!r})"])
-        return
+        doc = json_file(path)
+    except (StageError, OSError) as e:
+        findings.add("features", 1, [f"{path}: unreadable ({e})"])
+        return False
+    try:
+        features = datasets.Features.from_dict(doc["features"])
+    except Exception as e:  # noqa: BLE001 - whatever datasets makes of a hostile value
+        findings.add("features", 1, [f"{path}: unreadable features ({e!r})"[:300]])
+        return True
     if features != FEATURES:
         findings.add("features", 1, [f"{path}: features {features} differ from the contract"])
+    return True
 
 
 def _load(folder: Path):
@@ -330,9 +346,14 @@ def _check_loads(findings: Findings, loaded, rows: int) -> None:
 def _check_row_count(findings: Findings, rows: int, data: Path,
                      merge_report: Path) -> Optional[int]:
     try:
-        expected = json.loads(merge_report.read_text(encoding="utf-8"))["merged"]["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        findings.add("row_count", 1, [f"{merge_report}: no merged.rows ({e!r})"])
+        merged = json_file(merge_report).get("merged")
+    except (StageError, OSError) as e:
+        findings.add("row_count", 1, [f"{merge_report}: unreadable ({e})"])
+        return None
+    expected = merged.get("rows") if isinstance(merged, dict) else None
+    if type(expected) is not int or expected < 0:
+        findings.add("row_count", 1, [f"{merge_report}: merged.rows is "
+                                      f"{json.dumps(expected)[:60]}, not a row count"])
         return None
     if expected != rows:
         findings.add("row_count", abs(rows - expected),

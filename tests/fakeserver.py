@@ -46,7 +46,8 @@ Fault spec: a JSON object, every key optional.
   exit_after        int     null   the process exits (code 3) right after reply K
   stall_after       int     null   after reply K generation hangs: chat requests never
                                    answer, /health stays 200, /health_generate hangs
-  stall_health      str     "hang" | "fail" (503) — /health_generate while stalled
+  stall_health      str     "hang" | "fail" (503) | "ok" (200: generation hangs, its
+                                   health check does not) — /health_generate while stalled
   once_file         str     null   exit/stall only if this file is absent; the file is
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
@@ -62,6 +63,18 @@ Fault spec: a JSON object, every key optional.
                                    a top-level `prompt_token_ids` and `choices[0].token_ids`
   answer_by_characters bool false  generated ids spell the answer one character a token:
                                    the same text, not its canonical encoding
+  endpoints         object  {}     hostile answers of the GET probes: {"/v1/models",
+                                   "/get_server_info", "/workers", "/metrics", "/health",
+                                   "/health_generate": ANSWER}, ANSWER one of
+                                   {"body": TEXT, "status": N} (exact text, {key...} refs),
+                                   {"nested": DEPTH} (JSON arrays that deep),
+                                   {"bytes": N} (a JSON string N bytes long),
+                                   {"endless": true} (a chunked body without end),
+                                   {"trickle": S} (a byte every S seconds, without end),
+                                   {"hang": true} (no answer at all)
+  startup_message   str     null   printed on stdout (the engine's log) at start, its
+                                   {key...} refs rendered with `api_key`, and {env_keys}
+                                   with the names of environment variables holding it
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -92,8 +105,11 @@ reply. "models": the exact JSON body of GET /v1/models. Each text field may quot
 secret with {key...} references.
 
 A rule's "message" may quote the secret the request carried (the Bearer key, or the
-password of Basic auth): {key} whole, {key_json} JSON-escaped, {key_url} URL-encoded,
-each optionally sliced like {key[:9]} or {key_url[3:]}.
+password of Basic auth, or its user part when there is no password: a token-only URL):
+{key} whole, {key_json} JSON-escaped, {key_ujson} every character \\uXXXX-escaped,
+{key_url} URL-encoded, {key_pct} every byte %xx (lower case), {key_b64} base64,
+{auth} the whole Authorization header, {auth_b64} that header in base64; each
+optionally sliced like {key[:9]} or {key_url[3:]}.
 
 A request without `rid` is tracked under "sha:" + a hash of its messages.
 """
@@ -148,7 +164,8 @@ KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
-SECRET_REF = re.compile(r"\{key(_json|_url)?(?:\[(-?\d*):(-?\d*)\])?\}")
+SECRET_REF = re.compile(
+    r"\{(key|auth)(_json|_ujson|_url|_pct|_b64)?(?:\[(-?\d*):(-?\d*)\])?\}")
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": "fake-model",
@@ -175,6 +192,8 @@ DEFAULTS: dict[str, Any] = {
     "answer_by_characters": False,
     "rules": [],
     "models": None,
+    "endpoints": {},
+    "startup_message": None,
 }
 
 
@@ -261,36 +280,62 @@ def _error(status: int, kind: str, message: str) -> web.Response:
 
 
 def request_secret(request: web.Request) -> str:
-    """The secret a request carried: a Bearer key or a Basic-auth password ("" if none)."""
+    """The secret a request carried: a Bearer key, a Basic-auth password, or the user of
+    Basic auth without a password (a token-only URL); "" if none."""
     auth = request.headers.get("Authorization", "")
     if auth.startswith("Bearer "):
         return auth[len("Bearer ") :]
     if auth.startswith("Basic "):
         import base64
 
-        return base64.b64decode(auth[len("Basic ") :]).decode("utf-8").partition(":")[2]
+        user, _, password = base64.b64decode(auth[len("Basic ") :]).decode("utf-8").partition(":")
+        return password or user
     return ""
 
 
-def render(message: str, secret: str) -> str:
-    """A rule's message with {key...} references to the request's secret filled in."""
+def render(message: str, secret: str, auth: str | None = None) -> str:
+    """A rule's message with {key...} references to the request's secret (and {auth...}
+    to its Authorization header, by default `Bearer <secret>`) filled in."""
+    import base64
     from urllib.parse import quote
 
+    def forms(value: str) -> dict:
+        data = value.encode("utf-8", "surrogatepass")
+        return {None: value, "_json": json.dumps(value)[1:-1],
+                "_ujson": "".join(f"\\u{ord(c):04x}" for c in value),
+                "_url": quote(value, safe=""), "_pct": "".join(f"%{b:02x}" for b in data),
+                "_b64": base64.b64encode(data).decode()}
+
+    values = {"key": secret, "auth": f"Bearer {secret}" if auth is None else auth}
+
     def one(m: re.Match) -> str:
-        form = {None: secret, "_json": json.dumps(secret)[1:-1], "_url": quote(secret, safe="")}
-        text = form[m.group(1)]
-        if m.group(2) is not None or m.group(3) is not None:
-            lo = int(m.group(2)) if m.group(2) else None
-            hi = int(m.group(3)) if m.group(3) else None
+        text = forms(values[m.group(1)])[m.group(2)]
+        if m.group(3) is not None or m.group(4) is not None:
+            lo = int(m.group(3)) if m.group(3) else None
+            hi = int(m.group(4)) if m.group(4) else None
             text = text[lo:hi]
         return text
 
     return SECRET_REF.sub(one, message)
 
 
+def echo(text: str, request: web.Request) -> str:
+    """`text` with its {key...}/{auth...} references filled in from `request`."""
+    return render(text, request_secret(request), request.headers.get("Authorization", ""))
+
+
+ECHO_FORMS = ("key", "key_json", "key_ujson", "key_url", "key_pct", "key_b64", "auth_b64")
+
+
 def secret_pieces(secret: str, n: int = 8) -> set[str]:
-    """Every n-character piece of every form `render` can echo the secret in (for greps)."""
-    forms = {render(f"{{{ref}}}", secret) for ref in ("key", "key_json", "key_url")}
+    """Every n-character piece of every form `render` can echo the secret in, and of the
+    secret's base64 wherever it starts in an encoded header (for greps)."""
+    import base64
+
+    forms = {render(f"{{{ref}}}", secret) for ref in ECHO_FORMS if ref.startswith("key")}
+    for prefix in ("", "x", "xy"):  # each alignment, the bytes around it cut away
+        coded = base64.b64encode((prefix + secret).encode()).decode().rstrip("=")
+        forms.add(coded[(0, 2, 3)[len(prefix)] : -1])
     return {f[i : i + n] for f in forms for i in range(len(f) - n + 1)}
 
 
@@ -320,7 +365,7 @@ def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
     return web.Response(text=text, content_type="application/json")
 
 
-async def transport(request, body: dict, spec: dict, rule: dict, secret: str):
+async def transport(request, body: dict, spec: dict, rule: dict):
     """A reply whose framing, encoding or size is the attack (see the module docstring)."""
     fault = rule["fault"]
     if fault == "patch":
@@ -336,12 +381,12 @@ async def transport(request, body: dict, spec: dict, rule: dict, secret: str):
                 node[last] = value
         return web.Response(text=json.dumps(reply), content_type="application/json")
     if fault == "raw":
-        text = render(rule.get("body", ""), secret).replace("{reply}", json.dumps(reply_for(body, spec)))
-        headers = {k: render(v, secret) for k, v in rule.get("headers", {}).items()}
+        text = echo(rule.get("body", ""), request).replace("{reply}", json.dumps(reply_for(body, spec)))
+        headers = {k: echo(v, request) for k, v in rule.get("headers", {}).items()}
         return web.Response(body=text.encode("utf-8", "surrogatepass"), status=rule.get("status", 200),
                             headers={"Content-Type": rule.get("content_type", "application/json"), **headers})
     if fault == "redirect":
-        location = render(rule.get("location", "/v1/chat/completions"), secret)
+        location = echo(rule.get("location", "/v1/chat/completions"), request)
         return web.Response(status=rule.get("status", 307), headers={"Location": location})
     response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
     if fault == "gzip_bomb":
@@ -603,15 +648,15 @@ def build_app(spec: dict, die) -> web.Application:
             if fault == "context_length":
                 prompt = _count(body.get("messages") or [])
                 message = _too_long(prompt, 0, spec.get("max_context") or prompt)
-            message = render(rule.get("message", message), request_secret(request))
+            message = echo(rule.get("message", message), request)
             response = _error(rule.get("status", status), kind, message)
             if "retry_after" in rule:
-                response.headers["Retry-After"] = render(str(rule["retry_after"]), request_secret(request))
+                response.headers["Retry-After"] = echo(str(rule["retry_after"]), request)
             return response, fault
         if fault in TRANSPORT:
-            return await transport(request, body, spec, rule, request_secret(request)), fault
+            return await transport(request, body, spec, rule), fault
         if fault in HOSTILE:
-            message = render(rule.get("message", ""), request_secret(request))
+            message = echo(rule.get("message", ""), request)
             response = hostile(body, spec, fault, message)
             response.set_status(rule.get("status", 200))
             return response, fault
@@ -706,7 +751,8 @@ def build_app(spec: dict, die) -> web.Application:
         if state.stalled or state.dying:
             if state.spec["stall_health"] == "fail":
                 return _error(503, "ServiceUnavailableError", "health generation failed")
-            await forever()
+            if state.spec["stall_health"] != "ok":
+                await forever()
         return web.Response(status=200)
 
     async def models(request: web.Request) -> web.Response:
@@ -715,7 +761,7 @@ def build_app(spec: dict, die) -> web.Application:
         if time.monotonic() - state.started < state.spec["no_worker_for"]:
             return _error(503, "ServiceUnavailableError", NO_WORKER)
         if state.spec["models"] is not None:
-            return web.Response(text=render(json.dumps(state.spec["models"]), request_secret(request)),
+            return web.Response(text=echo(json.dumps(state.spec["models"]), request),
                                 content_type="application/json")
         name = state.spec["model"]
         card = {"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}
@@ -749,18 +795,56 @@ def build_app(spec: dict, die) -> web.Application:
         state.stalled = True
         return web.json_response({"ok": True})
 
+    def hostile_or(handler):
+        """`handler`, unless the spec's `endpoints` names a hostile answer for its path."""
+        async def answer(request: web.Request) -> web.StreamResponse:
+            rule = state.spec["endpoints"].get(request.path)
+            if rule is None:
+                return await handler(request)
+            return await probe_answer(request, rule)
+
+        return answer
+
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", hostile_or(health))
+    app.router.add_get("/health_generate", hostile_or(health_generate))
+    app.router.add_get("/v1/models", hostile_or(models))
     app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/workers", workers)
+    app.router.add_get("/get_server_info", hostile_or(server_info))
+    app.router.add_get("/metrics", hostile_or(metrics))
+    app.router.add_get("/workers", hostile_or(workers))
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/reset", admin_reset)
     app.router.add_post("/admin/stall", admin_stall)
     return app
+
+
+async def probe_answer(request: web.Request, rule: dict) -> web.StreamResponse:
+    """A GET probe's hostile answer (the spec's `endpoints`, see the module docstring)."""
+    if rule.get("hang"):
+        await asyncio.Event().wait()
+    if "body" in rule:
+        return web.Response(body=echo(rule["body"], request).encode("utf-8", "surrogatepass"),
+                            status=rule.get("status", 200), content_type="application/json")
+    if "nested" in rule:
+        depth = rule["nested"]
+        return web.Response(text="[" * depth + "]" * depth, content_type="application/json")
+    response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    if "bytes" in rule:
+        await response.write(b'"')
+        left = rule["bytes"]
+        while left > 0:
+            await response.write(b"a" * min(left, 1 << 20))
+            left -= 1 << 20
+        await response.write(b'"')
+        await response.write_eof()
+        return response
+    pause = rule.get("trickle", 0)
+    while True:  # endless, or a trickle
+        await response.write(b" " * (1 if "trickle" in rule else 1 << 16))
+        await asyncio.sleep(pause)
 
 
 def _too_long(prompt: int, extra: int, max_context: int) -> str:
@@ -958,6 +1042,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         spec["model"] = args.model
     print(f"fakeserver pid {os.getpid()} port {args.port} ignoring {ignored}", flush=True)
+    if spec["startup_message"]:
+        key = spec["api_key"] or ""
+        holding = sorted(name for name, value in os.environ.items() if key and key in value)
+        text = render(spec["startup_message"], key).replace("{env_keys}", json.dumps(holding))
+        print(text, flush=True)
     time.sleep(args.startup_delay)
 
     def die() -> None:

@@ -76,3 +76,31 @@ def test_a_checker_that_died_is_a_one_line_error(saved):
             c.send(["anything"], [1])
     finally:
         c.close()
+
+
+def test_a_stopped_checker_is_given_up_on_in_bounded_time(saved):
+    import os
+    import signal
+    import time
+
+    index, folder = saved
+    c = checker.Checker(lambda: folder, timeout=1.0)
+    while not c.ready():
+        pass
+    proc = c.proc
+    os.kill(proc.pid, signal.SIGSTOP)  # stopped, not dead: it reads and answers nothing
+    try:
+        big = ["word " * 50_000] * 20  # past what the pipe holds: a send would block
+        started = time.monotonic()
+        for _ in range(3):
+            c.send(big, [20])
+        assert c.hits() is None  # the caller checks this batch itself
+        assert c.hits() is None and c.gave_up and not c.ready()
+        c.send(["more"], [1])  # ignored: its hits come back None too
+        assert c.hits() is None
+        assert time.monotonic() - started < 15
+        assert not proc.is_alive()  # killed: SIGTERM alone waits for a stopped process
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        c.close()

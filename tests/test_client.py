@@ -444,3 +444,53 @@ def test_a_redirect_is_never_followed_and_stops_the_run_in_one_line(fake, status
     assert isinstance(err, Rejected) and f"HTTP {status}: a redirect to {echo.url}" in str(err)
     assert echo.stats()["received"] == 0  # neither the body nor the key went there
     assert not any(p in str(err) for p in secret_pieces(KEY))
+
+
+# ------------------------------------------------------------------ hostile input
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+MARKERS = st.sampled_from(["\0messages\0", "\0rid\0", '"\\u0000messages\\u0000"',
+                           str(2**40 + 7), "messages", '"'])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(MARKERS | st.text(max_size=6), max_size=4).map("".join),
+       st.text(max_size=12), st.sampled_from(["sglang", "vllm", "transformers"]))
+def test_any_model_name_encodes_as_json_dumps_would(model, rid, engine):
+    # a served model id is a server's words: "\0messages\0" once split the encoder
+    p = {"id": rid or "r", "messages": [{"role": "user", "content": model}]}
+    expected = json.dumps(build_body(p, model, SAMPLING, engine), ensure_ascii=False).encode()
+    assert BodyEncoder(model, SAMPLING, engine).encode(p) == expected
+
+
+# a 200 whose content holds the key with every character \u-escaped: parsed, it is the key
+ESCAPED_REPLY = ('{"id": "r", "object": "chat.completion", "x": "{key}", "x": 0, "choices": '
+                 '[{"index": 0, "message": {"role": "assistant", "content": "ok {key_ujson} ok", '
+                 '"reasoning_content": "{key_pct} {auth_b64}"}, "finish_reason": "stop"}], '
+                 '"usage": {"prompt_tokens": 3, "completion_tokens": 3}}')
+
+
+def test_a_key_spelled_with_escapes_or_dropped_by_the_parse_is_never_kept(fake):
+    # "x" twice: the parse keeps the second, so a check of the parse alone would let
+    # the raw bytes, first "x" and all, into the cache
+    s = fake({"api_key": KEY, "rules": [{"fault": "raw", "match": "p1$", "body": ESCAPED_REPLY},
+                                        {"fault": "raw", "match": "p2$", "status": 400,
+                                         "body": '{"detail": {"x": "{key_ujson}"}}'}]})
+    reply, failure = run(send(client(s.url, api_key=KEY), body(1), body(2)))
+    assert reply.content == "ok *** ok" and reply.reasoning.count("***") == 2
+    pieces = secret_pieces(KEY)
+    assert not [p for p in pieces if p.encode() in reply.raw], reply.raw
+    assert isinstance(failure, Failure) and "***" in failure.message
+    assert not [p for p in pieces if p in failure.message], failure.message
+
+
+def test_a_token_only_url_is_a_secret_in_every_message(fake):
+    token = "tok-only-7d1e9b3c55aa"
+    s = fake({"rules": [{"fault": "echo", "status": 400, "match": "p1$",
+                         "message": "{key} {key_b64} {auth_b64} {key_ujson}"}]})
+    c = client(s.url.replace("http://", f"http://{token}@"))
+    (failure,) = run(send(c, body(1)))
+    assert isinstance(failure, Failure) and c.urls == [s.url]
+    assert not [p for p in secret_pieces(token) if p in failure.message], failure.message

@@ -215,3 +215,14 @@ def test_malformed_eval_lines_follow_on_bad_row(tmp_path):
         decontam.build(cfg, "error")
     _, stats = decontam.build(cfg, "skip")
     assert stats["e"]["items"] == 2 and stats["e"]["skipped"] == {"malformed_json": 1}
+
+
+def test_an_eval_text_with_a_lone_surrogate_follows_on_bad_row(tmp_path):
+    path = tmp_path / "e.jsonl"  # "\ud800" parses to a lone surrogate, which has no UTF-8
+    path.write_text('{"question": "' + GSM[0] + '"}\n{"question": "broken \\ud800 ' + GSM[1] + '"}\n')
+    cfg = P.Decontaminate(evals=[P.EvalSet("e", str(path), "columns", prompt_field="question")])
+    with pytest.raises(StageError, match=r"eval set e: .*e\.jsonl:2: text that is not valid Unicode"):
+        decontam.build(cfg, "error")
+    index, stats = decontam.build(cfg, "skip")
+    assert stats["e"]["items"] == 2 and stats["e"]["skipped"] == {"invalid_text": 1}
+    assert index.check([GSM[0]], [1])[0] is not None

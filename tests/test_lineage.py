@@ -348,6 +348,9 @@ SHAPED_BY = {
     "stages/headloss.py": {"validate"},
     "stages/decontam.py": {"prepare"},
     "stages/checker.py": {"prepare"},
+    "stages/children.py": {"prepare", "tokenize"},
+    "stages/logpipe.py": {"generate"},
+    "stages/markdown.py": {"merge"},
 }
 
 

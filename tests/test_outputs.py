@@ -84,3 +84,22 @@ def test_sigterm_unwinds_a_stage_and_removes_its_temporary(tmp_path):
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == "error: merge terminated; nothing partial was written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+def test_a_scratch_folder_of_a_killed_run_is_removed_by_the_next_writer(tmp_path):
+    target = tmp_path / "prompts"
+    code = ("import sys, time; from pathlib import Path; from stages import outputs\n"
+            "folder = outputs.scratch_dir(Path(sys.argv[1]), 'evals')\n"
+            "(folder / 'index.bin').write_bytes(b'x' * 1000)\n"
+            "print(folder, flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    left = Path(proc.stdout.readline().strip())
+    proc.kill()  # SIGKILL: nothing of its own cleanup runs
+    proc.wait()
+    assert left.parent == tmp_path and left.name.startswith(f".prompts.tmp-{proc.pid}-evals-")
+    mine = outputs.scratch_dir(target, "evals")  # the next run: its own stays, the old goes
+    assert not left.exists() and mine.is_dir()
+    with outputs.atomic_dir(target):  # a writer of the target sweeps them too
+        pass
+    assert mine.is_dir()  # ours: this process is alive

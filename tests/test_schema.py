@@ -93,7 +93,7 @@ def test_list_shards_orders_and_refuses(tmp_path):
     with pytest.raises(StageError, match="lists gone.arrow, which does not exist"):
         list_shards(tmp_path)
     (tmp_path / "state.json").write_text("{")
-    with pytest.raises(StageError, match="not a datasets state file"):
+    with pytest.raises(StageError, match="state.json: not valid JSON"):
         list_shards(tmp_path)
 
 

@@ -124,3 +124,51 @@ def test_scrub_masks_keys_and_urls_in_nested_values():
     obj = {"a": ["Bearer sk-9\"x", {"url": "http://u:p@h"}], "n": 3, "key": None}
     assert secrets.scrub(obj, ["sk-9\"x", None]) == {"a": ["Bearer ***", {"url": "http://h"}],
                                                      "n": 3, "key": None}
+
+
+# ------------------------------------------------- every encoding a server can echo back
+
+import base64  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.fakeserver import ECHO_FORMS, render, secret_pieces  # noqa: E402
+
+secret_text = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x2FF), min_size=8,
+                      max_size=40)
+around = st.text(st.sampled_from("ab :/\n{}\"\\"), max_size=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(secret_text, st.sampled_from(ECHO_FORMS), around, around)
+def test_each_echo_form_of_any_key_is_masked_wherever_it_stands(key, form, before, after):
+    text = before + render("{" + form + "}", key) + after
+    out = Redactor([key])(text)
+    assert not [p for p in secret_pieces(key) if p in out], (form, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(secret_text, st.sampled_from(["Bearer ", "Basic ", "x", "xy", ""]), around)
+def test_the_key_in_base64_at_any_offset_is_masked(key, prefix, after):
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        text = encode((prefix + key + after).encode()).decode()
+        out = Redactor([key])(text)
+        assert MASK in out and not [p for p in secret_pieces(key) if p in out], (prefix, out)
+
+
+def test_a_token_only_url_makes_its_token_a_secret():
+    token = "tok-3f9a77c2e1b04d55"
+    r = Redactor(urls=[f"http://{token}@gpu-host:30000"])
+    basic = base64.b64encode(f"{token}:".encode()).decode()
+    assert r(f"said {token} and Basic {basic}") == f"said {MASK} and Basic {MASK}" + basic[-2:]
+    assert not [p for p in secret_pieces(token) if p in r(f"Basic {basic}")]
+
+
+def test_a_secret_is_found_in_a_parsed_body_whatever_escapes_spelled_it():
+    key = "sk-abc/def+ghi=jkl"
+    mixed = '{"a": ["' + "".join(c if i % 2 else f"\\u{ord(c):04x}" for i, c in enumerate(key)) + '"]}'
+    r = Redactor([key])
+    assert not r.found(mixed) and r.found_in(json.loads(mixed))
+    assert r.found_in({key[2:]: 1}) and not r.found_in({"a": [1, None, "x" * 100]})
+    assert not Redactor([]).found_in({"a": key})

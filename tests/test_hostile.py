@@ -1,0 +1,543 @@
+"""Hostile input at every edge: a server, a file or a user that means harm (issue 26).
+
+Each part asserts what a run must do whatever it is given: exit 1 with one line naming
+the file or URL (no traceback), or a correct result; never a hang (every test is timed),
+never a secret written in any encoding (every file written and the output scanned),
+never an input changed in place. Properties are checked with Hypothesis over nested,
+huge and mistyped JSON for each metadata file and probe body; stage runs are few.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from markdown_it import MarkdownIt
+
+from stages import lineage, merge, servers, validate
+from stages import params as P
+from stages.errors import StageError
+from stages.schema import list_shards, open_shard
+from tests import stagecli
+from tests.fakeserver import FakeServer, secret_pieces, spawn
+from tests.test_generate import (
+    launch_server,
+    make_prompts,
+    ok,
+    outputs,
+    report,
+    stage,
+    url_server,
+    write_params,
+)
+from tests.test_merge import FP, ids, rows, save
+
+ROOT = Path(__file__).resolve().parents[1]
+MERGE_PATHS = stagecli.paths("merge")
+VALIDATE_PATHS = stagecli.paths("validate")
+PROPERTY = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+# --------------------------------------------------------------------- hostile JSON
+
+NASTY_TEXT = ["\ud800", "x" * 5000, "", "\n---\n# h\n<script>alert(1)</script>",
+              "<img src=x onerror=alert(1)>", "`", "a|b", "../../etc/passwd", "\0", "NaN"]
+leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+        | st.text(max_size=12) | st.sampled_from(NASTY_TEXT))
+values = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
+# whole files that are no JSON object: nested past any limit, cut, binary, empty
+JUNK = [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 5000 + b"1" + b"}" * 5000, b"{", b"",
+        b"\xff\xfe\x00", b"[1, 2]", b'"text"', b"1e999999", b"9" * 5000]
+
+
+def shaped(skeleton: dict) -> st.SearchStrategy:
+    """A JSON object like `skeleton` whose every value may be any other value instead."""
+    def field(value):
+        inner = shaped(value) if isinstance(value, dict) else st.just(value)
+        return inner | values
+    return st.fixed_dictionaries({k: field(v) for k, v in skeleton.items()},
+                                 optional={"extra": values})
+
+
+def files(skeleton: dict) -> st.SearchStrategy:
+    """The bytes of a metadata file: mostly shaped like `skeleton`, sometimes junk."""
+    return (shaped(skeleton).map(lambda d: json.dumps(d).encode())
+            | st.sampled_from(JUNK))
+
+
+def one_line_or_value(call):
+    """Run `call`: it returns, or raises a StageError of one line; nothing else."""
+    try:
+        return call()
+    except StageError as e:
+        assert "\n" not in str(e) and len(str(e)) < 5000, str(e)
+        return e
+
+
+# ------------------------------------------------------------- metadata files
+
+STATE = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "f",
+         "_indices_data_files": None}
+
+
+@PROPERTY
+@given(files(STATE) | st.lists(st.sampled_from(
+    ["data-00000-of-00001.arrow", "fifo.arrow", "../x.arrow", "/etc/passwd", "", ".", "sub",
+     "gone.arrow"]), max_size=4).map(
+        lambda names: json.dumps({"_data_files": [{"filename": n} for n in names]}).encode()))
+def test_any_state_json_lists_regular_files_of_its_folder_or_is_one_line(tmp_path, text):
+    folder = tmp_path / "set"
+    if not folder.exists():
+        save(folder, rows(ids("a", 2)))
+        os.mkfifo(folder / "fifo.arrow")
+        (folder / "sub").mkdir()
+    (folder / "state.json").write_bytes(text)
+    started = time.monotonic()
+    found = one_line_or_value(lambda: list_shards(folder))
+    assert time.monotonic() - started < 5
+    if not isinstance(found, StageError):
+        assert all(p.parent == folder and p.is_file() for p in found), found
+
+
+@PROPERTY
+@given(files(FP | {"policy": {"max_seq_len": 64, "min_loss_tokens": 1}}),
+       files(FP | {"policy": {"max_seq_len": 32, "min_loss_tokens": 2}}))
+def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base, new):
+    (tmp_path / "base.json").write_bytes(base)
+    (tmp_path / "new.json").write_bytes(new)
+    read = [one_line_or_value(lambda p=p: merge._read_fingerprint(tmp_path / p, True))
+            for p in ("base.json", "new.json")]
+    if any(isinstance(r, StageError) for r in read):
+        return
+    merged = merge._merged_fingerprint(*read)
+    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    (tmp_path / "fingerprint.json").write_text(json.dumps(merged))
+    fp = validate._fingerprint(findings, tmp_path) or {}
+    cfg = P.Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
+    done = one_line_or_value(lambda: validate._limits(cfg, findings, fp, tmp_path))
+    if not isinstance(done, StageError):
+        P.check_ranges(done[0], "validate")  # whatever was recorded: a value in range
+
+
+@PROPERTY
+@given(files({"features": {"id": {"dtype": "string", "_type": "Value"}}}))
+def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
+    (tmp_path / "dataset_info.json").write_bytes(text)
+    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    validate._check_info(findings, tmp_path)
+
+
+@PROPERTY
+@given(files({"merged": {"rows": 10}}))
+def test_any_merge_report_gives_a_row_count_or_a_finding(tmp_path, text):
+    (tmp_path / "merge.json").write_bytes(text)
+    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    expected = validate._check_row_count(findings, 10, tmp_path, tmp_path / "merge.json")
+    assert (expected == 10) or not findings.checks["row_count"]["passed"]
+    assert expected is None or (type(expected) is int and expected >= 0)
+
+
+GENERATE = {"model": "m", "sampling": "h", "sampling_params": {"temperature": 0.6},
+            "requests": 3, "failed_by_kind": {"timeout": 1}, "sources": {"s": {"completed": 1}},
+            "server": {"engine": "sglang", "version": "1", "args": ["--tp", "8"],
+                       "urls": ["http://h:1"], "url": "http://h:2", "model": "m"}}
+PREPARE = {"sources": {"s": {"read": 3, "kept": 2, "dropped_by_reason": {"empty": 1}}}}
+TOKENIZE = {"sources": {"s": {"conversations": 1, "rows": 1, "tokens": 5, "dropped": {}}}}
+HISTORY = {"history": [{"version": 1, "rows": 3, "model": "m", "note": "n", "created": "c",
+                        "git_commit": "abc"}]}
+MERGE_REPORT = {
+    "base": {"path": "data/base", "present": True, "rows": 3, "tokens": 9, "loss_tokens": 3,
+             "shards": 1, "bytes": 1},
+    "new": {"path": "data/tokenized", "rows": 2, "tokens": 6, "loss_tokens": 2, "shards": 1,
+            "bytes": 1},
+    "merged": {"rows": 5, "tokens": 15, "loss_tokens": 5, "shards": 2, "bytes": 2},
+    "duplicates": {"policy": "keep-base", "ids": 0, "base_rows": 0, "new_rows": 0,
+                   "dropped_base_rows": 0, "dropped_new_rows": 0},
+}
+CARD = MarkdownIt("commonmark", {"html": True}).enable(["table", "strikethrough"])
+
+
+def card_markup(text: str) -> tuple:
+    """(headings, links, images, html) of a card's body as a renderer sees it."""
+    body = text.split("\n---\n", 1)[1]
+    tokens = CARD.parse(body)
+    inline = [c for t in tokens if t.type == "inline" for c in t.children or []]
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    headings = [re.sub(r"version \d+$", "version N", h) for h in headings]
+    html = [t for t in tokens + inline if t.type.startswith("html") or t.type == "hr"]
+    return (headings, sum(t.type == "link_open" for t in inline),
+            sum(t.type == "image" for t in inline), html)
+
+
+@pytest.fixture
+def card_repo(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base/state.json").write_text('{"_fingerprint": "s"}')
+    return tmp_path
+
+
+def write_card_inputs(root: Path, generate, prepare, tokenize, history, lock) -> None:
+    for name, doc in (("generate", generate), ("prepare", prepare), ("tokenize", tokenize)):
+        (root / f"reports/{name}.json").write_bytes(doc)
+    (root / "base/lineage.json").write_bytes(history)
+    (root / "dvc.lock").write_bytes(lock)
+
+
+def build_card(root: Path, fingerprint: dict):
+    lin = lineage.build(copy.deepcopy(MERGE_REPORT), fingerprint, Path("base"), "st", MERGE_PATHS)
+    text = lineage.card(lin, MERGE_PATHS)
+    json.dumps(lin, ensure_ascii=False).encode("utf-8")  # lineage.write can write both
+    text.encode("utf-8")
+    return lin, text
+
+
+def benign_markup(root: Path) -> list:
+    """The markup of a card built from well-formed facts: what every card must keep."""
+    write_card_inputs(root, *(json.dumps(d).encode() for d in (GENERATE, PREPARE, TOKENIZE,
+                                                               HISTORY)), b"stages: {}\n")
+    headings, links, images, html = card_markup(build_card(root, FP)[1])
+    assert html == [] and links == 1 and images == 2 and headings[0].startswith("distill-data")
+    return [headings, links, images]
+
+
+@PROPERTY
+@given(files(GENERATE), files(PREPARE), files(TOKENIZE), files(HISTORY),
+       st.sampled_from([b"stages: {}\n", b"[" * 50_000, b"a: &a [*a]\n", b"\xff",
+                        yaml.safe_dump({"stages": {"s": {"outs": [{"path": "data/prompts",
+                                                                   "md5": "`<b>x</b>`"}]}}})
+                        .encode()]),
+       shaped(FP))
+def test_any_reports_and_base_history_make_a_card_with_our_markup_only(
+        card_repo, generate, prepare, tokenize, history, lock, fingerprint):
+    benign = benign_markup(card_repo)
+    write_card_inputs(card_repo, generate, prepare, tokenize, history, lock)
+    built = one_line_or_value(lambda: build_card(card_repo, fingerprint))
+    if isinstance(built, StageError):
+        return
+    lin, text = built
+    headings, links, images, html = card_markup(text)
+    assert [headings, links, images] == benign and html == [], text
+    header = lineage._front_matter(text, Path("README.md"))
+    assert header["distill_data"]["history"] == json.loads(json.dumps(lin["history"]))
+
+
+def test_a_hostile_model_id_and_base_history_stay_text_in_the_card(card_repo):
+    evil = "m\n---\n# owned\n<script>alert(1)</script> ``` <img src=x onerror=alert(1)> [x](y)"
+    generate = dict(GENERATE, model=evil, server=dict(GENERATE["server"], args=[evil]))
+    history = {"history": [{"version": 1, "rows": 3, "model": evil, "note": evil,
+                            "created": evil, "git_commit": evil}]}
+    benign = benign_markup(card_repo)
+    write_card_inputs(card_repo, json.dumps(generate).encode(), json.dumps(PREPARE).encode(),
+                      json.dumps({"sources": {evil: {"rows": 1}}}).encode(),
+                      json.dumps(history).encode(), b"stages: {}\n")
+    lin, text = build_card(card_repo, FP)
+    headings, links, images, html = card_markup(text)
+    assert [headings, links, images] == benign and html == []
+    header = lineage._front_matter(text, Path("README.md"))
+    assert header["distill_data"]["model"] == evil
+    assert header["distill_data"]["history"][0]["model"] == evil
+
+
+# -------------------------------------------------------------------- probes
+
+
+@pytest.fixture(scope="module")
+def probed():
+    server = FakeServer().start()
+    yield server
+    server.stop()
+
+
+def probe_all(url: str, models: bool) -> None:
+    """Every probe of a server, each bounded; they answer "cannot tell", never raise."""
+    started = time.monotonic()
+    assert servers.seed_honoured("sglang", url, None) in (True, False, None)
+    assert servers.is_router(url, None) in (True, False)
+    context = servers.served_context([url], "fake-model", None)
+    assert context is None or 0 < context <= P.INT32
+    tokens = servers.generation_tokens(url, None, 2.0)
+    assert tokens is None or isinstance(tokens, float)
+    assert servers.engine_healthy(url, "sglang", "fake-model", None, 2.0) in (True, False)
+    probe = servers.GenerationProbe(url, "sglang", "fake-model", None)
+    assert probe.evidence(2.0) in ("tokens", "health", None)
+    if models:
+        ready_or_one_line(url)
+    assert time.monotonic() - started < 60
+
+
+def ready_or_one_line(url: str) -> None:
+    try:
+        name = asyncio.run(servers.wait_ready([url], 1.0))
+    except StageError as e:
+        assert "\n" not in str(e) and url in str(e)
+    else:
+        assert name is None or (isinstance(name, str) and 0 < len(name) <= P.MAX_PATH)
+
+
+ENDPOINTS = ["/v1/models", "/get_server_info", "/workers", "/metrics", "/health_generate"]
+
+
+@settings(PROPERTY, max_examples=25)
+@given(st.sampled_from(ENDPOINTS), values.map(json.dumps) | st.sampled_from(
+    [j.decode("latin-1") for j in JUNK]) | st.integers(101, 5000).map(lambda d: "[" * d + "]" * d)
+    | shaped({"data": [{"id": "m", "max_model_len": 4096}]}).map(json.dumps))
+def test_any_probe_body_is_read_bounded_and_never_raises(probed, path, body):
+    probed.reset({"endpoints": {path: {"body": body}}})
+    probe_all(probed.url, models=path == "/v1/models")
+
+
+@pytest.mark.parametrize("answer", [{"nested": 200_000}, {"bytes": 20 << 20}, {"endless": True},
+                                    {"trickle": 0.2}, {"hang": True}])
+def test_endless_huge_slow_and_silent_probes_end_in_bounded_time(probed, answer):
+    probed.reset({"endpoints": {p: answer for p in ENDPOINTS}})
+    started = time.monotonic()
+    assert servers.generation_tokens(probed.url, None, 1.0) is None
+    # a body nested past the limit still comes with a 200: /health_generate needs no body
+    assert servers.engine_healthy(probed.url, "sglang", "m", None, 1.0) is ("nested" in answer)
+    assert servers.is_router(probed.url, None) is False
+    assert time.monotonic() - started < 30
+    ready_or_one_line(probed.url)
+    assert time.monotonic() - started < 90
+
+
+# ----------------------------------------------------------- secrets, end to end
+
+KEY = 'sk-hostile/7e41+c09b"d2=8fa5 \\91c3%e6d0'  # every encoding spells it differently
+TOKEN = "tok-url-only-4b9d2e77c1"
+# each rule: a way for a server to echo what a request carried
+ECHOES = [
+    {"fault": "say", "message": "{key_ujson}"},  # the escapes as text in an answer
+    {"fault": "say", "message": "{key_b64} / {auth_b64} / {key_pct}"},
+    {"fault": "raw", "body": '{"id": "r", "object": "chat.completion", "x": "{key}", "x": 0,'
+     ' "choices": [{"index": 0, "message": {"role": "assistant", "content": "a {key_ujson}",'
+     ' "reasoning_content": "{auth_b64}"}, "finish_reason": "stop"}],'
+     ' "usage": {"prompt_tokens": 2, "completion_tokens": 2}}'},
+    {"fault": "raw", "status": 400, "body": '{"message": "bad {key_ujson} {key_b64}"}'},
+    {"fault": "raw", "status": 503, "body": '{"error": {"message": "{auth_b64}"}, "k": 1}'},
+    {"fault": "echo", "status": 400, "message": "{key_pct} {auth_b64} {key[3:20]}"},
+    {"fault": "echo", "status": 200, "message": "{key_ujson} not json"},
+    {"fault": "raw", "status": 200, "body": '{"detail": "{key_b64}"}'},  # not a reply
+]
+
+
+def echo_rules() -> list[dict]:
+    return [dict(rule, match=f"p{i:05d}$") for i, rule in enumerate(ECHOES)]
+
+
+def leaks(root: Path, texts: list[str], secret: str) -> list[str]:
+    pieces = secret_pieces(secret)
+    found = [str(p) for p in root.rglob("*") if p.is_file() and p.name != "params.yaml"
+             and any(x.encode() in p.read_bytes() for x in pieces)]
+    return found + [t[:200] for t in texts if any(x in t for x in pieces)]
+
+
+def test_a_secret_echoed_in_every_encoding_is_written_nowhere(tmp_path):
+    make_prompts(tmp_path, 2 * len(ECHOES))
+    lenient = dict(max_retries=0, max_retries_500=0, max_transient_failures=1.0,
+                   max_permanent_failures=1.0)
+    seen = []
+    with spawn({"api_key": KEY, "rules": echo_rules()}) as fake:
+        write_params(tmp_path, server=url_server(fake.url, api_key_env="FAKE_KEY"), **lenient)
+        proc = stage(tmp_path, FAKE_KEY=KEY)
+        seen.append(ok(proc))
+    completions, failures = outputs(tmp_path)
+    assert len(completions) + len(failures) == 2 * len(ECHOES)
+    assert "***" in json.dumps(completions) and "***" in json.dumps(failures)
+    # a token-only URL: the token is what the server echoes back
+    with spawn({"rules": echo_rules()}) as fake:
+        url = fake.url.replace("http://", f"http://{TOKEN}@")
+        write_params(tmp_path, server=url_server(url, model="m"), cache_dir=".cache/tok",
+                     **lenient)
+        proc = stage(tmp_path)
+        seen.append(ok(proc))
+        assert report(tmp_path)["server"]["urls"] == [fake.url]
+    for text in seen:
+        assert "Traceback" not in text
+    assert leaks(tmp_path, seen, KEY) == [] and leaks(tmp_path, seen, TOKEN) == []
+
+
+def test_a_launched_engine_gets_no_copy_of_the_key_and_its_log_is_redacted(tmp_path):
+    make_prompts(tmp_path, 4)
+    spec = {"api_key": KEY, "startup_message":
+            "env {env_keys}; args --api-key {key} {key_b64} {auth_b64} {key_ujson}"}
+    log = tmp_path / ".cache/logs/generate-server.log"
+    write_params(tmp_path, server=launch_server(tmp_path, spec, api_key_env="FAKE_KEY"))
+    out = ok(stage(tmp_path, FAKE_KEY=KEY, COPY_OF_KEY=f"x{KEY}x"))
+    assert "env []; args --api-key ***" in log.read_text()
+    # vLLM reads VLLM_API_KEY as its own --api-key: that one variable it keeps
+    server = launch_server(tmp_path, spec, api_key_env="VLLM_API_KEY")
+    server["launch"]["engine"] = "vllm"
+    write_params(tmp_path, server=server, cache_dir=".cache/vllm")  # sent, not cached
+    out += ok(stage(tmp_path, VLLM_API_KEY=KEY, COPY_OF_KEY=KEY))
+    assert 'env ["VLLM_API_KEY"]' in log.read_text()
+    assert leaks(tmp_path, [out], KEY) == []
+
+
+# ------------------------------------------------------------------- hangs
+
+
+def test_a_launched_engine_whose_chat_hangs_while_health_passes_is_restarted(tmp_path):
+    make_prompts(tmp_path, 24)
+    spec = {"stall_after": 6, "stall_health": "ok", "latency": 0.01,
+            "once_file": str(tmp_path / "stalled-once")}
+    server = launch_server(tmp_path, spec, watchdog_seconds=1, max_restarts=2)
+    write_params(tmp_path, server=server, request_timeout=2, max_retries=50, concurrency=4)
+    started = time.monotonic()
+    out = ok(stage(tmp_path, timeout=120))
+    assert time.monotonic() - started < 90
+    r = report(tmp_path)
+    assert r["completed"] == 24 and r["server"]["restarts"] == 1, out
+    assert "requests hang" in r["server"]["restart_reasons"][0]
+
+
+def test_a_url_server_whose_chat_hangs_while_health_passes_ends_the_run(tmp_path):
+    make_prompts(tmp_path, 30)
+    with spawn({"stall_after": 5, "stall_health": "ok", "latency": 0.01}) as fake:
+        server = url_server(fake.url, watchdog_seconds=1, hang_timeout=1)
+        write_params(tmp_path, server=server, request_timeout=2, max_retries=50, concurrency=4)
+        started = time.monotonic()
+        proc = stage(tmp_path, timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "hung" in line and fake.url in line
+
+
+def fifo_at(root: Path, rel: str) -> None:
+    path = root / rel
+    if path.exists():
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+
+
+def merged_repo(root: Path) -> None:
+    save(root / "data/merged", rows(ids("m", 6)), shards=2)
+    (root / "reports").mkdir(exist_ok=True)
+    (root / "reports/merge.json").write_text(json.dumps({"merged": {"rows": 6}}))
+    (root / "params.yaml").write_text(yaml.safe_dump(
+        {"validate": {"vocab_size": 100, "max_seq_len": 64, "min_loss_tokens": 1,
+                      "train_check": {"enabled": False}},
+         "merge": {"base": "data/base"}}))
+
+
+@pytest.mark.parametrize("stage_name, fifo, named", [
+    ("validate", "data/merged/data-00001-of-00002.arrow", "data-00001-of-00002.arrow"),
+    ("validate", "data/merged/state.json", "state.json"),
+    ("validate", "data/merged/dataset_info.json", "dataset_info.json"),
+    ("validate", "data/merged/fingerprint.json", "fingerprint.json"),
+    ("validate", "reports/merge.json", "merge.json"),
+    ("merge", "data/base/data-00000-of-00002.arrow", "data-00000-of-00002.arrow"),
+    ("merge", "data/base/fingerprint.json", "fingerprint.json"),
+    ("merge", "data/base/lineage.json", "lineage.json"),
+    ("merge", "data/tokenized/state.json", "state.json"),
+    ("merge", "reports/generate.json", "generate.json"),
+])  # fmt: skip
+def test_a_fifo_named_like_a_shard_or_metadata_is_one_line_not_a_hang(tmp_path, stage_name,
+                                                                       fifo, named):
+    merged_repo(tmp_path)
+    save(tmp_path / "data/base", rows(ids("b", 4)), shards=2)
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    fifo_at(tmp_path, fifo)
+    started = time.monotonic()
+    line, _ = stagecli.fail(stage_name, tmp_path, timeout=120)
+    assert named in line and time.monotonic() - started < 110
+    assert stat_is_fifo(tmp_path / fifo)  # read, never replaced
+
+
+def stat_is_fifo(path: Path) -> bool:
+    import stat
+
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def test_validate_with_a_fifo_shard_honours_sigterm_and_ends(tmp_path):
+    merged_repo(tmp_path)
+    fifo_at(tmp_path, "data/merged/data-00000-of-00002.arrow")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(stagecli.command("validate"), cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)  # TimeoutExpired: it ignored SIGTERM too
+        pytest.fail("validate blocked on the FIFO")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr.read()
+
+
+@pytest.mark.parametrize("name", ["completions", "prompts"])
+def test_a_fifo_as_the_rows_file_is_one_line(tmp_path, name):
+    stage_name = {"completions": "tokenize", "prompts": "generate"}[name]
+    fifo_at(tmp_path, f"data/{name}/{name}.jsonl")
+    params = {"tokenize": {}, "generate": {"server": {"url": "http://127.0.0.1:9", "model": "m"}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({stage_name: params[stage_name]}))
+    line, _ = stagecli.fail(stage_name, tmp_path, timeout=120)
+    assert f"{name}.jsonl" in line
+
+
+# --------------------------------------------------- values out of their range
+
+
+def test_validate_names_a_mistyped_row_count_and_an_overflowing_limit(tmp_path, monkeypatch):
+    merged_repo(tmp_path)
+    (tmp_path / "reports/merge.json").write_text('{"merged": {"rows": "6"}}')
+    fp = json.loads((tmp_path / "data/merged/fingerprint.json").read_text())
+    fp["policy"] = {"max_seq_len": 2**70, "min_loss_tokens": 1}
+    fp["tokenizer"]["vocab_size"] = 100
+    (tmp_path / "data/merged/fingerprint.json").write_text(json.dumps(fp))
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["validate"]["max_seq_len"] = None
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    line, _ = stagecli.fail("validate", tmp_path)
+    assert "validate.max_seq_len: null" in line
+    params["validate"]["max_seq_len"] = 64
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    line, _ = stagecli.fail("validate", tmp_path)
+    assert "row_count" in line and "fingerprint" in line
+    checks = json.loads((tmp_path / "reports/validate.json").read_text())["checks"]
+    assert 'merged.rows is "6"' in checks["row_count"]["examples"][0]
+    assert "policy.max_seq_len must be >= 1 and <= 2147483647" in checks["fingerprint"]["examples"][0]
+
+
+def test_merge_refuses_a_base_limit_that_no_tokenize_could_have_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save(tmp_path / "data/base", rows(ids("b", 4)), fingerprint=FP | {
+        "policy": {"max_seq_len": 2**70}})
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)), fingerprint=FP | {
+        "policy": {"max_seq_len": 64}})
+    with pytest.raises(StageError, match=r"data/base/fingerprint\.json: policy\.max_seq_len "
+                                         r"must be >= 1 and <= 2147483647"):
+        merge.run(P.Merge(base="data/base"), MERGE_PATHS)
+    assert not (tmp_path / "data/merged").exists()
+
+
+# ------------------------------------------------------ a careless user's params
+
+
+@pytest.mark.parametrize("cache_dir", ["data/completions/cache", "data/completions",
+                                       "data/merged/x", "reports/cache", "data/prompts/c"])
+def test_a_request_cache_inside_a_folder_the_pipeline_writes_is_refused(tmp_path, cache_dir):
+    make_prompts(tmp_path, 3)
+    write_params(tmp_path, server=url_server("http://127.0.0.1:9"), cache_dir=cache_dir)
+    line, _ = stagecli.fail("generate", tmp_path)
+    assert line.startswith(f"error: generate.cache_dir: {cache_dir} is inside ")
+    assert not (tmp_path / "data/completions").exists()
+    assert not (tmp_path / cache_dir).exists()

@@ -29,7 +29,7 @@ ROOT = HERE.parent
 WORK = HERE / "work" / "generate"
 sys.path.insert(0, str(ROOT))
 
-from stages import reports  # noqa: E402
+from stages.common import reports  # noqa: E402
 
 IN_FLIGHT = 1000
 
@@ -66,7 +66,7 @@ def run_stage(wd: Path, sample_rss: bool = False) -> tuple[dict, int]:
     """Run the stage as its own process from an empty cache; (report, peak RSS bytes)."""
     import psutil
 
-    from stages import cli
+    from stages.process import cli
 
     shutil.rmtree(wd / ".cache", ignore_errors=True)
     shutil.rmtree(wd / "data/completions", ignore_errors=True)
@@ -111,7 +111,7 @@ async def floor_loop(url: str, bodies: list[bytes]) -> float:
 
 
 def floor_bodies(prompts: Path) -> list[bytes]:
-    from stages.client import Sampling, build_body
+    from stages.serving.client import Sampling, build_body
 
     sampling = Sampling(64, 0.6, 0.95, 20, None, True, True)
     out = []

@@ -29,7 +29,7 @@ WORK = HERE / "work" / "generate_vs_engine"
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 sys.path.insert(0, str(ROOT))
 
-from stages import reports  # noqa: E402
+from stages.common import reports  # noqa: E402
 
 MODEL = "demo:tiny-qwen3-vllm"
 CONCURRENCY = 8
@@ -71,7 +71,7 @@ def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
     }  # fmt: skip
     (wd / "params.yaml").write_text(yaml.safe_dump({"generate": gen}), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    from stages import cli
+    from stages.process import cli
 
     done = subprocess.run([sys.executable, *cli.pipeline_command("generate")[1:]], cwd=wd, env=env,
                           capture_output=True, text=True)  # fmt: skip
@@ -112,8 +112,8 @@ def engine_tok_s(wd: Path, url: str, model_path: str, prompts: list[str]) -> flo
 
 
 def main() -> dict:
-    from stages import params as P
-    from stages import servers
+    from stages.common import params
+    from stages.serving import servers
 
     if not ENGINE_PYTHON.exists():
         raise RuntimeError("no engine venv: run `make engine-venv` first")
@@ -121,7 +121,7 @@ def main() -> dict:
     n = 32 if quick() else 96
     prompts = texts(n)
     WORK.mkdir(parents=True, exist_ok=True)
-    launch = P.build(P.Launch, {
+    launch = params.build(params.Launch, {
         "engine": "vllm", "model": MODEL, "python": str(ENGINE_PYTHON),
         "args": ["--reasoning-parser", "qwen3", "--served-model-name", MODEL, "--enforce-eager"],
         "startup_timeout": 900,

@@ -37,7 +37,7 @@ ROW_TOKENS = (32, 480)
 # each pass ends by printing one JSON line: what it did and its own peak RSS
 PASS = """
 import json, sys, time
-from stages.loader import batches
+from stages.dataset.loader import batches
 folder, packed = sys.argv[1], sys.argv[2] == "packed"
 start, n, tokens = time.perf_counter(), 0, 0
 for batch in batches(folder, {tokens}, packed=packed):
@@ -54,8 +54,8 @@ STEP = """
 import itertools, json, sys, time
 import torch
 from transformers import AutoModelForCausalLM
-from stages import tinymodel
-from stages.loader import batches
+from stages.dataset.loader import batches
+from stages.models import tinymodel
 folder, packed, steps = sys.argv[1], sys.argv[2] == "packed", int(sys.argv[3])
 model = AutoModelForCausalLM.from_pretrained(str(tinymodel.ensure_model())).eval()
 times = []

@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peak import outcome, stage_command  # noqa: E402
-from stages import reports  # noqa: E402
-from stages.schema import (  # noqa: E402
+from stages.common import reports  # noqa: E402
+from stages.dataset.schema import (  # noqa: E402
     ARROW_SCHEMA,
     FINGERPRINT_FILE,
     ShardFile,
@@ -108,7 +108,7 @@ def _batch(rng, first: int, n: int, prefix: str, span: tuple[int, int]) -> pa.Re
 
 def raw_scan(folder: Path) -> float:
     """The floor: min, max and lengths over the flattened lists, nothing else."""
-    from stages.schema import list_shards
+    from stages.dataset.schema import list_shards
 
     start = time.perf_counter()
     for path in list_shards(folder):

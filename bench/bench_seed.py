@@ -58,7 +58,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 import bench_tokenize as BT  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
-from stages import cpus  # noqa: E402
+from stages.process import cpus  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "seed"
 
@@ -78,9 +78,9 @@ def main() -> dict:
     scale = _scale()
     foreign = os.environ.get("BENCH_SEED_BASE", "contract") == "foreign"
     if foreign:
-        from stages import params as P
+        from stages.common import params
 
-        if "adopt" not in P.Merge.__dataclass_fields__:
+        if "adopt" not in params.Merge.__dataclass_fields__:
             raise SystemExit("BENCH_SEED_BASE=foreign needs merge.adopt (issue 21), "
                              "not in this tree")
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
@@ -148,7 +148,7 @@ class Conversations:
     """Completion rows in the seed's shape, written as generate writes them."""
 
     def __init__(self, tok, pool: Pool, seed: int):
-        from stages.chat import ChatEncoder
+        from stages.chat.encoder import ChatEncoder
 
         self.tok, self.pool = tok, pool
         self.rng = np.random.default_rng(seed)
@@ -268,7 +268,7 @@ def _check_counts(path: Path, conv: Conversations, rows: int = 50) -> None:
 
 def write_base(folder: Path, rows: int, fingerprint: dict, vocab: int, foreign: bool) -> int:
     """`rows` rows of random ids in BASE_SHARDS files; returns their tokens."""
-    from stages.schema import FINGERPRINT_FILE, write_metadata
+    from stages.dataset.schema import FINGERPRINT_FILE, write_metadata
 
     rng = np.random.default_rng(7)
     folder.mkdir(parents=True)
@@ -298,7 +298,7 @@ def write_base(folder: Path, rows: int, fingerprint: dict, vocab: int, foreign: 
 def _base_batch(rng, first: int, lengths: np.ndarray, sources, vocab: int, foreign: bool):
     import pyarrow as pa
 
-    from stages.schema import ARROW_SCHEMA
+    from stages.dataset.schema import ARROW_SCHEMA
 
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
     ids = rng.integers(0, vocab, int(offsets[-1]), dtype=np.int32)
@@ -324,7 +324,7 @@ def _write_shard(path: Path, batches: list, foreign: bool) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.schema import ShardFile
+    from stages.dataset.schema import ShardFile
 
     if foreign:
         pq.write_table(pa.Table.from_batches(batches), path, row_group_size=1000)
@@ -339,19 +339,19 @@ def _write_shard(path: Path, batches: list, foreign: bool) -> None:
 
 def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
     """One whole job at `scale` in a fresh repo under WORK (removed after)."""
-    from stages import tokenize as TK
-    from stages import params as P
+    from stages import tokenize
+    from stages.common import params
     from stages.tokenize import _load_tokenizer
 
     shutil.rmtree(WORK, ignore_errors=True)
     repo = WORK / "repo"
     try:
-        params = _setup(repo, foreign)
+        config = _setup(repo, foreign)
         facts = write_completions(repo, scale, tok, pool)
-        cfg = P.load("tokenize", repo / "params.yaml")
+        cfg = params.load("tokenize", repo / "params.yaml")
         _, tok_id = _load_tokenizer(cfg.tokenizer, None, False, None)
         base_tokens = write_base(repo / "data/base", round(BASE_ROWS * scale),
-                                 TK.fingerprint(tok_id, tok, cfg), len(tok), foreign)
+                                 tokenize.fingerprint(tok_id, tok, cfg), len(tok), foreign)
         _sh(["dvc", "add", "-q", "data/base"], repo)
         out = {"scale": scale, "prompts": facts["prompts"], "answers": facts["answers"],
                "output_tokens_mean": round(facts["output_tokens"] / facts["answers"]),
@@ -374,7 +374,7 @@ def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
                        tokenize_vs_floor=round(out["tokenize_tok_per_s"] / rate, 3),
                        tokenize_floor_tok_per_cpu_s=round(per_cpu),
                        tokenize_vs_floor_cpu=round(out["tokenize_tok_per_cpu_s"] / per_cpu, 3))
-        out["params"] = json.dumps(params, sort_keys=True)
+        out["params"] = json.dumps(config, sort_keys=True)
         return out
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
@@ -394,13 +394,13 @@ def _setup(repo: Path, foreign: bool) -> dict:
     pipeline["stages"] = {k: v for k, v in pipeline["stages"].items()
                           if k in ("tokenize", "merge", "validate")}
     (repo / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    config = yaml.safe_load((ROOT / "params.yaml").read_text())
     changed = {s: dict(v) for s, v in PARAMS.items()}
     if foreign:
         changed["merge"] = {"adopt": True}
     for section, values in changed.items():
-        params[section].update(values)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        config[section].update(values)
+    (repo / "params.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (repo / ".gitignore").write_text("/stages\n/.cache\n")
     return changed
 

@@ -149,7 +149,7 @@ def conversation(rng: random.Random, text: Text, i: int, scale: float = 1.0) -> 
 def served(row: dict, tok) -> None:
     """What vLLM would have kept for the row (generate's `engine_tokens`), so that the
     stage's serve-render check runs on every row: the prompt as the engine encodes it."""
-    from stages.messages import token_ids_digest
+    from stages.chat.conversation import token_ids_digest
 
     prompt = tok.apply_chat_template(row["messages"][:-1], tools=row.get("tools"),
                                      tokenize=False, add_generation_prompt=True)
@@ -193,7 +193,7 @@ _TEXTS: list[str] = []
 
 
 def _encode_part(part: tuple[int, int]) -> None:
-    from stages.chat import off_main_thread
+    from stages.chat.encoder import off_main_thread
     from stages.tokenize import _load_tokenizer
 
     tok = _load_tokenizer("bundled:qwen3.6", None, False, None)[0]  # inherited through fork

@@ -13,7 +13,7 @@ import sys
 
 STAGE = """
 import json, sys
-from stages import cli
+from stages.process import cli
 name = sys.argv[1]
 stage = __import__("stages." + name, fromlist=["run"])
 code = cli.main(name, "", stage.run, stage.PATHS, sys.argv[2:])
@@ -25,7 +25,7 @@ print(json.dumps({"rc": code, "peak_mb": int(status["VmHWM"].split()[0]) / 1024}
 def stage_command(name: str, *args: str) -> list[str]:
     """dvc.yaml's `python -m stages.NAME PATHS` + ARGS, as a command that prints its own
     peak at the end."""
-    from stages import cli
+    from stages.process import cli
 
     return [sys.executable, "-c", STAGE, name, *cli.pipeline_command(name)[3:], *args]
 

@@ -20,9 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages import charts, cli, reports
-from stages import params as P
-from stages.errors import StageError
+from stages.common import params, reports
+from stages.common.errors import StageError
+from stages.dataset import charts
+from stages.process import cli
 
 BASE_ROWS = 24
 
@@ -36,11 +37,11 @@ def where() -> tuple[Path, Path]:
 
 
 def setup() -> None:
-    from stages import tinymodel, tokenizer
+    from stages.models import tinymodel, tokenizer
 
     tokenizer.load_tokenizer("bundled:qwen3.6")
     tinymodel.ensure_model()
-    base = P.load("merge", "params.yaml").base
+    base = params.load("merge", "params.yaml").base
     if base and not (Path(base) / "state.json").exists():
         build_base(Path(base))
 
@@ -146,7 +147,7 @@ def summary(ran: list[str] | None) -> str:
         lines.append(f"its lineage card (version {mer.get('version', '?')}): {card} "
                      f"(facts for machines: {merged / 'lineage.json'})")
     lines.append(
-        "load it:  python -c \"from stages.loader import batches; "
+        "load it:  python -c \"from stages.dataset.loader import batches; "
         f"print(next(batches('{merged}', 4096, packed=True)))\""
     )
     lines.append(f"export:   python -m stages.export --for trl --merged {merged} --out export/trl"

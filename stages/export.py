@@ -41,10 +41,10 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from stages import cli, outputs
-from stages.errors import StageError
-from stages.loader import IGNORE
-from stages.schema import (
+from stages.common import outputs
+from stages.common.errors import StageError
+from stages.dataset.loader import IGNORE
+from stages.dataset.schema import (
     FINGERPRINT_FILE,
     STATE_FILE,
     ShardFile,
@@ -54,6 +54,7 @@ from stages.schema import (
     shard_name,
     write_metadata,
 )
+from stages.process import cli
 
 REPORT = "export.json"  # in --out, beside what the trainer reads
 JSONL = "train.jsonl"

@@ -35,7 +35,7 @@ proving it generates ends the run after `watchdog_seconds` + `server.hang_timeou
 Ctrl-C stops cleanly with exit status 130, SIGTERM with 143; the cache keeps every
 finished request. The API key is read from the environment variable named by
 `generate.server.api_key_env` and is never written anywhere; neither are credentials
-in a server URL (stages/secrets.py).
+in a server URL (stages/common/secrets.py).
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from stages import cli, engineids, outputs, replies, secrets, servesetup
-from stages import context as fitting
-from stages import messages as contract
-from stages import params as P
-from stages.client import (
-    CHAT_PATH,
+from stages.chat import conversation, engineids
+from stages.common import outputs, params, secrets
+from stages.common.errors import StageError, json_object, open_regular, parse_json, writable
+from stages.common.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
+from stages.process import cli
+from stages.serving import fitting, replies, servesetup
+from stages.serving.client import (
     BodyEncoder,
+    CHAT_PATH,
     ChatClient,
     Failure,
     Reply,
@@ -71,9 +73,7 @@ from stages.client import (
     build_body,
     parse_reply,
 )
-from stages.errors import StageError, json_object, open_regular, parse_json, writable
-from stages.requestcache import KeyIndex, RequestCache, request_key, short_hash
-from stages.secrets import Redactor, redacting_logs, strip_url_credentials, url_credentials
+from stages.serving.requestcache import KeyIndex, RequestCache, request_key, short_hash
 
 log = logging.getLogger("stages.generate")
 
@@ -91,7 +91,7 @@ TRUNCATED_FINISH = ("length", "abort")
 # ------------------------------------------------------------------------ params
 
 
-def check(cfg: P.Generate) -> None:
+def check(cfg: params.Generate) -> None:
     s = cfg.server
     if (s.url is None) == (s.launch is None):
         raise StageError(
@@ -116,7 +116,7 @@ def check(cfg: P.Generate) -> None:
                 "generate.server.api_key_env is set too; a request carries one "
                 "Authorization header: use one of them"
             )
-    P.check_ranges(cfg, "generate")
+    params.check_ranges(cfg, "generate")
     if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
         raise StageError(servesetup.router_timeout_advice(cfg.request_timeout, s.router_timeout))
     for name in ("max_transient_failures", "max_permanent_failures"):
@@ -146,12 +146,12 @@ def check_cache_dir(cache_dir: str, paths) -> None:
             )
 
 
-def server_urls(server: P.Server) -> list[str]:
+def server_urls(server: params.Server) -> list[str]:
     """generate.server.url as a list (empty for a launched server)."""
     return [server.url] if isinstance(server.url, str) else list(server.url or [])
 
 
-def api_key(server: P.Server) -> Optional[str]:
+def api_key(server: params.Server) -> Optional[str]:
     if not server.api_key_env:
         return None
     key = os.environ.get(server.api_key_env)
@@ -272,8 +272,8 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
-    bad = contract.problem(prompt.get("messages"), prompt.get("tools")) or \
-        contract.unicode_problem(line, prompt)
+    bad = conversation.problem(prompt.get("messages"), prompt.get("tools")) or \
+        conversation.unicode_problem(line, prompt)
     if bad:
         raise StageError(f"{where}: {bad}")
     return prompt
@@ -284,9 +284,9 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
 
 class ServerHandle:
     """The server this run talks to (launched or at URLs): its URLs, the model name, restart
-    hooks. Its params are `P.Server`; a launched engine process is `servers.EngineProcess`."""
+    hooks. Its params are `params.Server`; a launched engine process is `servers.EngineProcess`."""
 
-    def __init__(self, cfg: P.Generate, key: Optional[str], redact: Redactor):
+    def __init__(self, cfg: params.Generate, key: Optional[str], redact: Redactor):
         self.cfg = cfg
         self.key = key
         self.redact = redact
@@ -297,7 +297,7 @@ class ServerHandle:
             self.engine = s.launch.engine
             self.label = s.model or s.launch.model
         else:
-            from stages.servers import normalize_url
+            from stages.serving.servers import normalize_url
 
             self.urls = [normalize_url(u) for u in server_urls(s)]  # credentials kept: used
             self.engine = s.engine or "sglang"
@@ -319,7 +319,7 @@ class ServerHandle:
         return self.label
 
     async def ready(self) -> Optional[str]:
-        from stages.servers import wait_ready
+        from stages.serving.servers import wait_ready
 
         return await wait_ready(self.urls, self.cfg.server.unreachable_deadline, self.key)
 
@@ -450,7 +450,7 @@ class Generation:
     """One run of the send loop over the pending prompts."""
 
     def __init__(
-        self, cfg: P.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
+        self, cfg: params.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
         client: ChatClient, budget: Optional[fitting.ContextBudget] = None,
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
@@ -658,7 +658,7 @@ def write_outputs(
     by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     with outputs.atomic_dir(out) as tmp, open(plan.path, "rb") as src, open(
-        tmp / contract.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
+        tmp / conversation.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
     ) as comp, open(tmp / "failures.jsonl", "w", encoding="utf-8", newline="\n") as fail:
         for i in range(plan.n):
             line = src.readline()
@@ -698,7 +698,7 @@ def write_outputs(
         generation = dict(meta)
         if ids["rows_without_ids"]:
             ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-        (tmp / contract.GENERATION_FILE).write_text(
+        (tmp / conversation.GENERATION_FILE).write_text(
             json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
@@ -758,7 +758,7 @@ def failure_row(prompt: dict, rec: dict) -> dict:
 # ---------------------------------------------------------------------- the stage
 
 
-def run(cfg: P.Generate, paths) -> dict:
+def run(cfg: params.Generate, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     check(cfg)
     check_cache_dir(cfg.cache_dir, paths)
@@ -774,7 +774,7 @@ def run(cfg: P.Generate, paths) -> dict:
             raise
 
 
-async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> dict:
+async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths) -> dict:
     try:  # SIGTERM (a killed `dvc repro`) stops like Ctrl-C: cache closed, server stopped
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     except (RuntimeError, ValueError):  # not the main thread
@@ -788,7 +788,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
     sampling = Sampling.of(cfg)
     sampling_hash = short_hash(sampling.as_dict())
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
-    plan = PromptLocations(paths.prompts / contract.PROMPTS_FILE, cfg.limit, namespace)
+    plan = PromptLocations(paths.prompts / conversation.PROMPTS_FILE, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
@@ -828,7 +828,7 @@ async def _run(cfg: P.Generate, key: Optional[str], redact: Redactor, paths) -> 
     return report
 
 
-def _conclude(counts: dict, n: int, cfg: P.Generate, transient: dict, out: Path) -> None:
+def _conclude(counts: dict, n: int, cfg: params.Generate, transient: dict, out: Path) -> None:
     """Say how the run ended; fail it (exit 1: DVC records nothing) when too much failed."""
     log.info(
         "done: %d completed (%d truncated), %d failed %s -> %s",
@@ -854,10 +854,10 @@ def _conclude(counts: dict, n: int, cfg: P.Generate, transient: dict, out: Path)
         )
 
 
-def _seed_used(server: ServerHandle, cfg: P.Generate) -> Optional[bool]:
+def _seed_used(server: ServerHandle, cfg: params.Generate) -> Optional[bool]:
     """Whether the server honours generate.seed (None: no seed, or cannot tell); says so
     when it does not. The seed keys the request cache either way: it is what was asked."""
-    from stages import servers
+    from stages.serving import servers
 
     if cfg.seed is None:
         return None
@@ -879,7 +879,7 @@ def allowed(limit: int | float, n: int) -> int:
     return limit if isinstance(limit, int) else int(limit * n)
 
 
-def verdict(counts: dict, n: int, cfg: P.Generate, transient: dict[int, dict],
+def verdict(counts: dict, n: int, cfg: params.Generate, transient: dict[int, dict],
             out: Path) -> Optional[str]:
     """Why this run is not a finished dataset version (one line), or None when it is.
 
@@ -919,7 +919,7 @@ def _kinds(by_kind: dict[str, int]) -> str:
 
 
 def _print_first_request(
-    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: P.Generate
+    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: params.Generate
 ) -> None:
     """The dry run's view: exactly the body sent (or that would be), the key redacted."""
     body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
@@ -931,14 +931,14 @@ def _print_first_request(
 
 
 async def _send(
-    cfg: P.Generate,
+    cfg: params.Generate,
     plan: PromptLocations,
     cache: RequestCache,
     server: ServerHandle,
     key: Optional[str],
     pending: array,
 ) -> Generation:
-    from stages import servers
+    from stages.serving import servers
 
     retry = RetryPolicy.of(cfg)
     if cfg.server.launch is None:
@@ -985,10 +985,10 @@ async def _send(
 
 
 async def _budget(
-    cfg: P.Generate, urls: list[str], model: str, key: Optional[str]
+    cfg: params.Generate, urls: list[str], model: str, key: Optional[str]
 ) -> Optional[fitting.ContextBudget]:
-    """How this run fits max_tokens into the context (stages/context.py), or None."""
-    from stages import servers
+    """How this run fits max_tokens into the context (stages/serving/fitting.py), or None."""
+    from stages.serving import servers
 
     context = cfg.context_length
     if context is None and cfg.tokenizer is not None:
@@ -1003,7 +1003,7 @@ async def _watch_url(gen: Generation) -> None:
     after hang_timeout more: the run stops (the cache keeps every answer so far). A
     health generation that answers proves it only until nothing finished for
     request_timeout + watchdog_seconds (servers.Watchdog says why)."""
-    from stages.servers import GenerationProbe
+    from stages.serving.servers import GenerationProbe
 
     s = gen.cfg.server
     model = gen.server.request_model or ""

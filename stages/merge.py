@@ -10,17 +10,17 @@ every base shard byte-identical (hardlinked when on the same filesystem, else co
 MMMMM.arrow, linked from data/tokenized when no row is dropped), then state.json,
 dataset_info.json, the new fingerprint.json (its length/supervision limits widened to
 cover the base's), and the lineage card: README.md (a Hugging Face dataset card) and
-lineage.json, with the history carried forward from the base's (stages/lineage.py). The folder is opened with
+lineage.json, with the history carried forward from the base's (stages/dataset/lineage.py). The folder is opened with
 `datasets.load_from_disk` before it replaces data/merged (atomically). The base is only
 ever read, never opened for writing. Writes reports/merge.json.
 
 Refuses, with one line naming the shard, column and both types, any base whose columns
-are the contract's (stages/schema.py) in other types; with `merge.allow_cast: true` such
+are the contract's (stages/dataset/schema.py) in other types; with `merge.allow_cast: true` such
 base shards are instead written as converted copies (integer widths, list/large_list,
 string/large_string; a value that does not fit still fails). A base in another tool's
 layout (other columns, Arrow file format, Parquet) is refused with what adopting it would
 write; with `merge.adopt: true` its rows are converted once into data/merged
-(stages/adopt.py), as new bytes of this version that later merges link. Refuses a base
+(stages/dataset/adopt.py), as new bytes of this version that later merges link. Refuses a base
 whose fingerprint.json names another tokenizer or chat template.
 
 Ids in both base and new: `merge.on_duplicate`
@@ -44,10 +44,10 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import adopt, cli, lineage, outputs
-from stages import params as P
-from stages.errors import StageError, json_file, json_type
-from stages.schema import (
+from stages.common import outputs, params
+from stages.common.errors import StageError, json_file, json_type
+from stages.dataset import adopt, lineage
+from stages.dataset.schema import (
     ARROW_SCHEMA,
     FEATURES,
     FINGERPRINT_FILE,
@@ -62,6 +62,7 @@ from stages.schema import (
     state_hash,
     write_metadata,
 )
+from stages.process import cli
 
 log = logging.getLogger("merge")
 
@@ -92,7 +93,7 @@ class Shard:
         return 0 if self.drop is None else pc.sum(self.drop).as_py() or 0
 
 
-def run(cfg: P.Merge, paths) -> dict:
+def run(cfg: params.Merge, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     start = time.perf_counter()
     base = Path(cfg.base) if cfg.base else None
@@ -152,7 +153,7 @@ def run(cfg: P.Merge, paths) -> dict:
     return report
 
 
-def _report(cfg: P.Merge, base: Optional[Path], base_shards: list[Shard], new: list[Shard],
+def _report(cfg: params.Merge, base: Optional[Path], base_shards: list[Shard], new: list[Shard],
             placed: list, duplicates: dict, new_dir: Path) -> dict:
     how = {}
     for _, action, _ in placed:
@@ -226,7 +227,7 @@ def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
         if value is None:
             continue
         why = (f"is {json_type(value)}, not a whole number" if type(value) is not int
-               else P.range_problem(P.Tokenize, key, value))
+               else params.range_problem(params.Tokenize, key, value))
         if why:
             raise StageError(f"{path}: policy.{key} {why}")
     return doc

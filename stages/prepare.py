@@ -22,7 +22,7 @@ converted from the source row, before tool turns are settled. Converted turns al
 the same key order, so keys are sorted only in rows with tools or tool calls (whose
 structures come as the source wrote them): the same prompt keeps its id in every run,
 whatever the row order.
-Tool turns and calls are then settled for engines and routers (stages/toolturns.py).
+Tool turns and calls are then settled for engines and routers (stages/sources/toolturns.py).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from typing import Iterator, Optional
 import orjson
 import xxhash
 
-from stages import checker as checker_mod
-from stages import children, cli, cpus, decontam, outputs, sources, toolturns
-from stages import messages as contract
-from stages import params as P
-from stages.errors import StageError, json_type
+from stages.chat import conversation
+from stages.common import outputs, params
+from stages.common.errors import StageError, json_type
+from stages.process import children, cli, cpus
+from stages.sources import decontam, layouts, readers, toolturns
+from stages.sources.checker import CHECK_AHEAD, Checker
 
 log = logging.getLogger("prepare")
 
@@ -57,7 +58,7 @@ _SEQ_BITS = 40  # sample entries pack (hash << 40 | candidate number) into one i
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
-def run(cfg: P.Prepare, paths) -> dict:
+def run(cfg: params.Prepare, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     _check(cfg)
     started = time.monotonic()
@@ -67,7 +68,7 @@ def run(cfg: P.Prepare, paths) -> dict:
     evals = _Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
-            with open(tmp / contract.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
+            with open(tmp / conversation.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
                 for index, src in enumerate(cfg.sources):
                     per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers, evals)
             report = _report(cfg, per_source, len(seen), time.monotonic() - started)
@@ -84,15 +85,15 @@ def run(cfg: P.Prepare, paths) -> dict:
     t = report["totals"]
     log.info(
         "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
-        t["kept"], paths.out / contract.PROMPTS_FILE, t["read"], t["dropped"], report["seconds"],
+        t["kept"], paths.out / conversation.PROMPTS_FILE, t["read"], t["dropped"], report["seconds"],
     )
     return report
 
 
-def _check(cfg: P.Prepare) -> None:
+def _check(cfg: params.Prepare) -> None:
     if not cfg.sources:
         raise StageError("prepare.sources: at least one source is needed")
-    P.check_ranges(cfg, "prepare")
+    params.check_ranges(cfg, "prepare")
     _check_names("prepare.sources", cfg.sources, "source")
     _check_names("prepare.decontaminate.evals", cfg.decontaminate.evals, "eval set")
 
@@ -132,7 +133,7 @@ class _Spec:
 
     token: str  # unique per source per run: workers cache their row maker by it
     index: int
-    src: P.Source
+    src: params.Source
     multi_turn: str
     dedup: str
     max_chars: int
@@ -149,7 +150,7 @@ class _RowMaker:
 
     def __init__(self, spec: _Spec):
         self.spec = spec
-        self.layout = sources.Layout(spec.src, spec.multi_turn)
+        self.layout = layouts.Layout(spec.src, spec.multi_turn)
         self.id_prefix = spec.src.name.encode() + b"\0"
         self.line_prefix = b'","source":' + orjson.dumps(spec.src.name) + b","
         self.seed = spec.seed  # in xxh3's range: params.Prepare.seed
@@ -188,13 +189,13 @@ class _RowMaker:
             try:
                 item = orjson.loads(item)
             except orjson.JSONDecodeError:
-                item = sources.parse_line(item)
+                item = readers.parse_line(item)
         if type(item) is not dict:
-            if item is None or type(item) is sources.BadRow:
+            if item is None or type(item) is readers.BadRow:
                 return item
-            return sources.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
+            return readers.BadRow("not_an_object", f"expected a JSON object, got {json_type(item)}")
         res = self.layout.convert(item)
-        if type(res) is str or type(res) is sources.BadRow:
+        if type(res) is str or type(res) is readers.BadRow:
             return res
         messages, tools, chars, calls = res
         spec = self.spec
@@ -277,7 +278,7 @@ class _Workers:
 
 
 def _prepared_groups(
-    reader: sources.Reader, probe: "_Probe", spec: _Spec, workers: _Workers, evals: "_Evals"
+    reader: readers.Reader, probe: "_Probe", spec: _Spec, workers: _Workers, evals: "_Evals"
 ) -> Iterator[tuple]:
     """(file, unit, positions, results, unknown roles) per group of rows, in source order.
 
@@ -301,7 +302,7 @@ def _prepared_groups(
                     yield meta + _result(job, workers)
             elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
                 pending.append((meta, _CheckJob(evals.checker, spec, items)))
-                while len(pending) > checker_mod.CHECK_AHEAD:
+                while len(pending) > CHECK_AHEAD:
                     meta, job = pending.popleft()
                     yield meta + job.get()
             else:  # `sent` only grows, so no group is pending here
@@ -326,7 +327,7 @@ def _result(job, workers: _Workers) -> tuple:
 class _CheckJob:
     """A group whose texts went to the checker: its rows, kept here until its hits come back."""
 
-    def __init__(self, checker: checker_mod.Checker, spec: _Spec, items: list):
+    def __init__(self, checker: Checker, spec: _Spec, items: list):
         self.checker, self.maker = checker, _maker(spec)
         self.results, self.texts, self.counts = self.maker.make_unchecked(items)
         self.unknown = _unknown_roles(self.maker)
@@ -343,16 +344,16 @@ class _CheckJob:
 
 
 def _one_source(
-    index: int, src: P.Source, cfg: P.Prepare, seen: dict, out, tmp: Path, workers: _Workers,
+    index: int, src: params.Source, cfg: params.Prepare, seen: dict, out, tmp: Path, workers: _Workers,
     evals: "_Evals",
 ) -> dict:
     token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
     spec = _Spec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars, cfg.seed,
                  src.limit is not None, evals.key)
-    layout = sources.Layout(src, cfg.multi_turn)
+    layout = layouts.Layout(src, cfg.multi_turn)
     probe = _Probe(src, layout)
-    reader = sources.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
-    dropped = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
+    reader = readers.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
+    dropped = dict.fromkeys(layouts.SOURCE_DROP_REASONS, 0)
     repaired = dict.fromkeys(toolturns.TOOL_CALL_REPAIRS, 0)
     unknown_roles: Counter = Counter()
     skip_bad = cfg.on_bad_row == "skip"
@@ -380,7 +381,7 @@ def _one_source(
                 dropped["contaminated"] += 1
                 evals.count(src.name, res)
                 continue
-            if kind is sources.BadRow:
+            if kind is readers.BadRow:
                 if not skip_bad:
                     where = f"{current}:{pos}" if unit == "line" else f"{current}: row {pos}"
                     raise StageError(
@@ -447,7 +448,7 @@ class _Evals:
     worker processes find it (or the checker process, without workers), and the count of
     prompts it drops."""
 
-    def __init__(self, cfg: P.Prepare, workers: bool, out: Path):
+    def __init__(self, cfg: params.Prepare, workers: bool, out: Path):
         self.key: Optional[str] = None
         self.out = out  # the index is saved beside it (outputs.scratch_dir)
         self.folder: Optional[str] = None
@@ -455,7 +456,7 @@ class _Evals:
         self.policy = policy
         self.stats: dict[str, dict] = {}
         self.examples: list[dict] = []
-        self.checker: Optional[checker_mod.Checker] = None
+        self.checker: Optional[Checker] = None
         self.cpu_times: Optional[tuple[int, int]] = None
         if not policy.evals:
             return
@@ -467,7 +468,7 @@ class _Evals:
         else:
             self.key = f"inline-{os.getpid()}-{time.monotonic_ns()}"
             if cfg.num_proc == 0:  # one process chosen for a machine of <= 2 CPUs: use the second
-                self.checker = checker_mod.Checker(self.saved)
+                self.checker = Checker(self.saved)
                 self.cpu_times = _cpu_times()  # how busy the machine is, from here on
         decontam.register(self.key, self.index)
 
@@ -613,7 +614,7 @@ class _LimitSampler:
 # JSON; Unicode NFC and every whitespace character removed. So "2+2" and "2 + 2", or a
 # prompt re-wrapped or with a trailing newline, are duplicates. For ASCII text that is
 # one bytes.translate; only other text goes through NFC and str.split.
-_MARK = {role: f"\0{role}\0" for role in contract.ROLES}
+_MARK = {role: f"\0{role}\0" for role in conversation.ROLES}
 _ASCII_WS = bytes(c for c in range(128) if chr(c).isspace())
 
 
@@ -647,7 +648,7 @@ class _Probe:
     from all of them is a configuration error, not dirty data).
     """
 
-    def __init__(self, src: P.Source, layout: sources.Layout):
+    def __init__(self, src: params.Source, layout: layouts.Layout):
         self.src = src
         self.layout = layout
         self.fields = layout.fields()
@@ -665,7 +666,7 @@ class _Probe:
 
     def see(self, row, where: str) -> None:
         if type(row) is bytes:
-            row = sources.parse_line(row)
+            row = readers.parse_line(row)
         if type(row) is not dict:
             return
         self.where = where.rsplit(":", 1)[0]
@@ -712,8 +713,8 @@ class _Probe:
         )
 
 
-def _report(cfg: P.Prepare, per_source: dict, unique: int, seconds: float) -> dict:
-    by_reason = dict.fromkeys(sources.SOURCE_DROP_REASONS, 0)
+def _report(cfg: params.Prepare, per_source: dict, unique: int, seconds: float) -> dict:
+    by_reason = dict.fromkeys(layouts.SOURCE_DROP_REASONS, 0)
     for stats in per_source.values():
         for reason, n in stats["dropped_by_reason"].items():
             by_reason[reason] += n

@@ -1,7 +1,7 @@
 """Tokenize completions into input_ids and assistant-only loss masks (data/tokenized/).
 
 Reads data/completions/completions.jsonl as a stream, renders each conversation with the
-tokenizer's chat template (stages/chat.py: one render, one batch encode, mask from the
+tokenizer's chat template (stages/chat/encoder.py: one render, one batch encode, mask from the
 pieces; text that spells a control token stays text), filters, and writes a datasets
 save_to_disk folder with explicit features (input_ids list<int32>, loss_mask list<int8>)
 in bounded shards, plus data/tokenized/fingerprint.json (tokenizer vocabulary hash,
@@ -23,13 +23,13 @@ inference; the final turn's row keeps the conversation id, earlier ones are `<id
 enable_thinking: null (the default) is what generate recorded beside the completions
 (generation.json), so the two cannot disagree.
 
-Serve-render check (stages/servecheck.py): every row's prompt, rendered here, against
+Serve-render check (stages/chat/servecheck.py): every row's prompt, rendered here, against
 the tokens the engine served (its ids where generate kept them, else
 usage.prompt_tokens), and its supervised answer tokens against the engine's completion;
 counts and the first examples go to the report's `serve_check`, and more than
 max_render_mismatch differing prompts fail the stage with the likely cause.
 
-ids: engine (stages/enginerows.py) makes each row from the engine's own prompt and
+ids: engine (stages/chat/enginerows.py) makes each row from the engine's own prompt and
 generated ids, loss on exactly the generated ones; a row without them is counted and
 rendered or dropped (on_missing_ids).
 
@@ -56,14 +56,19 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages import children, cli, cpus, enginerows, outputs
-from stages import messages as contract
-from stages import params as P
-from stages import servecheck
-from stages.chat import ChatEncoder
-from stages.engineids import Served
-from stages.errors import StageError, json_object
-from stages.schema import ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile, shard_name, write_metadata
+from stages.chat import conversation, enginerows, servecheck
+from stages.chat.encoder import ChatEncoder
+from stages.chat.engineids import Served
+from stages.common import outputs, params
+from stages.common.errors import StageError, json_object
+from stages.dataset.schema import (
+    ARROW_SCHEMA,
+    FINGERPRINT_FILE,
+    ShardFile,
+    shard_name,
+    write_metadata,
+)
+from stages.process import children, cli, cpus
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +85,10 @@ MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
 
 
-def run(cfg: P.Tokenize, paths) -> dict:
+def run(cfg: params.Tokenize, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     try:
-        report = tokenize_file(paths.completions / contract.COMPLETIONS_FILE, paths.out, cfg)
+        report = tokenize_file(paths.completions / conversation.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
         outputs.write_report(paths.reports, "tokenize", e.report)
         raise
@@ -91,11 +96,11 @@ def run(cfg: P.Tokenize, paths) -> dict:
     return report
 
 
-def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[P.Tokenize] = None,
+def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokenize] = None,
                   **overrides: Any) -> dict:
     """Tokenize the completions file `src` into the dataset folder `dst`; return the report."""
-    cfg = dataclasses.replace(cfg or P.Tokenize(), **overrides)
-    P.check_ranges(cfg, "tokenize")
+    cfg = dataclasses.replace(cfg or params.Tokenize(), **overrides)
+    params.check_ranges(cfg, "tokenize")
     # 0: a worker per usable CPU (the reading and writing here take little of one)
     cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
@@ -171,7 +176,7 @@ GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
 def generation_facts(src: Path) -> dict:
     """What generate recorded beside the completions (stages/generate.py write_outputs:
     model, sampling params, why rows may lack engine ids); {} when there is no such file."""
-    path = src.parent / contract.GENERATION_FILE
+    path = src.parent / conversation.GENERATION_FILE
     if not os.path.lexists(path):
         return {}
     if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
@@ -191,17 +196,17 @@ def generation_facts(src: Path) -> dict:
     return facts
 
 
-def thinking_of(cfg: P.Tokenize, generation: dict, src: Path) -> bool:
+def thinking_of(cfg: params.Tokenize, generation: dict, src: Path) -> bool:
     """tokenize.enable_thinking, or when null what generate recorded: one fact, kept once.
     Completions that came without generate's record (written by hand or another tool) are
     taken as generated with generate's default, and the serve-render check tells."""
     recorded = generation["sampling"]["enable_thinking"] if generation else None
     if cfg.enable_thinking is None:
         if recorded is None:
-            recorded = P.Generate.enable_thinking
+            recorded = params.Generate.enable_thinking
             log.warning("%s is missing: tokenize.enable_thinking is null, so the completions "
                         "are taken as generated with generate's default, enable_thinking=%s",
-                        src.parent / contract.GENERATION_FILE, recorded)
+                        src.parent / conversation.GENERATION_FILE, recorded)
         return recorded
     if recorded is not None and recorded != cfg.enable_thinking:
         log.warning("tokenize.enable_thinking=%s, but the completions were generated with "
@@ -210,7 +215,7 @@ def thinking_of(cfg: P.Tokenize, generation: dict, src: Path) -> bool:
     return cfg.enable_thinking
 
 
-def _template_name(cfg: P.Tokenize) -> str:
+def _template_name(cfg: params.Tokenize) -> str:
     return cfg.chat_template or f"{cfg.tokenizer} (its own template)"
 
 
@@ -218,10 +223,10 @@ def _template_name(cfg: P.Tokenize) -> str:
 def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
                     stamp: Any):
     """The tokenizer and its identity, once per process (loading takes seconds)."""
-    from stages import tokenizer as T
+    from stages.models import tokenizer
 
-    tok = T.load_tokenizer(spec, chat_template, trust_remote_code)
-    identity = T.identity(tok)
+    tok = tokenizer.load_tokenizer(spec, chat_template, trust_remote_code)
+    identity = tokenizer.identity(tok)
     _release_free_heap()
     return tok, identity
 
@@ -253,17 +258,17 @@ def _file_stamp(path: Optional[str]) -> Any:
     return (st.st_mtime_ns, st.st_size)
 
 
-def fingerprint(tok_id: dict, tok, cfg: P.Tokenize) -> dict:
+def fingerprint(tok_id: dict, tok, cfg: params.Tokenize) -> dict:
     """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
     import datasets
     import tokenizers
     import transformers
 
-    from stages import tokenizer as T
+    from stages.models import tokenizer
 
     return {
         "tokenizer": tok_id,
-        "chat_template_sha256": T.template_sha256(tok),
+        "chat_template_sha256": tokenizer.template_sha256(tok),
         # num_proc and max_render_mismatch do not change a byte of the output
         "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
                    if k not in ("num_proc", "max_render_mismatch")},
@@ -305,7 +310,7 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
         yield first, lines
 
 
-def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
+def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
              why_without: str = servecheck.NO_IDS) -> Iterator["ChunkResult"]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
@@ -335,7 +340,7 @@ def _results(src: Path, cfg: P.Tokenize, encoder: ChatEncoder,
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
-def _pooled(src: Path, cfg: P.Tokenize) -> Iterator["ChunkResult"]:
+def _pooled(src: Path, cfg: params.Tokenize) -> Iterator["ChunkResult"]:
     """Chunk results in input order from `num_proc` forked workers (forked: they
     inherit the loaded tokenizer instead of loading it again)."""
     window = collections.deque()
@@ -398,7 +403,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     return ChunkResult(record, dict(stats), lengths, check.stats)
 
 
-def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: P.Tokenize,
+def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: params.Tokenize,
                 path: str, stats: dict) -> tuple[list, list]:
     """The render plans of a chunk's rows that are kept, and (row id, source, line, row
     when the plan ends with the engine's answer) for each; drops counted in `stats`."""
@@ -438,7 +443,7 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: P.Tok
 
 
 def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
-               cfg: P.Tokenize, path: str, stats: dict) -> tuple[Optional[pa.RecordBatch], dict]:
+               cfg: params.Tokenize, path: str, stats: dict) -> tuple[Optional[pa.RecordBatch], dict]:
     """The encoded rows within the length and supervision limits, as one record batch,
     and their lengths per source; each answer checked against the engine's tokens."""
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
@@ -528,8 +533,8 @@ def _parse(raw: bytes, path: str, no: int) -> dict:
     for key in ("id", "source"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise StageError(f"{where}: '{key}' must be a non-empty string")
-    bad = contract.problem(row.get("messages"), row.get("tools")) or \
-        contract.unicode_problem(raw, row)
+    bad = conversation.problem(row.get("messages"), row.get("tools")) or \
+        conversation.unicode_problem(raw, row)
     if bad:
         raise StageError(f"{where}: {bad}")
     msgs = row["messages"]
@@ -632,7 +637,7 @@ class Totals:
             log.info("%d conversations, %d tokens, %.0f tokens/s", conv, tokens,
                      tokens / max(now - started, 1e-9))
 
-    def report(self, cfg: P.Tokenize, shards: int, seconds: float) -> dict:
+    def report(self, cfg: params.Tokenize, shards: int, seconds: float) -> dict:
         sources = {}
         for src in sorted(self.stats):
             st = self.stats[src]

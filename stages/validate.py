@@ -6,7 +6,7 @@
 Shard by shard, every row is reduced to a summary computed with columnar operations on
 the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
 {0, 1}, supervised count, longest supervised run, stored counters); the summaries are
-checked against the row rules in stages/schema.py, in one polars pass, and only when a
+checked against the row rules in stages/dataset/schema.py, in one polars pass, and only when a
 rule fails does its pandera schema name the rows. Then dataset checks: each shard's
 Arrow types and dataset_info.json equal the contract, `datasets.load_from_disk` opens
 the folder, ids are unique across all shards, the row count equals reports/merge.json.
@@ -24,7 +24,7 @@ data/merged/fingerprint.json). The report says which was used (`limits_from`).
 Memory does not grow with the dataset: shards are read through memory maps whose pages
 are dropped behind the reader, summaries (one shard's at a time) are checked in chunks of
 about CHUNK_ROWS rows, and the id hashes for the uniqueness check spill to temporary
-files past a bound (stages/idhashes.py).
+files past a bound (stages/dataset/idhashes.py).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages import charts, cli, cpus, loader, outputs, traincheck
-from stages import params as P
-from stages.errors import StageError, json_file, json_type
-from stages.idhashes import IdHashes
-from stages.schema import (
+from stages.common import outputs, params
+from stages.common.errors import StageError, json_file, json_type
+from stages.dataset import charts, loader, traincheck
+from stages.dataset.idhashes import IdHashes
+from stages.dataset.schema import (
     FEATURES,
     FINGERPRINT_FILE,
     INFO_FILE,
@@ -67,6 +67,7 @@ from stages.schema import (
     rows_pass,
     schema_differences,
 )
+from stages.process import cli, cpus
 
 log = logging.getLogger("validate")
 
@@ -103,10 +104,10 @@ class Findings:
         return [name for name, c in self.checks.items() if not c["passed"]]
 
 
-def run(cfg: P.Validate, paths) -> dict:
+def run(cfg: params.Validate, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     start = time.perf_counter()
-    P.check_ranges(cfg, "validate")
+    params.check_ranges(cfg, "validate")
     data = paths.merged
     if not data.is_dir():
         raise StageError(f"{data}: not found (run the merge stage first)")
@@ -140,7 +141,7 @@ def run(cfg: P.Validate, paths) -> dict:
     return report
 
 
-def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path,
+def _scan(cfg: params.Validate, findings: Findings, shards: list, data: Path,
           loadable: bool) -> "Scanner":
     """Every row check over every shard, and the `datasets` load beside it (if
     `loadable`: else that check fails, not tried)."""
@@ -172,7 +173,7 @@ def _scan(cfg: P.Validate, findings: Findings, shards: list, data: Path,
     return scan
 
 
-def _report(cfg: P.Validate, findings: Findings, scan: "Scanner", shards: list, expected,
+def _report(cfg: params.Validate, findings: Findings, scan: "Scanner", shards: list, expected,
             used: dict, budget, train_check) -> dict:
     """reports/validate.json, but for `seconds`."""
     sources = {
@@ -215,8 +216,8 @@ RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
             "min_loss_tokens": ("policy", "min_loss_tokens")}
 
 
-def _limits(cfg: P.Validate, findings: Findings, fingerprint: dict,
-            data: Path) -> tuple[P.Validate, dict]:
+def _limits(cfg: params.Validate, findings: Findings, fingerprint: dict,
+            data: Path) -> tuple[params.Validate, dict]:
     """`cfg` with each null limit taken from the data's fingerprint, and where each came
     from ("params" or the fingerprint's path and key). A recorded value that is no
     value of the param (a string, 2**70) fails the fingerprint check and is not used."""
@@ -227,7 +228,7 @@ def _limits(cfg: P.Validate, findings: Findings, fingerprint: dict,
         recorded = part.get(key) if isinstance(part, dict) else None
         if recorded is not None:
             why = (f"is {json_type(recorded)}, not a whole number"
-                   if type(recorded) is not int else P.range_problem(P.Validate, name, recorded))
+                   if type(recorded) is not int else params.range_problem(params.Validate, name, recorded))
             if why:
                 findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
                 recorded = None
@@ -258,8 +259,8 @@ def _idle_cpus() -> int:
 # ---------------------------------------------------------------- dataset checks
 
 
-def _training(cfg: P.Validate, findings: Findings, data: Path) -> tuple[Optional[dict], dict]:
-    """The token budget (stages/loader.py) and the training check (stages/traincheck.py),
+def _training(cfg: params.Validate, findings: Findings, data: Path) -> tuple[Optional[dict], dict]:
+    """The token budget (stages/dataset/loader.py) and the training check (stages/dataset/traincheck.py),
     on data that passed every other check: a trainer would stop at a broken row first."""
     tc = cfg.train_check
     if findings.failed():
@@ -367,7 +368,7 @@ def _check_row_count(findings: Findings, rows: int, data: Path,
 class Scanner:
     """Summarises rows batch by batch and checks the summaries chunk by chunk."""
 
-    def __init__(self, cfg: P.Validate, vocab: int, findings: Findings, ids: IdHashes):
+    def __init__(self, cfg: params.Validate, vocab: int, findings: Findings, ids: IdHashes):
         self.vocab = vocab
         self.findings = findings
         self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
@@ -435,7 +436,7 @@ class Scanner:
             self.findings.add(name, len(index), examples)
 
     def check_unique_ids(self, shards: list[Path]) -> None:
-        """Hash-level duplicates (stages/idhashes.py), then confirmed on the id strings."""
+        """Hash-level duplicates (stages/dataset/idhashes.py), then confirmed on the id strings."""
         suspects = self.ids.repeated_rows()
         if not len(suspects):
             return
@@ -699,7 +700,7 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
 
 def _write_plots(stats: dict[str, np.ndarray], width: int, reports: Path) -> None:
     """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
-    one SVG per plot beside them, all rows then each source (stages/charts.py).
+    one SVG per plot beside them, all rows then each source (stages/dataset/charts.py).
 
     token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
     edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows

@@ -52,7 +52,7 @@ def prebuilt_caches() -> None:
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        from stages import tinymodel, tokenizer
+        from stages.models import tinymodel, tokenizer
 
         tokenizer.load_tokenizer("bundled:qwen3.6")
         tinymodel.ensure_model()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages import cli
+from stages.process import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

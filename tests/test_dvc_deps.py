@@ -4,7 +4,8 @@ A stage's code is the module its `cmd` runs and every module of the project it i
 at the top of a file or inside a function, followed through the modules they import in
 turn (read with `ast`: nothing is imported here). Each of those files must be a dep of
 the stage (itself or a folder holding it), unless LEFT_OUT says why not; and each code
-dep must be something the stage imports, so no stale dep reruns a stage for nothing.
+dep must be something the stage imports, so no stale dep reruns a stage for nothing: a
+file dep is imported, and a folder dep has every module in it imported.
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ PACKAGE = "stages"
 EVERY_STAGE = frozenset(PIPELINE)
 
 # Imported by these stages and still not their deps, on purpose: editing them must not
-# rerun the stage. Neither are the modules only they import followed.
+# rerun the stage. Neither are the modules only they import followed. A folder stands for
+# every module in it.
 LEFT_OUT = {
-    # the command line: options, logging, signals, one-line errors; it hands the params
-    # (params.py, a dep) to the stage unchanged, and no byte of any out depends on it
-    "stages/cli.py": EVERY_STAGE,
+    # how a stage process runs, shaping no byte of any out: the command line (options,
+    # logging, signals, one-line errors; it hands the params, a dep, to the stage
+    # unchanged), the CPU count behind `num_proc: 0` / `threads: 0` (outputs are the same
+    # for any count), how worker processes live and end (results come back in order)
+    "stages/process": EVERY_STAGE,
     # the demo model, for `demo:` model names: editing demo code must never rerun a
     # 15-hour generation (validate depends on it: its training check's default model)
-    "stages/tinymodel.py": frozenset({"generate"}),
-    # the CPU count behind `num_proc: 0` / `threads: 0`: outputs are the same for any count
-    "stages/cpus.py": EVERY_STAGE,
+    "stages/models/tinymodel.py": frozenset({"generate"}),
 }
 
 
@@ -91,7 +93,7 @@ def stage_code(stage: str, left_out: dict = LEFT_OUT) -> set[str]:
             continue
         seen.add(name)
         rel = path.relative_to(ROOT).as_posix()
-        if stage in left_out.get(rel, ()):
+        if any(stage in stages and covers(left, rel) for left, stages in left_out.items()):
             continue
         if path.name != "__init__.py" or holds_code(path):
             files.add(rel)
@@ -109,8 +111,15 @@ def deps(stage: str) -> list[str]:
 
 def code_deps(stage: str) -> list[str]:
     """The deps that are code: a .py file, or a folder holding one."""
-    return [d for d in deps(stage) if d.endswith(".py")
-            or ((ROOT / d).is_dir() and any((ROOT / d).rglob("*.py")))]
+    return [d for d in deps(stage) if d.endswith(".py") or modules_in(d)]
+
+
+def modules_in(folder: str) -> list[str]:
+    """The modules holding code in `folder` (a path relative to the repo), at any depth."""
+    root = ROOT / folder
+    if not root.is_dir():
+        return []
+    return sorted(p.relative_to(ROOT).as_posix() for p in root.rglob("*.py") if holds_code(p))
 
 
 @pytest.mark.parametrize("stage", sorted(PIPELINE))
@@ -124,16 +133,21 @@ def test_every_module_a_stage_imports_is_its_dep(stage):
 @pytest.mark.parametrize("stage", sorted(PIPELINE))
 def test_every_code_dep_of_a_stage_is_imported_by_it(stage):
     code = stage_code(stage)
-    stale = [d for d in code_deps(stage) if not any(covers(d, p) for p in code)]
+    stale = [d for d in code_deps(stage) if d.endswith(".py") and d not in code]
     assert not stale, f"dvc.yaml lists {stale} as deps of {stage}, which never imports them"
+    for folder in [d for d in code_deps(stage) if not d.endswith(".py")]:
+        unused = [m for m in modules_in(folder) if m not in code]
+        assert not unused, (
+            f"dvc.yaml lists the folder {folder} as a dep of {stage}, which never imports "
+            f"{unused}: list the modules it imports instead")
 
 
 def test_what_is_left_out_is_imported_and_not_a_dep():
     for path, stages in LEFT_OUT.items():
         for stage in stages:
-            assert path in stage_code(stage, left_out={}), (
-                f"LEFT_OUT: {stage} does not import {path}: remove it there")
-            assert not any(covers(d, path) for d in deps(stage)), (
+            assert any(covers(path, p) for p in stage_code(stage, left_out={})), (
+                f"LEFT_OUT: {stage} imports nothing in {path}: remove it there")
+            assert not any(covers(d, path) or covers(path, d) for d in deps(stage)), (
                 f"{path} is in LEFT_OUT for {stage} and in its dvc.yaml deps")
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from stages import demo, export
-from stages.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
+from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
 from tests import stagecli
 from tests.repo import ROOT, prebuilt_caches
 

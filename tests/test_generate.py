@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages import generate, reports
-from stages import params as P
-from stages.errors import StageError
+from stages import generate
+from stages.common import params, reports
+from stages.common.errors import StageError
 from tests.fakeserver import command as fake_command
 from tests.fakeserver import free_port, secret_pieces, spawn
 from tests import stagecli
@@ -116,7 +116,7 @@ def here(wd: Path) -> dict:
     cwd = os.getcwd()
     os.chdir(wd)
     try:
-        return generate.run(P.load("generate", "params.yaml"), PATHS)
+        return generate.run(params.load("generate", "params.yaml"), PATHS)
     finally:
         os.chdir(cwd)
 
@@ -433,7 +433,7 @@ def test_a_setup_the_server_rejects_stops_before_caching_failures(tmp_path):
 )
 def test_server_params_errors_name_the_key(tmp_path, monkeypatch, server, message):
     monkeypatch.chdir(tmp_path)
-    cfg = P.build(P.Generate, {"server": server}, "generate")
+    cfg = params.build(params.Generate, {"server": server}, "generate")
     with pytest.raises(StageError, match=message):
         generate.run(cfg, PATHS)
 
@@ -446,9 +446,9 @@ def test_other_params_errors_name_the_key(tmp_path, monkeypatch):
         ({"request_timeout": -1}, "generate.request_timeout"),
     ]:
         with pytest.raises(StageError, match=message):  # from build, as the CLI loads them
-            generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
+            generate.run(params.build(params.Generate, {"server": {"url": "http://127.0.0.1:1"}, **extra},
                                  "generate"), PATHS)
-    cfg = P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
+    cfg = params.build(params.Generate, {"server": {"url": "http://127.0.0.1:1", "model": "m"}}, "generate")
     with pytest.raises(StageError, match="data/prompts/prompts.jsonl: not found"):
         generate.run(cfg, PATHS)
     (tmp_path / "data/prompts").mkdir(parents=True)
@@ -613,7 +613,7 @@ def test_tolerance_params_are_checked(tmp_path, monkeypatch, bad):
     monkeypatch.chdir(tmp_path)
     name = next(iter(bad))
     with pytest.raises(StageError, match=f"generate.{name}"):
-        generate.run(P.build(P.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"), PATHS)
+        generate.run(params.build(params.Generate, {"server": {"url": "http://127.0.0.1:1"}, **bad}, "generate"), PATHS)
 
 
 HOSTILE = ["content_dict", "content_number", "reasoning_number", "tool_calls_string",
@@ -800,12 +800,12 @@ def test_dvc_records_no_version_until_every_request_is_answered(tmp_path):
 
     repo = demo_clone(tmp_path)
     with spawn({"rules": [{"fault": "queue_full", "prob": 0.5}]}) as fake:
-        params = yaml.safe_load((repo / "params.yaml").read_text())
-        params["generate"].update(
+        config = yaml.safe_load((repo / "params.yaml").read_text())
+        config["generate"].update(
             server={"url": fake.url, "unreachable_deadline": 10}, max_retries=0,
             concurrency=4, backoff_base=0.02, backoff_max=0.1,
         )  # fmt: skip
-        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        (repo / "params.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         out = run(["dvc", "repro", "generate"], repo, check=False, timeout=300)
         failed = re.search(r"error: (\d+) of (\d+) requests still failing after retries", out)
         assert failed, out[-3000:]
@@ -866,7 +866,7 @@ def long_prompts(wd: Path, words: tuple[int, int, int]) -> tuple[list[dict], Pat
 
 def engine_count(messages: list[dict]) -> int:
     """Prompt tokens as an engine counts them: transformers' own chat template path."""
-    from stages.tokenizer import load_tokenizer
+    from stages.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer("bundled:qwen3.6")
     return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -988,7 +988,7 @@ def test_the_report_says_whether_the_seed_is_honoured(tmp_path):
 def test_a_request_timeout_longer_than_the_routers_is_refused_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     server = {"url": "http://127.0.0.1:1", "router_timeout": 1800}
-    cfg = P.build(P.Generate, {"server": server, "request_timeout": 3600}, "generate")
+    cfg = params.build(params.Generate, {"server": server, "request_timeout": 3600}, "generate")
     with pytest.raises(StageError, match=r"--request-timeout-secs 3660"):
         generate.run(cfg, PATHS)
 

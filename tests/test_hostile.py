@@ -27,10 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
-from stages import lineage, merge, servers, validate
-from stages import params as P
-from stages.errors import StageError
-from stages.schema import list_shards, open_shard
+from stages import merge, validate
+from stages.common.errors import StageError
+from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
+from stages.dataset import lineage
+from stages.dataset.schema import list_shards, open_shard
+from stages.serving import servers
 from tests import stagecli
 from tests.fakeserver import FakeServer, secret_pieces, spawn
 from tests.test_generate import (
@@ -128,10 +130,10 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
     findings = validate.Findings(validate.DATASET_CHECKS, 3)
     (tmp_path / "fingerprint.json").write_text(json.dumps(merged))
     fp = validate._fingerprint(findings, tmp_path) or {}
-    cfg = P.Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
+    cfg = Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
     done = one_line_or_value(lambda: validate._limits(cfg, findings, fp, tmp_path))
     if not isinstance(done, StageError):
-        P.check_ranges(done[0], "validate")  # whatever was recorded: a value in range
+        check_ranges(done[0], "validate")  # whatever was recorded: a value in range
 
 
 @PROPERTY
@@ -271,7 +273,7 @@ def probe_all(url: str, models: bool) -> None:
     assert servers.seed_honoured("sglang", url, None) in (True, False, None)
     assert servers.is_router(url, None) in (True, False)
     context = servers.served_context([url], "fake-model", None)
-    assert context is None or 0 < context <= P.INT32
+    assert context is None or 0 < context <= INT32
     tokens = servers.generation_tokens(url, None, 2.0)
     assert tokens is None or isinstance(tokens, float)
     assert servers.engine_healthy(url, "sglang", "fake-model", None, 2.0) in (True, False)
@@ -288,7 +290,7 @@ def ready_or_one_line(url: str) -> None:
     except StageError as e:
         assert "\n" not in str(e) and url in str(e)
     else:
-        assert name is None or (isinstance(name, str) and 0 < len(name) <= P.MAX_PATH)
+        assert name is None or (isinstance(name, str) and 0 < len(name) <= MAX_PATH)
 
 
 ENDPOINTS = ["/v1/models", "/get_server_info", "/workers", "/metrics", "/health_generate"]
@@ -525,7 +527,7 @@ def test_merge_refuses_a_base_limit_that_no_tokenize_could_have_written(tmp_path
         "policy": {"max_seq_len": 64}})
     with pytest.raises(StageError, match=r"data/base/fingerprint\.json: policy\.max_seq_len "
                                          r"must be >= 1 and <= 2147483647"):
-        merge.run(P.Merge(base="data/base"), MERGE_PATHS)
+        merge.run(Merge(base="data/base"), MERGE_PATHS)
     assert not (tmp_path / "data/merged").exists()
 
 

@@ -13,10 +13,10 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from stages import merge, reports
-from stages import params as P
-from stages.errors import StageError
-from stages.schema import ARROW_SCHEMA, FEATURES
+from stages import merge
+from stages.common import params, reports
+from stages.common.errors import StageError
+from stages.dataset.schema import ARROW_SCHEMA, FEATURES
 from tests import stagecli
 
 PATHS = stagecli.paths("merge")  # where dvc.yaml has the stage read and write
@@ -74,8 +74,8 @@ def digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def cfg(**kw) -> P.Merge:
-    return P.Merge(**{"base": "data/base", **kw})
+def cfg(**kw) -> params.Merge:
+    return params.Merge(**{"base": "data/base", **kw})
 
 
 @pytest.fixture

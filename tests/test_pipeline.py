@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from stages.schema import FEATURES
+from stages.dataset.schema import FEATURES
 from tests.repo import demo_clone, run
 
 pytestmark = pytest.mark.slow

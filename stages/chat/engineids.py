@@ -1,0 +1,162 @@
+"""The engine's own token ids: asking for them, reading them from a reply, and what a
+completion row keeps of them.
+
+Engines return the ids they fed the model and the ids it generated, when asked, on a
+non-streaming /v1/chat/completions:
+  SGLang 0.5.23  `return_prompt_token_ids` / `return_token_ids` -> `choices[i].prompt_token_ids`
+                 and `choices[i].response_token_ids` (its protocol.py and serving_chat.py; the
+                 response ids run through the stop token, `<|im_end|>` included)
+  vLLM           `return_token_ids` -> a top-level `prompt_token_ids` and `choices[i].token_ids`
+sglang-router 0.3.2 re-serialises every request into a fixed struct that has neither
+switch (read from its binary): through it no ids come back, and rows are checked by
+token counts (`why_without`).
+
+The request cache keeps replies as the engine sent them, ids included, and its key is
+what decides the answer (model, sampling, messages, tools: stages/serving/requestcache.py), never
+these switches: asking for ids changes no key. A completion row keeps the ids whole, as
+
+    "engine_tokens": {"prompt_ids": [...], "completion_ids": [...] or null}
+
+so that tokenize checks every row's prompt id by id and, with `tokenize.ids: engine`,
+trains on exactly these tokens, without sending anything again. Two other forms:
+`{"unusable": why}` when the engine sent ids that are not a list of token ids (an empty
+prompt, a string), counted as such by the serve-render check; and the digest form
+`{"prompt_sha256", "prompt", "completion"}` of vLLM's ids, which cached replies may hold
+in place of the lists, checked by that digest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from stages.chat.conversation import token_ids_digest
+
+ROUTER_WHY = ("sglang-router drops return_prompt_token_ids and return_token_ids from "
+              "every request it forwards: prompts are checked by token count")
+NOT_ASKED_WHY = "{engine} returns no token ids: prompts are checked by token count"
+MISSING_WHY = ("the engine sent no token ids (an engine that does not know the switch, or "
+               "replies cached before they were asked for): those prompts are checked by "
+               "token count")
+DIGEST_KEYS = {"prompt_sha256", "prompt", "completion"}
+
+
+def request_fields(engine: str) -> dict:
+    """The fields that ask `engine` for its token ids (none for `transformers serve`,
+    which refuses unknown fields)."""
+    if engine == "sglang":
+        return {"return_prompt_token_ids": True, "return_token_ids": True}
+    if engine == "vllm":
+        return {"return_token_ids": True}
+    return {}
+
+
+def why_without(engine: str, router: bool) -> str:
+    """Why rows of this run may carry no engine ids: what the report and log say."""
+    if router:
+        return ROUTER_WHY
+    if not request_fields(engine):
+        return NOT_ASKED_WHY.format(engine=engine)
+    return MISSING_WHY
+
+
+def from_reply(data: Any) -> Optional[dict]:
+    """What a completion row keeps of the engine's ids in the parsed reply `data` (see the
+    module docstring); None when the reply carries none."""
+    if "engine_tokens" in data:  # a reply cached by an earlier run, ids already reduced
+        kept = data["engine_tokens"]
+        return kept if digest_problem(kept) is None else {"unusable": "a malformed digest"}
+    choice = data["choices"][0]
+    prompt = choice.get("prompt_token_ids", data.get("prompt_token_ids"))
+    completion = choice.get("response_token_ids", choice.get("token_ids"))
+    if prompt is None and completion is None:
+        return None
+    why = ids_problem(prompt, "prompt_token_ids", allow_empty=False)
+    if why is None and completion is not None:
+        why = ids_problem(completion, "the completion's token ids", allow_empty=True)
+    if why:
+        return {"unusable": why}
+    return {"prompt_ids": prompt, "completion_ids": completion}
+
+
+def ids_problem(ids: Any, what: str, allow_empty: bool) -> Optional[str]:
+    """Why `ids` is not a list of token ids (a short phrase), or None."""
+    return token_array(ids, what, allow_empty)[1]
+
+
+def token_array(ids: Any, what: str, allow_empty: bool) -> tuple[Optional[np.ndarray],
+                                                                 Optional[str]]:
+    """(`ids` as an int64 array, None), or (None, why it is not a list of token ids)."""
+    if not isinstance(ids, list):
+        return None, f"{what} is not a list"
+    if not ids:
+        return (np.zeros(0, np.int64), None) if allow_empty else (None, f"{what} is empty")
+    if set(map(type, ids)) != {int}:  # a JSON true would pass as 1 in numpy
+        return None, f"{what} is not a list of token ids"
+    try:
+        a = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        a = None
+    if a is None or a.min() < 0 or a.max() >= 1 << 32:
+        return None, f"{what} holds a number that is not a token id"
+    return a, None
+
+
+def digest_problem(kept: Any) -> Optional[str]:
+    """Why a digest-form `engine_tokens` (read back from disk) is not well formed, or None."""
+    ok = (isinstance(kept, dict) and set(kept) == DIGEST_KEYS
+          and isinstance(kept["prompt_sha256"], str) and type(kept["prompt"]) is int
+          and (kept["completion"] is None or type(kept["completion"]) is int))
+    return None if ok else "not a digest of token ids"
+
+
+class Served:
+    """What a completion row says the engine served: its prompt ids, or their digest and
+    count, its completion ids or count, or why there are none (`fallback`)."""
+
+    def __init__(self, row: dict):
+        served = row.get("engine_tokens")
+        usage = row.get("usage") if isinstance(row.get("usage"), dict) else {}
+        self.prompt_ids: Optional[np.ndarray] = None
+        self.completion_ids: Optional[np.ndarray] = None
+        self.digest: Optional[str] = None
+        self.unusable: Optional[str] = None
+        n_prompt = n_completion = None
+        if isinstance(served, dict) and "prompt_ids" in served:
+            prompt, why = token_array(served["prompt_ids"], "prompt_ids", allow_empty=False)
+            completion = served.get("completion_ids")
+            if why is None and completion is not None:
+                completion, why = token_array(completion, "completion_ids", allow_empty=True)
+            if why:
+                self.unusable = why
+            else:
+                self.prompt_ids, self.completion_ids = prompt, completion
+                n_prompt = len(prompt)
+                n_completion = None if completion is None else len(completion)
+        elif isinstance(served, dict) and "unusable" in served:
+            self.unusable = str(served["unusable"])[:200]
+        elif served is not None:
+            if digest_problem(served) is None:
+                self.digest, n_prompt, n_completion = (served["prompt_sha256"], served["prompt"],
+                                                       served["completion"])
+            else:
+                self.unusable = "a malformed digest"
+        self.by_ids = self.prompt_ids is not None or self.digest is not None
+        self.n_prompt = n_prompt if self.by_ids else _count(usage.get("prompt_tokens"))
+        if n_completion is None:
+            n_completion = _count(usage.get("completion_tokens"))
+        self.n_completion = n_completion
+
+    def prompt_agrees(self, ours: Optional[np.ndarray]) -> bool:
+        """Whether our prompt ids are the ones served (by ids, digest or count)."""
+        if ours is None or len(ours) != self.n_prompt:
+            return False
+        if self.prompt_ids is not None:
+            return bool(np.array_equal(ours, self.prompt_ids))
+        return self.digest is None or token_ids_digest(ours) == self.digest
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None

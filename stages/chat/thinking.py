@@ -1,0 +1,75 @@
+"""Thinking written inline in an assistant's `content`, as the Qwen chat formats read it.
+
+An answer can arrive with its reasoning inside `content` and `reasoning_content` null: an
+engine run without a reasoning parser, a model that writes `<think>...</think>` itself, a
+source dataset that kept the tags in the text. The published Qwen3 and Qwen3.6 (Qwen3.5
+family) templates then move it into the thinking block themselves: when a message has no
+`reasoning_content` string and its trimmed content holds `</think>`,
+
+    reasoning = the text before the first `</think>`, newlines at its end removed, after
+                the last `<think>` in it, newlines at its start removed (then trimmed)
+    content   = the text after the last `</think>`, newlines at its start removed (not
+                trimmed again: leading spaces stay)
+
+The bundled templates (stages/models/templates/) apply the same rule. Every place that renders
+applies it through the template: the engine-style render of a prompt that fitting.py
+counts and servecheck.py compares renders the messages as given; encoder.py, which first
+swaps control-token spellings in message text for sentinels (and so would hide the
+`</think>` from the template), hands the template the two parts this module cuts,
+joined by the one real `</think>` the template splits at (`inline_parts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+OPEN, CLOSE = "<think>", "</think>"
+# the names a message's reasoning goes by (transformers passes each to templates)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def split_inline(text: str) -> Optional[tuple[str, str]]:
+    """(reasoning, content) of a content text holding `</think>`, by the rule above (the
+    reasoning before the template's own trim); None when the text holds no `</think>`."""
+    text = text.strip()
+    if CLOSE not in text:
+        return None
+    before, after = text.split(CLOSE, 1)[0], text.rsplit(CLOSE, 1)[-1]
+    return before.rstrip("\n").rsplit(OPEN, 1)[-1].lstrip("\n"), after.lstrip("\n")
+
+
+def content_text(content: Any) -> Optional[str]:
+    """A message content as the templates read it: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") if isinstance(p, dict) else p for p in content]
+        if all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+    return None
+
+
+def has_reasoning(message: dict) -> bool:
+    """Whether the template takes the message's reasoning from a field, not its content."""
+    return any(isinstance(message.get(k), str) for k in REASONING_KEYS)
+
+
+def inline_parts(messages: list[dict]) -> dict[int, tuple[str, str]]:
+    """{index: (reasoning, content)} of the assistant messages whose thinking the template
+    takes from their content."""
+    found = {}
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant" or has_reasoning(m):
+            continue
+        text = content_text(m.get("content"))
+        parts = split_inline(text) if text is not None and CLOSE in text else None
+        if parts is not None:
+            found[i] = parts
+    return found
+
+
+def answered_after_closed_block(message: dict) -> dict:
+    """The final answer of a row generated with thinking off: the model wrote it after
+    the generation prompt's closed, empty thinking block, so any `<think>` text in it is
+    part of the answer. An empty `reasoning_content` tells the template so."""
+    return message if has_reasoning(message) else {**message, "reasoning_content": ""}

@@ -1,0 +1,134 @@
+"""The one exception type a stage raises for a reason the user can act on, the one
+reading of a JSON object (a JSONL line, a metadata file, a server's body) that every stage
+shares, and whether a JSON value can be written back as UTF-8.
+
+What a stage reads but does not control is read within bounds: a file only when it is a
+regular file (a FIFO or a device named like a shard or a metadata file would block its
+reader or never end), only up to a size, and JSON only to MAX_DEPTH levels of nesting
+(a deeper value parses, then makes every recursive walk of it -- redaction, comparison,
+encoding -- raise RecursionError far from where it was read).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, BinaryIO
+
+# levels of nesting a JSON value may have: a row's tools and tool calls may nest 64
+# (stages/chat/conversation.py) inside the row's own few; far below Python's recursion limit
+MAX_DEPTH = 100
+# a metadata file (state.json, fingerprint.json, a report, lineage.json, dvc.lock) is
+# kilobytes to a few MB; past this it is not one
+MAX_METADATA_BYTES = 64 << 20
+
+
+class StageError(Exception):
+    """A failure reported as one line (file, row or param named), exit status 1."""
+
+
+def json_object(text: bytes | str, where: str) -> dict:
+    """`text` parsed as a JSON object, or a StageError naming `where` (file:line)."""
+    try:
+        doc = parse_json(text)
+    except ValueError as e:
+        raise StageError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise StageError(f"{where}: expected a JSON object, got {json_type(doc)}")
+    return doc
+
+
+def parse_json(text: bytes | str) -> Any:
+    """`text` parsed as JSON nested at most MAX_DEPTH levels, else ValueError."""
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    # a value cannot nest deeper than it has brackets: most text needs no walk at all
+    brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
+        text.count(b"{" if isinstance(text, bytes) else "{")
+    if brackets > MAX_DEPTH and deeper_than(doc, MAX_DEPTH):
+        raise ValueError("nested too deeply")
+    return doc
+
+
+def deeper_than(value: Any, levels: int) -> bool:
+    """Whether the JSON value nests more than `levels` lists and objects (no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        if depth == levels:
+            return True
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return False
+
+
+def json_file(path: str | Path, limit: int = MAX_METADATA_BYTES) -> dict:
+    """The JSON object in the regular file `path` of at most `limit` bytes, else a
+    StageError naming it (FileNotFoundError when it does not exist)."""
+    return json_object(read_regular(path, limit), str(path))
+
+
+def read_regular(path: str | Path, limit: int = MAX_METADATA_BYTES) -> bytes:
+    """The bytes of the regular file `path` if it holds at most `limit`, else StageError
+    (FileNotFoundError when it does not exist: the caller knows what that means)."""
+    try:
+        with open_regular(path) as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise StageError(f"{path}: larger than {limit} bytes; not a file this stage reads whole")
+    return data
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file (a link to one included), else
+    StageError (IsADirectoryError for a folder); opening never waits, as opening a FIFO
+    would until a writer came."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or a socket"
+            raise StageError(f"{path}: not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, "rb")
+
+
+def json_type(value) -> str:
+    """How a JSON value's type reads in an error message."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             type(None): "null"}  # fmt: skip
+    return names.get(type(value), "a number")
+
+
+def writable(value: Any) -> bool:
+    """Every string in a JSON value encodes as UTF-8."""
+    if isinstance(value, str):
+        if value.isascii():
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(writable(k) and writable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(writable(v) for v in value)
+    return True

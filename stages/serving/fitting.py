@@ -1,0 +1,173 @@
+"""Fitting each request into the engine's context before it is sent.
+
+SGLang refuses prompt + max_tokens over its context length with a 400; vLLM cuts the
+answer at the context's end. Either way a long prompt is best sent once, with
+`max_tokens = min(generate.max_tokens, context - prompt tokens)`, and a prompt that
+leaves fewer than `generate.min_new_tokens` is not sent at all (a `context_overflow`).
+
+The context comes from `generate.context_length`, else from the server's /v1/models
+(`max_model_len`, which SGLang and vLLM both report; stages/serving/servers.py). The prompt's
+tokens are counted on a local render + encode of exactly what the engine sees: the
+messages and tools rendered with `generate.tokenizer`'s chat template and the generation
+prompt, control tokens parsed (stages/chat/encoder.py `ChatEncoder.engine_prompt`). Counting is
+cheap for most prompts: a byte-level BPE token covers at least one byte of the
+tokenizer's normalized text, so its UTF-8 length bounds the count from above, and only a
+prompt whose bound does not fit is encoded. Most prompts are not even rendered (a
+render is ~50 µs, which a 1,000-in-flight run feels): plain text messages are bounded by
+their shape's skeleton, rendered once, plus their texts' bytes.
+
+When the count is off (a server started with another chat template or tokenizer) or no
+context is known, the engine's own context error is the fallback: stages/serving/client.py
+reads its numbers and resends once with max_tokens lowered.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+# a token covers at least one byte of byte-level BPE text; other tokenizers may add a
+# few pieces (a SentencePiece prefix space): this much headroom keeps the bound safe
+BOUND_SLACK = 8
+# what a chat template may add to a message beyond its text-free skeleton: a content's
+# own text can switch a branch (a `</think>` split, a wholly `<tool_response>` user turn
+# that is not a query), each worth a few tags. An underestimate costs one rejected
+# request: the engine's context error still clamps (stages/serving/client.py)
+BRANCH_SLACK = 64
+# NFC lengthens UTF-8 text at most threefold (UAX #15); ASCII it leaves alone
+NFC_GROWTH = 3
+
+
+@dataclass(frozen=True)
+class TooLong:
+    """A prompt that leaves fewer than min_new_tokens in the context: never sent."""
+
+    prompt_tokens: int
+    context: int
+    min_new_tokens: int
+
+    def message(self, tokenizer: str) -> str:
+        return (
+            f"the prompt is {self.prompt_tokens} tokens (counted with {tokenizer}) and leaves "
+            f"{max(self.context - self.prompt_tokens, 0)} of the context's {self.context} "
+            f"tokens for the answer, fewer than generate.min_new_tokens="
+            f"{self.min_new_tokens}; not sent"
+        )
+
+
+class PromptCounter:
+    """Tokens of a prompt as the engine will see it, or an upper bound when that is
+    enough to decide."""
+
+    def __init__(self, spec: str, enable_thinking: bool):
+        from stages.chat.encoder import ChatEncoder, is_nfc
+        from stages.models.tokenizer import load_tokenizer
+
+        self.spec = spec
+        tok = load_tokenizer(spec)
+        self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
+        norm = tok.backend_tokenizer.normalizer
+        self._normalize = norm.normalize_str if norm else None
+        self._nfc_or_none = norm is None or is_nfc(norm)
+        self._skeletons: dict[tuple, Optional[int]] = {}  # shape -> rendered bytes
+        self.encoded = 0  # prompts whose bound did not settle it
+
+    def render(self, prompt: dict) -> str:
+        return self.encoder.engine_prompt(prompt["messages"], prompt.get("tools"))
+
+    def quick_bound(self, prompt: dict) -> Optional[int]:
+        """At least the token count of `prompt`, without rendering it: its skeleton (the
+        same roles with empty texts, rendered once per shape) plus its texts' bytes, at
+        their NFC worst. None where that is not safe to say (tools, tool calls, other
+        message keys, a normalizer other than NFC): render and count then."""
+        if not self._nfc_or_none or prompt.get("tools"):
+            return None
+        shape, size = [], 0
+        for m in prompt["messages"]:
+            content, reasoning = m.get("content"), m.get("reasoning_content")
+            if type(content) is not str or (reasoning is not None and type(reasoning) is not str):
+                return None
+            if len(m) != 2 + ("reasoning_content" in m):  # name, tool_calls, ...
+                return None
+            shape.append((m["role"], bool(reasoning)))
+            for text in (content, reasoning or ""):
+                size += len(text) if text.isascii() else NFC_GROWTH * len(text.encode())
+        key = tuple(shape)
+        if key not in self._skeletons:
+            self._skeletons[key] = self._skeleton_bytes(key)
+        skeleton = self._skeletons[key]
+        if skeleton is None:
+            return None
+        return skeleton + size + BRANCH_SLACK * len(shape) + BOUND_SLACK
+
+    def _skeleton_bytes(self, shape: tuple) -> Optional[int]:
+        messages = [
+            {"role": role, "content": "", **({"reasoning_content": ""} if r else {})}
+            for role, r in shape
+        ]  # fmt: skip
+        try:
+            return self.bound(self.encoder.engine_prompt(messages)) - BOUND_SLACK
+        except Exception:  # a template that refuses empty texts: render each prompt
+            return None
+
+    def bound(self, text: str) -> int:
+        """At least the token count of `text` (its normalized UTF-8 bytes + slack)."""
+        if self._normalize is not None:
+            text = self._normalize(text)
+        return len(text.encode()) + BOUND_SLACK
+
+    def count(self, text: str) -> int:
+        self.encoded += 1
+        return len(self.encoder.engine_ids(text))
+
+
+class ContextBudget:
+    """max_tokens for each prompt so that prompt + max_tokens fits `context`."""
+
+    def __init__(self, context: int, max_tokens: int, min_new_tokens: int,
+                 counter: PromptCounter):
+        self.context = context
+        self.max_tokens = max_tokens
+        self.min_new_tokens = min_new_tokens
+        self.counter = counter
+        self.fitted = 0  # requests sent with max_tokens lowered
+        self.refused = 0  # prompts not sent: too long
+
+    def fit(self, prompt: dict) -> "int | TooLong":
+        """The max_tokens to send with `prompt`, or TooLong. Deterministic: the same
+        prompt and params give the same answer, so the request body stays the same."""
+        quick = self.counter.quick_bound(prompt)
+        if quick is not None and quick + self.max_tokens <= self.context:
+            return self.max_tokens
+        text = self.counter.render(prompt)
+        if self.counter.bound(text) + self.max_tokens <= self.context:
+            return self.max_tokens
+        n = self.counter.count(text)
+        room = self.context - n
+        if room >= self.max_tokens:
+            return self.max_tokens
+        if room < self.min_new_tokens:
+            self.refused += 1
+            return TooLong(n, self.context, self.min_new_tokens)
+        self.fitted += 1
+        return room
+
+    def report(self) -> dict:
+        return {"context_length": self.context, "tokenizer": self.counter.spec,
+                "fitted": self.fitted, "refused": self.refused,
+                "encoded": self.counter.encoded}
+
+
+def budget(context: Optional[int], max_tokens: int, min_new_tokens: int,
+           tokenizer: Optional[str], enable_thinking: bool) -> Optional[ContextBudget]:
+    """The budget for a run, or None (no context known, or no tokenizer to count with:
+    only the engine's context error clamps then)."""
+    if context is None or tokenizer is None:
+        return None
+    log.info("fitting max_tokens into the %d-token context (prompts counted with %s)",
+             context, tokenizer)
+    return ContextBudget(context, max_tokens, min_new_tokens,
+                         PromptCounter(tokenizer, enable_thinking))

@@ -1,0 +1,105 @@
+"""What a run's serving setup needs that the params may not say: the flags a launched
+engine needs for these prompts, and what a URL that is an sglang-router lacks.
+
+Tools. SGLang returns a tool call as structured `tool_calls` only when it runs a tool-call
+parser (`--tool-call-parser`); without one the call comes back as raw `<tool_call>` text
+in `content`, and a training row would then hold the call as answer text. A launched
+SGLang therefore gets the parser of its model's format when the prompts carry tools,
+unless its `launch.args` (or a custom `launch.command`) name one: `qwen3_coder` for the
+Qwen3.5/3.6 family and Qwen3-Coder (XML calls, `<function=NAME>`), `qwen25` for the
+other Qwen3 and Qwen2.5 models (JSON inside `<tool_call>`). Another model gets a warning
+naming the flag.
+
+Router. sglang-router 0.3.2 (read from its source and binary) answers /v1/models itself:
+no `max_model_len` (so no request is fitted to the context unless
+`generate.context_length` says it, and every long prompt costs a rejected request), and a
+model id it learned from SGLang's /get_model_info (or `unknown`); it drops the token-id
+switches (stages/chat/engineids.py); it retries a failed request 5 times by default before our
+client's own retries (`--disable-retries`), and cuts requests after
+`--request-timeout-secs` (1800 by default). Each missing param is one warning line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Optional
+
+from stages.chat import engineids
+from stages.common import params
+
+log = logging.getLogger("stages.generate")
+
+ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
+TOOL_PARSER_FLAG = "--tool-call-parser"
+# model name -> SGLang 0.5.23's tool-call parser for its format, first match wins
+TOOL_PARSERS = (
+    (re.compile(r"qwen3[._-]?[56]|qwen3[._-]?coder", re.I), "qwen3_coder"),
+    (re.compile(r"qwen[._-]?(3|2\.?5)", re.I), "qwen25"),
+)
+
+
+def tool_parser(model: str) -> Optional[str]:
+    """SGLang's tool-call parser for `model`'s format, or None when not known here."""
+    return next((name for pattern, name in TOOL_PARSERS if pattern.search(model)), None)
+
+
+def launch_for(launch: params.Launch, tools: bool) -> params.Launch:
+    """`launch` with the flags these prompts need: a tool-call parser for an SGLang
+    serving prompts with tools (see the module docstring)."""
+    if not tools or launch.engine != "sglang":
+        return launch
+    given = list(launch.args) + list(launch.command or [])
+    if any(a == TOOL_PARSER_FLAG or a.startswith(TOOL_PARSER_FLAG + "=") for a in given):
+        return launch
+    parser = tool_parser(launch.model)
+    if parser is None:
+        log.warning(
+            "the prompts carry tools and SGLang has no %s for %s: its tool calls come back "
+            "as text in content; add the parser of its format to generate.server.launch.args",
+            TOOL_PARSER_FLAG, launch.model,
+        )  # fmt: skip
+        return launch
+    log.info("the prompts carry tools: SGLang is launched with %s %s", TOOL_PARSER_FLAG, parser)
+    return dataclasses.replace(launch, args=[*launch.args, TOOL_PARSER_FLAG, parser])
+
+
+def router_timeout_advice(request_timeout: float, router_timeout: float) -> str:
+    return (
+        f"generate.request_timeout ({request_timeout:g} s) is longer than the router's "
+        f"--request-timeout-secs ({router_timeout:g} s, generate.server.router_timeout): the "
+        "router would cut long generations and they would start over; set "
+        f"generate.request_timeout <= {router_timeout:g} or start the router with "
+        f"--request-timeout-secs {int(request_timeout) + 60} and set "
+        "generate.server.router_timeout to match"
+    )
+
+
+def behind_router(cfg: params.Generate, urls: list[str], shown: list[str],
+                  key: Optional[str]) -> bool:
+    """Whether a URL server is an sglang-router (it lists its workers at /workers); if
+    so, one warning line per param the run misses behind it."""
+    from stages.serving import servers
+
+    if not any(servers.is_router(u, key) for u in urls):
+        return False
+    where = f"{', '.join(shown)} is an sglang-router"
+    if cfg.server.router_timeout is None and cfg.request_timeout > ROUTER_DEFAULT_TIMEOUT:
+        log.warning("%s (default --request-timeout-secs %d). %s", where, ROUTER_DEFAULT_TIMEOUT,
+                    router_timeout_advice(cfg.request_timeout, ROUTER_DEFAULT_TIMEOUT))
+    if cfg.context_length is None:
+        log.warning(
+            "%s: its /v1/models gives no context length, so no request is fitted to the "
+            "context and each long prompt costs a rejected request; set "
+            "generate.context_length to the workers' --context-length", where,
+        )  # fmt: skip
+    if cfg.server.model is None:
+        log.warning(
+            "%s: the model name comes from the router's own /v1/models; set "
+            "generate.server.model to the served model (it keys the request cache)", where,
+        )  # fmt: skip
+    if engineids.request_fields(cfg.server.engine or "sglang"):
+        log.warning("%s: %s; start the workers' URLs in generate.server.url (a list) to "
+                    "check by ids", where, engineids.ROUTER_WHY)
+    return True

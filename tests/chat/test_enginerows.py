@@ -1,0 +1,144 @@
+"""Engine-exact rows (`tokenize.ids: engine`, stages/chat/enginerows.py) end to end: generate
+against the fake SGLang 0.5.23 (real template, bundled tokenizer, token ids where SGLang
+puts them), then every row must begin with exactly the served prompt ids and generated
+ids, and supervise exactly the generated ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from stages import tokenize
+from stages.chat import enginerows
+from stages.chat.engineids import Served
+from stages.models import tokenizer
+from tests.fakeserver import FakeServer
+from tests.test_generate import here, url_server, write_params
+from tests.chat.test_servecheck import prompts
+
+IM_END, NEWLINE = 248046, 198
+
+
+@pytest.fixture(scope="module")
+def bundled() -> str:
+    return str(tokenizer.ensure_bundled().resolve())
+
+
+def generate(wd: Path, bundled: str, engine: str = "sglang", **spec) -> Path:
+    path = wd / "data/prompts/prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in prompts()), encoding="utf-8")
+    with FakeServer({"tokenizer": bundled, **spec}).start() as fake:
+        write_params(wd, server=url_server(fake.url, engine=engine), enable_thinking=True)
+        here(wd)
+    return wd / "data/completions/completions.jsonl"
+
+
+def rows_of(path: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+# the fake writes each answer one character a token (the same text, not its canonical
+# encoding), and cuts two answers short
+SPEC = {"answer_by_characters": True,
+        "rules": [{"fault": "length", "match": "p00[12]$"}]}
+
+
+def test_rows_are_the_served_prompt_then_the_generated_ids(tmp_path, bundled):
+    src = generate(tmp_path, bundled, **SPEC)
+    served = rows_of(src)
+    report = tokenize.tokenize_file(src, tmp_path / "engine", ids="engine", keep_truncated=True)
+    assert report["engine_rows"] == report["rows"] == len(served) - report["dropped_total"]
+    assert report["engine_ids_missing"] == 0 and report["serve_check"]["mismatches"] == 0
+    # the render re-encodes the answer canonically: not the tokens the model wrote
+    assert report["serve_check"]["completion"]["ids_differ"] == report["rows"]
+    ds = datasets.load_from_disk(str(tmp_path / "engine"))
+    truncated = 0
+    for rid, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        tokens = served[rid]["engine_tokens"]
+        prompt, generated = tokens["prompt_ids"], tokens["completion_ids"]
+        n, m = len(prompt), len(generated)
+        assert ids[:n] == prompt and ids[n:n + m] == generated
+        assert mask == [0] * n + [1] * m + [0] * (len(ids) - n - m)
+        if served[rid]["truncated"]:  # the format closes the turn the model never closed
+            truncated += 1
+            assert generated[-1] != IM_END and ids[n + m:] == [IM_END, NEWLINE]
+        else:  # SGLang's ids run through the stop token; the format adds the newline
+            assert generated[-1] == IM_END and ids[n + m:] == [NEWLINE]
+    assert truncated == 2
+    # the same rows rendered: same prompts, other answer tokens, same text
+    tokenize.tokenize_file(src, tmp_path / "render", keep_truncated=True)
+    rendered = datasets.load_from_disk(str(tmp_path / "render"))
+    tok = tokenizer.load_tokenizer("bundled:qwen3.6")
+    for a, b in zip(ds["input_ids"], rendered["input_ids"]):
+        assert a != b and tok.decode(a) == tok.decode(b)
+
+
+def test_earlier_turns_are_supervised_as_rendered_with_multi_turn_all(tmp_path, bundled):
+    """...where the served prompt is the render's; a prompt whose text spells a control
+    token (the tools here say `<think>`) was served with that token: its earlier turns
+    cannot be placed, and are counted."""
+    src = generate(tmp_path, bundled)
+    engine = tokenize.tokenize_file(src, tmp_path / "engine", ids="engine", multi_turn="all")
+    tokenize.tokenize_file(src, tmp_path / "render", multi_turn="all")
+    assert engine["engine_rows"] == 24
+    a, b = (datasets.load_from_disk(str(tmp_path / f)) for f in ("engine", "render"))
+    served = rows_of(src)
+    same = unplaced = 0
+    for rid, ids, mask, r_ids, r_mask in zip(a["id"], a["input_ids"], a["loss_mask"],
+                                             b["input_ids"], b["loss_mask"]):
+        n = len(served[rid]["engine_tokens"]["prompt_ids"])
+        if ids[:n] == r_ids[:n]:
+            same += 1
+            assert ids == r_ids and mask == r_mask
+        else:
+            unplaced += any(r_mask[:n])
+            assert not any(mask[:n])
+    assert same >= 8 and unplaced == engine["engine_history_unsupervised"] > 0
+
+
+def test_switching_to_engine_ids_after_a_run_sends_nothing(tmp_path, bundled):
+    """The ids are in the request cache: generating the completions again (as dvc repro
+    does after a code change) is answered from it, ids and all."""
+    src = generate(tmp_path, bundled)
+    first = src.read_bytes()
+    shutil.rmtree(src.parent)
+    with FakeServer({"tokenizer": bundled}).start() as fake:
+        write_params(tmp_path, server=url_server(fake.url), enable_thinking=True)
+        here(tmp_path)
+        assert fake.stats()["received"] == 0
+    assert src.read_bytes() == first
+    report = tokenize.tokenize_file(src, tmp_path / "out", ids="engine")
+    assert report["engine_rows"] == report["rows"] == 24
+
+
+def test_rows_without_engine_ids_are_counted_and_rendered_or_dropped(tmp_path, bundled):
+    src = generate(tmp_path, bundled, engine="transformers")  # no ids to ask for
+    render = tokenize.tokenize_file(src, tmp_path / "render")
+    kept = tokenize.tokenize_file(src, tmp_path / "kept", ids="engine")
+    assert kept["engine_ids_missing"] == 24 and kept["engine_rows"] == 0
+    assert kept["rows"] == render["rows"] == 24
+    assert (datasets.load_from_disk(str(tmp_path / "kept"))["input_ids"]
+            == datasets.load_from_disk(str(tmp_path / "render"))["input_ids"])
+    dropped = tokenize.tokenize_file(src, tmp_path / "dropped", ids="engine", on_missing_ids="drop")
+    assert dropped["rows"] == 0 and dropped["dropped"]["no_engine_ids"] == 24
+
+
+def test_an_answer_ended_by_a_stop_string_gets_the_end_of_turn_unsupervised():
+    prompt, answer = [1, 2, 3], [7, 8]
+    ids = np.array(prompt + [70, 80, IM_END, NEWLINE])
+    mask = np.array([0, 0, 0, 1, 1, 1, 0], dtype=np.int8)
+    row = Served({"engine_tokens": {"prompt_ids": prompt, "completion_ids": answer}})
+    out_ids, out_mask, unplaced = enginerows.engine_row(row, ids, mask, 3, False, {IM_END})
+    assert out_ids.tolist() == prompt + answer + [IM_END, NEWLINE]
+    assert out_mask.tolist() == [0, 0, 0, 1, 1, 0, 0] and not unplaced
+    # ids a 32-bit column cannot hold, or no completion ids: not an engine row
+    big = Served({"engine_tokens": {"prompt_ids": [2 ** 31], "completion_ids": answer}})
+    assert enginerows.engine_row(big, ids, mask, 3, False, {IM_END}) is None
+    half = Served({"engine_tokens": {"prompt_ids": prompt, "completion_ids": None}})
+    assert enginerows.engine_row(half, ids, mask, 3, False, {IM_END}) is None

@@ -1,0 +1,105 @@
+"""Atomic outputs: whole or absent, and no temporaries left behind, even when killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.common import outputs
+from tests.repo import ROOT
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_failed_block_leaves_the_old_output_and_no_temporary(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with outputs.atomic_dir(target) as tmp:
+            (tmp / "new.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (target / "old.txt").read_text() == "old"
+
+
+def test_temporaries_of_a_killed_writer_are_removed_by_the_next(tmp_path):
+    target = tmp_path / "merged"
+    gone = dead_pid()
+    stale = [tmp_path / f".merged.tmp-{gone}-abc", tmp_path / f".merged.old-{gone}"]
+    for path in stale:
+        path.mkdir()
+        (path / "data-00000.arrow").write_bytes(b"partial")
+    live = tmp_path / f".merged.tmp-{os.getppid()}-xyz"  # a running process's: kept
+    live.mkdir()
+    other = tmp_path / f".prompts.tmp-{gone}-abc"  # another target's: not ours to judge
+    other.mkdir()
+    with outputs.atomic_dir(target) as tmp:
+        (tmp / "ok").write_text("1")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["merged", live.name, other.name])
+    with outputs.atomic_file(tmp_path / "report.json") as f:
+        f.write("{}")
+    assert (tmp_path / "report.json").read_text() == "{}"
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from stages.common import outputs
+from stages.process import cli
+
+def run(cfg, paths):
+    with outputs.atomic_dir(Path(sys.argv[1])) as tmp:
+        (tmp / "part").write_bytes(b"x" * 1000)
+        print("writing", flush=True)
+        time.sleep(60)
+
+sys.exit(cli.main("merge", "", run, {}, ["--params", sys.argv[2]]))
+"""
+
+
+def test_sigterm_unwinds_a_stage_and_removes_its_temporary(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("merge: {}\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "out"), str(params)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    assert list(tmp_path.glob(".out.tmp-*"))
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "error: merge terminated; nothing partial was written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+def test_a_scratch_folder_of_a_killed_run_is_removed_by_the_next_writer(tmp_path):
+    target = tmp_path / "prompts"
+    code = ("import sys, time; from pathlib import Path; from stages import outputs\n"
+            "folder = outputs.scratch_dir(Path(sys.argv[1]), 'evals')\n"
+            "(folder / 'index.bin').write_bytes(b'x' * 1000)\n"
+            "print(folder, flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    left = Path(proc.stdout.readline().strip())
+    proc.kill()  # SIGKILL: nothing of its own cleanup runs
+    proc.wait()
+    assert left.parent == tmp_path and left.name.startswith(f".prompts.tmp-{proc.pid}-evals-")
+    mine = outputs.scratch_dir(target, "evals")  # the next run: its own stays, the old goes
+    assert not left.exists() and mine.is_dir()
+    with outputs.atomic_dir(target):  # a writer of the target sweeps them too
+        pass
+    assert mine.is_dir()  # ours: this process is alive

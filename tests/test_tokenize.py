@@ -1,6 +1,6 @@
 """The tokenize stage on small completion files: output format, filters and their counts,
 parallel determinism, shard bounds, and bad input. (The serve-render check on every
-row: tests/test_servecheck.py; these rows carry no engine token counts.)"""
+row: tests/chat/test_servecheck.py; these rows carry no engine token counts.)"""
 
 from __future__ import annotations
 

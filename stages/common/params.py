@@ -6,7 +6,7 @@ value of the wrong type stops the stage with one line naming the key and what wa
 expected, before any work is done.
 
 Hand-written rather than pydantic (not one of our declared dependencies): the dataclasses double as the
-documented defaults `params.yaml` must equal (tests/test_params.py), and every error must
+documented defaults `params.yaml` must equal (tests/common/test_params.py), and every error must
 be one line naming the yaml key, which pydantic's multi-line reports would need rewriting
 for anyway.
 """
@@ -32,7 +32,7 @@ class ParamError(StageError):
     pass
 
 
-# Natural ranges: every int and float param declares one (tests/test_params.py checks),
+# Natural ranges: every int and float param declares one (tests/common/test_params.py checks),
 # so a typo like `num_proc: 1000` or a value like 2**70 stops the stage in one line.
 INT32 = 2**31 - 1  # lengths and counts stored as Arrow int32
 INT64 = 2**63 - 1

@@ -9,7 +9,7 @@ position's log-sum-exp; backward computes each chunk's logits again and turns th
 their gradient in place (softmax - one-hot), adding into one weight gradient. Memory then
 grows with positions × hidden size (plus one chunk's logits and the output layer's
 gradient), and the loss and gradients equal the model's own up to float rounding
-(tests/test_headloss.py holds them to it on the demo model).
+(tests/dataset/test_headloss.py holds them to it on the demo model).
 
     head = Head(model, "validate.train_check.model: PATH")   # where, for its errors
     hidden = last_hidden(model, inputs)                # [positions, hidden size]

@@ -376,7 +376,7 @@ def render(tok, messages, tools=None, **kw) -> str:
 
 
 # The original Qwen3 format (chat_template: bundled:qwen3); the Qwen3.6 format, the
-# bundled tokenizer's own, is tested against golden renders in tests/test_templates.py.
+# bundled tokenizer's own, is tested against golden renders in tests/models/test_templates.py.
 QWEN3 = tokenizer.template_path("bundled:qwen3").read_text(encoding="utf-8")
 
 

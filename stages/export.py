@@ -4,26 +4,14 @@
     python -m stages.export --for specforge --merged data/merged --out export/specforge
     python -m stages.export --for axolotl   --merged data/merged --out export/axolotl
 
-What each writes (read from the trainers' sources; docs/stages.md, "Hand it to a trainer"):
-- trl: a save_to_disk folder of `id`, `input_ids`, `assistant_masks`: loss_mask under the
-  name TRL's SFTTrainer builds its labels from (it ignores a column named loss_mask and
-  would train on every token);
-- specforge: `train.jsonl`, one `{"input_ids", "loss_mask", "id"}` record a line: the one
-  file SpecForge's `data.prompts_path` names (it reads a file, not a folder); with
-  `--draft-vocab-size`, `vocab_mapping.pt`, EAGLE-3's d2t/t2d from this set's
-  supervised-token counts;
-- axolotl: a save_to_disk folder of exactly `input_ids`, `attention_mask`, `labels` (-100
-  where loss_mask is 0), the only columns axolotl takes as already tokenized.
-
-Every row is exported, in dataset order, ids and token values unchanged. What the trainer
-then cuts or drops at `--max-length` (default: the longest row, so that nothing is cut) is
-counted and named in OUT/export.json and on stdout: never lost silently.
-
-Streaming: record batch by record batch from the merged shards' read-only memory maps,
-pages released behind the reader (loader.py reads them the same way), so memory stays
-flat whatever the size of the set. The export is written into a temporary folder beside
---out and renamed over it at the end; nothing under --merged is opened for writing, and
-no `datasets` call (whose map() writes cache files beside the data) touches it.
+trl: a save_to_disk folder of `id`, `input_ids`, `assistant_masks`; specforge:
+`train.jsonl` (and `vocab_mapping.pt` with `--draft-vocab-size`); axolotl: a save_to_disk
+folder of exactly `input_ids`, `attention_mask`, `labels`. Every row is exported, in
+dataset order, unchanged; what the trainer then cuts or drops at `--max-length` is
+counted and named in OUT/export.json and on stdout. Streamed from the merged shards'
+memory maps, written beside --out and renamed over it; nothing under --merged is opened
+for writing. Why each layout, and each trainer's settings: docs/stages.md, "Hand it to a
+trainer".
 """
 
 from __future__ import annotations

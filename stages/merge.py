@@ -3,31 +3,15 @@
   python -m stages.merge --tokenized PATH --out PATH ... [--params params.yaml]
   (the paths: dvc.yaml's cmd)
 
-Reads `merge.base` (a datasets save_to_disk folder or a folder of .arrow stream shards;
-null, absent or empty for a first version) and data/tokenized, and writes data/merged:
-every base shard byte-identical (hardlinked when on the same filesystem, else copied;
-`merge.link: false` always copies), then the new rows as the next shards (data-NNNNN-of-
-MMMMM.arrow, linked from data/tokenized when no row is dropped), then state.json,
-dataset_info.json, the new fingerprint.json (its length/supervision limits widened to
-cover the base's), and the lineage card: README.md (a Hugging Face dataset card) and
-lineage.json, with the history carried forward from the base's (stages/dataset/lineage.py). The folder is opened with
-`datasets.load_from_disk` before it replaces data/merged (atomically). The base is only
-ever read, never opened for writing. Writes reports/merge.json.
-
-Refuses, with one line naming the shard, column and both types, any base whose columns
-are the contract's (stages/dataset/schema.py) in other types; with `merge.allow_cast: true` such
-base shards are instead written as converted copies (integer widths, list/large_list,
-string/large_string; a value that does not fit still fails). A base in another tool's
-layout (other columns, Arrow file format, Parquet) is refused with what adopting it would
-write; with `merge.adopt: true` its rows are converted once into data/merged
-(stages/dataset/adopt.py), as new bytes of this version that later merges link. Refuses a base
-whose fingerprint.json names another tokenizer or chat template.
-
-Ids in both base and new: `merge.on_duplicate`
-  keep-base  drop those new rows (new shards holding them are written filtered)
-  keep-new   drop those base rows (base shards holding them are written filtered, under
-             their own names and places; every other base shard stays byte-identical)
-  error      stop and name them
+Writes data/merged: every shard of `merge.base` byte-identical (hardlinked, else copied),
+then the new rows as the next shards, the metadata `datasets.load_from_disk` reads, the
+new fingerprint.json (its limits widened to the base's) and the lineage card
+(dataset/lineage.py), opened with `load_from_disk` before it replaces data/merged; and
+reports/merge.json. The base is only read. A base whose columns are the contract's in
+other types is refused (`merge.allow_cast` converts it), one in another tool's layout
+too (`merge.adopt` converts it once: dataset/adopt.py), and one whose fingerprint names
+another tokenizer or chat template. Ids in both: `merge.on_duplicate` (keep-base,
+keep-new, error). The rules in full: docs/stages.md, "merge".
 """
 
 from __future__ import annotations

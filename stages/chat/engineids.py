@@ -1,28 +1,16 @@
 """The engine's own token ids: asking for them, reading them from a reply, and what a
 completion row keeps of them.
 
-Engines return the ids they fed the model and the ids it generated, when asked, on a
-non-streaming /v1/chat/completions:
-  SGLang 0.5.23  `return_prompt_token_ids` / `return_token_ids` -> `choices[i].prompt_token_ids`
-                 and `choices[i].response_token_ids` (its protocol.py and serving_chat.py; the
-                 response ids run through the stop token, `<|im_end|>` included)
-  vLLM           `return_token_ids` -> a top-level `prompt_token_ids` and `choices[i].token_ids`
-sglang-router 0.3.2 re-serialises every request into a fixed struct that has neither
-switch (read from its binary): through it no ids come back, and rows are checked by
-token counts (`why_without`).
-
-The request cache keeps replies as the engine sent them, ids included, and its key is
-what decides the answer (model, sampling, messages, tools: stages/serving/requestcache.py), never
-these switches: asking for ids changes no key. A completion row keeps the ids whole, as
+SGLang (`return_prompt_token_ids`, `return_token_ids`) and vLLM (`return_token_ids`) send,
+when asked, the ids they fed the model and the ids it generated; sglang-router drops
+both switches, and `why_without` says so. A completion row keeps them whole,
 
     "engine_tokens": {"prompt_ids": [...], "completion_ids": [...] or null}
 
-so that tokenize checks every row's prompt id by id and, with `tokenize.ids: engine`,
-trains on exactly these tokens, without sending anything again. Two other forms:
-`{"unusable": why}` when the engine sent ids that are not a list of token ids (an empty
-prompt, a string), counted as such by the serve-render check; and the digest form
-`{"prompt_sha256", "prompt", "completion"}` of vLLM's ids, which cached replies may hold
-in place of the lists, checked by that digest.
+or `{"unusable": why}` for ids that are not a list of token ids, or the digest form of
+vLLM's ids that cached replies may hold. Asking for ids changes no request-cache key.
+Where each engine puts them, and how tokenize checks and trains on them: docs/stages.md
+(generate, "Client"; tokenize, "Serve-render check" and "Engine-exact rows").
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Thinking written inline in an assistant's `content`, as the Qwen chat formats read it.
 
-An answer can arrive with its reasoning inside `content` and `reasoning_content` null: an
-engine run without a reasoning parser, a model that writes `<think>...</think>` itself, a
-source dataset that kept the tags in the text. The published Qwen3 and Qwen3.6 (Qwen3.5
-family) templates then move it into the thinking block themselves: when a message has no
-`reasoning_content` string and its trimmed content holds `</think>`,
+When a message has no `reasoning_content` string and its trimmed content holds `</think>`:
 
     reasoning = the text before the first `</think>`, newlines at its end removed, after
                 the last `<think>` in it, newlines at its start removed (then trimmed)
     content   = the text after the last `</think>`, newlines at its start removed (not
                 trimmed again: leading spaces stay)
 
-The bundled templates (stages/models/templates/) apply the same rule. Every place that renders
-applies it through the template: the engine-style render of a prompt that fitting.py
-counts and servecheck.py compares renders the messages as given; encoder.py, which first
-swaps control-token spellings in message text for sentinels (and so would hide the
-`</think>` from the template), hands the template the two parts this module cuts,
-joined by the one real `</think>` the template splits at (`inline_parts`).
+The published Qwen3 and Qwen3.6 templates and the bundled ones (models/templates/) apply
+this rule themselves, and every render goes through the template; encoder.py, which hides
+control-token spellings in message text from the template, hands it the two parts cut
+here, joined by the one real `</think>` the template splits at (`inline_parts`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """A stage's report in two files: the data facts DVC compares, and how the run went.
 
-Every stage builds one report dict and hands it to outputs.write_report, which writes
-
-  reports/<stage>.json       the stage's DVC metrics file: what the data and the params
-                             determine (rows, tokens, supervised tokens, drops and failures
-                             by kind, checks, the training check's losses, the budget).
-  reports/runs/<stage>.json  how this run went: timings, throughput, memory, what was sent
-                             or read from the request cache, the host. A plain `outs` entry
-                             of the stage in dvc.yaml (`cache: false`, committed with the
-                             version), not a metric: `dvc exp show` and `dvc metrics diff`
-                             never show it.
-
-So a rerun that changes no data (say `tokenize.num_proc`) writes a byte-identical metrics
-file: `dvc exp show --only-changed` shows nothing moved, and merge, which depends on the
-upstream metrics files for its lineage card, is not rerun. What the card shows must
-therefore be a fact.
+A stage builds one report dict and hands it to outputs.write_report, which writes
+`reports/<stage>.json`, its DVC metrics file (what the data and the params determine),
+and `reports/runs/<stage>.json`, how this run went (timings, throughput, memory, the
+request cache, the host: a plain out of the stage, never compared). A rerun that changes
+no data therefore writes the same metrics file (docs/versions.md, "Compare runs").
 
 RUN names, per stage, the keys that go to the run file (dotted: a key inside a section);
 every other key is a fact. A key a stage adds is a fact until it is listed here.

@@ -1,22 +1,16 @@
 """Keeping secrets out of everything the pipeline writes.
 
-Secrets reach the pipeline as an API key (read from the environment), credentials inside
-a server URL (`http://user:password@host`) and values of secret flags in a launch command
-(`--api-key sk-...`). None may reach a file, a log line, a report, a card or an error
-message, whole or in part. Writers pass text through one `Redactor` (or `scrub`), URLs
-shown to a person through `strip_url_credentials`, argv through `redact_args`.
+Secrets are an API key (read from the environment), credentials in a server URL (its
+password and `user:password`, or the user alone: `http://TOKEN@host` carries a token) and
+the values of secret flags in a launch command (`--api-key sk-...`); none may reach a
+file, a log line, a report, a card or an error message, whole or in part. Writers pass
+text through one `Redactor` (or `scrub`), URLs shown to a person through
+`strip_url_credentials`, argv through `redact_args`.
 
-A server can echo a secret in forms other than the one sent: JSON-escaped (every
-character as \\uXXXX included), percent-encoded (upper or lower case hex, every byte
-included), base64 as it travels in an Authorization header (`Basic user:password`, or
-`Bearer key` encoded whole), or cut by its own length limit. The redactor therefore
-masks every run of at least `MIN_PIECE` characters of any of those forms, wherever it
-appears; a secret shorter than that is masked only whole. Redact first, then truncate:
-a cut made after redaction can only shorten the mask. A JSON body is also checked after
-parsing (`found_in`), which undoes any mix of escapes.
-
-A URL's credentials are secrets: its password and `user:password`, or the user part
-alone when there is no password (`http://TOKEN@host` carries a token).
+A server can echo a secret JSON-escaped, percent-encoded, base64 as in an Authorization
+header, or cut: the redactor masks every run of at least MIN_PIECE characters of any of
+those forms (a shorter secret only whole), and `found_in` checks a JSON body after
+parsing. Redact first, then truncate: a cut made after redaction only shortens the mask.
 """
 
 from __future__ import annotations

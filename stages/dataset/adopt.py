@@ -1,26 +1,14 @@
 """Adopt a training set written by another tool: its rows, converted once into the contract.
 
-merge.base may be a set this project did not write: a `datasets` save_to_disk folder, a
-folder of .arrow files (IPC stream or file format) or of .parquet files (a Hub
-snapshot's data folder), whose rows hold token ids and a mask under other names and
-types (int64 lists as `datasets` infers them, large_list, bool or uint8 masks, `labels`
-with -100, extra columns). With `merge.adopt: true` merge writes those rows into
-data/merged in the contract (stages/dataset/schema.py), one shard per base file, in the user's
-row order, streaming one record batch at a time:
-
-  input_ids        the same values as int32 (every id must lie in the vocabulary)
-  loss_mask        the mask's 0/1 as int8; from labels: -100 -> 0, the token id -> 1
-  id               a content id: xxh3-128 of the row's ids and mask; the k-th repeat of
-                   the same content gets `-k` appended, so ids are unique and the same
-                   base adopted twice gets the same ids
-  source           merge.base_source (null: the base folder's name)
-  num_tokens, num_loss_tokens   counted
-
-Other columns are dropped (and named). A row whose mask and ids differ in length, an id
-outside the vocabulary, labels that are not -100 or the token id at the same position
-(shifted labels), a padded row (attention_mask 0) or a null stops merge with one line
-naming the file and row. The base is only read. Without `merge.adopt`, such a base is
-refused with what was found and what adopting it would write.
+With `merge.adopt: true`, a `merge.base` this project did not write (a `datasets`
+save_to_disk folder, .arrow files in either IPC format, or .parquet files) is written
+into data/merged in the contract (dataset/schema.py), one shard per base file, in the
+user's row order, one record batch at a time: ids as int32, the mask (or `labels` with
+-100) as int8 0/1, a content id (xxh3-128 of ids and mask, `-k` for the k-th repeat),
+`source` from `merge.base_source`, the counts computed; other columns dropped and named.
+A row that cannot be converted faithfully stops merge with one line naming the file and
+row; the base is only read. Without `merge.adopt` such a base is refused with what
+adopting it would write. The rules in full: docs/stages.md, "Bring your existing set".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Cross-entropy under a causal LM's output layer without its [positions, vocabulary] logits.
 
-A model's own loss (`model(**batch).loss`) first computes every position's logits: with
-the Qwen3.6 vocabulary (248,077 entries) that is ~1 MB per token in float32, several
-times over once the loss and its gradient are taken, whatever the model's size. Here
-the model's body gives its last hidden states, and the output layer is applied to a
-chunk of positions at a time (at most CHUNK_BYTES of float32 logits), keeping only each
-position's log-sum-exp; backward computes each chunk's logits again and turns them into
-their gradient in place (softmax - one-hot), adding into one weight gradient. Memory then
-grows with positions × hidden size (plus one chunk's logits and the output layer's
-gradient), and the loss and gradients equal the model's own up to float rounding
+A model's own loss computes every position's logits first: ~1 MB per token in float32
+with the Qwen3.6 vocabulary, several times over with the gradient. Here the output layer
+is applied to the last hidden states a chunk of positions at a time (at most CHUNK_BYTES
+of float32 logits), keeping each position's log-sum-exp; backward computes each chunk's
+logits again and turns them into their gradient in place. Memory grows with positions x
+hidden size, and the loss and gradients equal the model's own up to float rounding
 (tests/dataset/test_headloss.py holds them to it on the demo model).
 
     head = Head(model, "validate.train_check.model: PATH")   # where, for its errors

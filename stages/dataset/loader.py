@@ -4,30 +4,14 @@
     for batch in batches("data/merged", tokens_per_batch=16384, packed=True):
         loss = model(**batch, use_cache=False).loss
 
-Shards are read through read-only memory maps, one Arrow record batch at a time, with
-the pages of batches already handed out released behind the reader: memory stays flat
-whatever the size of the set. Rows come in dataset order, or block-shuffled with a
-`seed` (merged sets hold base rows first, then new ones; never shuffle on disk).
-
-Labels are `input_ids` where `loss_mask` is 1 and -100 (what PyTorch's cross-entropy and
-every Hugging Face causal LM ignore) elsewhere, and also at each row's first position:
-the model shifts labels by one, so in a pack the first label of a row would otherwise be
-predicted from the previous row's last token.
-
-Two layouts, both holding at most `tokens_per_batch` tokens (a row longer than that is a
-batch of its own; validate's max_seq_len bounds it):
-- padded: `input_ids`, `attention_mask`, `labels` of shape [rows, longest row]; rows
-  are added while rows x longest row fits.
-- packed: one sequence [1, tokens] of whole rows back to back, with `position_ids`
-  restarting at 0 for each row and the row boundaries for varlen attention
-  (`cu_seq_lens_q`/`_k`, int32 offsets [0, len0, len0+len1, ...], and `max_length_q`/`_k`),
-  the names Hugging Face models pass to flash-attention's varlen kernel. It has no
-  `attention_mask` on purpose: given position_ids and no mask (and `use_cache=False`),
-  transformers builds a block-diagonal causal mask for sdpa/eager attention; a mask of
-  ones would let every row attend to the rows before it.
-
-Without torch, `batches(..., tensors=False)` gives the same arrays as numpy.
-`budget()` is the token arithmetic of an epoch under the same batching rule.
+Rows come in dataset order, or block-shuffled with a `seed`, through read-only memory
+maps one record batch at a time (memory flat in the set's size). Labels are `input_ids`
+where `loss_mask` is 1, and -100 elsewhere and at each row's first position. A batch
+holds at most `tokens_per_batch` tokens, padded ([rows, longest row], with
+`attention_mask`) or packed (whole rows back to back, with `position_ids` and varlen
+boundaries, and no `attention_mask` on purpose). `batches(..., tensors=False)` gives
+numpy arrays without torch; `budget()` is the token arithmetic of an epoch under the
+same rule. Why each choice: docs/stages.md, merge, "Load it for training".
 """
 
 from __future__ import annotations

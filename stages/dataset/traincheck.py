@@ -1,32 +1,16 @@
 """validate's training check: real training steps on the first batches of data/merged.
 
-The batches come from stages/dataset/loader.py, exactly as a trainer gets them, made of the first
-rows that fit in `tokens_per_batch`: a longer row (a batch of its own to the loader) is
-skipped and counted (`longer_than_batch`). For each batch: forward and backward on the
-real model (the demo model by default, any local causal LM by path); the loss is finite;
-the loss equals the mean cross-entropy at the supervised positions computed straight
-from input_ids and loss_mask (not through the labels); changing the tokens at
-unsupervised positions and building the labels again leaves the loss bit for bit the
-same, changing one supervised token does not; and every row has the same per-token loss
-in a packed batch, in a padded batch and alone (the packed batch goes to the model as the
-loader gives it: position_ids and varlen boundaries, no mask).
-
-The loss is computed over chunks of positions from the model's last hidden states
-(stages/dataset/headloss.py), so memory grows with tokens x hidden size, never tokens x
-vocabulary; on a short sample of the first row it is first held equal to the model's own
-`model(**batch).loss` (`head_check`), which is what a trainer computes.
-
-Then the longest batch: one row of `longest_batch_tokens` tokens, forward and backward
-with the same loss, to measure the memory a run needs at its worst before it starts
-(`full_logits_mb`: what a trainer that materialises the float32 logits adds at least).
-Null means validate.max_seq_len on a GPU; on a CPU null does not run it (minutes of
-compute for a device the model does not train on): a number asks for it anywhere.
-Memory is the process's peak RSS on CPU (VmHWM, reset before each step), peak allocated
-CUDA memory on a GPU; the optimizer's state is not included (it depends on the trainer's
-sharding). Because the steps reset VmHWM, the process's own peak (the data checks and
-every step) is kept apart, `process_peak_rss_mb`: /usr/bin/time would see only the last
-step's. The model runs in eval mode (dropout off, so layouts compare exactly); gradients
-are computed, no weight changes.
+The batches come from dataset/loader.py as a trainer gets them, made of the first rows
+that fit in `tokens_per_batch`. For each: forward and backward on the real model (the
+demo model by default, any local causal LM by path), in eval mode (dropout off, so the
+layouts compare exactly; no weight changes). The loss must be finite, equal the mean
+cross-entropy of the supervised tokens computed from input_ids and loss_mask, stay bit
+for bit the same when unsupervised tokens change and move when a supervised one does,
+and give every row the same per-token loss packed, padded and alone. It comes from
+dataset/headloss.py, held equal to the model's own on the first row (`head_check`).
+Then one longest batch measures the memory a run needs at its worst. What each figure
+means (peak RSS, CUDA memory, `full_logits_mb`): docs/stages.md, validate, "Ready to
+train on".
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """The demo model: a tiny random-weight Qwen3 with the bundled Qwen3.6 vocabulary.
 
-It lets the whole pipeline, including a real OpenAI-compatible server
-(`transformers serve`), run on a laptop CPU. Its weights come from a fixed seed, so two
-builds are byte-identical; its text is random. The folder holds the weights
-(safetensors), config, generation config and the bundled tokenizer with this project's
-chat template, so any Hugging Face tool loads it like a real checkpoint.
-
-Two deliberate edits to the random embeddings (tied to the output layer) make its
-answers behave like a chat model's at the protocol level:
-- special-token rows are zero, so their logit is 0 and never reaches the top 20 it
-  samples from: it never writes markup such as `<tool_call>` (a server's response
-  parser fails on a random "tool call") or `<|im_start|>`;
-- every row shares a small component along one direction, and `<|im_end|>` points
-  along it, so `<|im_end|>` keeps a steady chance per token: sampled at temperature 0.7,
-  answers end on their own after ~30 tokens on average and about a third run past 48
-  tokens, so both finish reasons ("stop", "length") occur.
-
-`demo:tiny-qwen3-vllm` is the same recipe in the shape vLLM's CPU attention accepts
-(it rejects head_dim 16). vLLM splits reasoning from the answer at `</think>` (a
-special token here), so that token gets a steady chance too, along a second shared
-direction; its embeddings are untied so that, once written, it pulls the state away
-from that direction and an answer follows: about half the answers close their
-thinking, answer and stop.
+It lets the whole pipeline, a real `transformers serve` included, run on a laptop CPU.
+Its weights come from a fixed seed, so two builds are byte-identical; its text is random.
+The folder holds the weights (safetensors), config, generation config and the bundled
+tokenizer with this project's chat template, so any Hugging Face tool loads it like a
+real checkpoint. Two edits to the random embeddings (`_build`) make its answers behave
+like a chat model's at the protocol level: it never writes markup such as `<tool_call>`
+or `<|im_start|>`, and it ends answers on its own often enough that both finish reasons
+("stop", "length") occur. `demo:tiny-qwen3-vllm` is the same recipe in the shape vLLM's
+CPU attention accepts (it rejects head_dim 16), with `</think>` given a steady chance
+too (`_bias_think`): about half its answers close their thinking, answer and stop.
 """
 
 from __future__ import annotations
@@ -165,9 +153,15 @@ def _build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO
         direction = torch.randn(config.hidden_size)
     model.eval()
     with torch.no_grad():
-        rows = model.get_input_embeddings().weight
+        rows = model.get_input_embeddings().weight  # tied to the output layer
         direction /= direction.norm()
+        # Every row shares a small component along one direction and <|im_end|> points
+        # along it, so it keeps a steady chance per token: sampled at temperature 0.7,
+        # answers end after ~30 tokens on average and about a third run past 48.
         rows += recipe.shared * direction
+        # A zero row's logit is 0 and never reaches the top 20 sampled from: no
+        # `<tool_call>` (a server's response parser fails on a random "tool call"), no
+        # `<|im_start|>`.
         rows[specials] = 0.0
         rows[eos_id] = recipe.eos * direction
         if recipe.think is not None:

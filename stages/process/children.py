@@ -1,19 +1,14 @@
-"""How a stage's worker processes live: Ctrl-C and SIGTERM are the parent's to handle,
-a worker ends, without a word, when its parent does, and the parent never waits for ever
+"""How a stage's worker processes live: Ctrl-C and SIGTERM are the parent's to handle, a
+worker ends, without a word, when its parent does, and the parent never waits for ever
 on a worker that is gone or stopped.
 
-A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers: left alone,
-one busy with a task finishes it, writes its result into a pipe no one reads, and prints
-a BrokenPipeError traceback into the terminal of a run that is long gone. Each worker
-therefore watches for its parent to go (it is then re-parented), exits at once, and
-writes nothing more from then on. (Not PR_SET_PDEATHSIG: it follows the *thread* that
-forked a worker, and a Pool forks replacements from a thread that ends before it does.)
-
-The other way round, a multiprocessing.Pool whose worker is killed never delivers that
-worker's result, and one whose worker is stopped (SIGSTOP) does not either: `Workers`
-waits for a result in slices and says which, in one line. Such a pool cannot be
-terminated either (a worker killed while it held the task queue's lock leaves
-Pool.terminate waiting on that lock for ever): its processes are killed instead.
+A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers, so each
+worker watches for its parent to go, then exits at once and writes nothing more (not
+PR_SET_PDEATHSIG: it follows the *thread* that forked a worker, and a Pool forks
+replacements from a thread that ends before it does). A pool whose worker was killed or
+stopped never delivers that worker's result: `Workers` waits for a result in slices,
+says which in one line, and kills the pool's processes (terminating could wait for ever
+on the task queue's lock a killed worker held).
 """
 
 from __future__ import annotations

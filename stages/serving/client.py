@@ -1,31 +1,15 @@
 """Async client for OpenAI-compatible chat completions (SGLang, vLLM, `transformers serve`).
 
-One aiohttp session, a connection pool at least as wide as the concurrency, and a
-fixed pool of workers (in generate.py) that each take the next prompt as soon as
-their last one finishes: no batch barrier, so one slow reply never holds the others.
-
-Errors are sorted by what a retry can change:
-  permanent  400/413/422 (`bad_request`), 500 "Out of memory even after retracting"
-             (`oom`): sent once, never again.
-  too long   the engine's 400 for prompt + max_tokens over the context names both
-             numbers: the request is sent again once with max_tokens clamped to what
-             the context leaves; a prompt that leaves fewer than `min_new_tokens` (or
-             an unreadable context error) is a permanent `context_overflow`.
-  transient  429/503 (`overloaded`), 408/504 and client timeouts (`timeout`), 502 and
-             dropped connections (`connection`), 200 bodies that are not UTF-8 JSON
-             (`malformed`, e.g. cut short), a 400 "duplicate rid" when a retry races the
-             server's abort (`duplicate_rid`), a 200 whose finish_reason is "abort"
-             (`aborted`: an admin abort, a pause or a weight update cut it, the model
-             did not stop): retried with exponential backoff + jitter up to
-             `max_retries`; other 5xx (`server_error`) and 200 JSON that is not a
-             well-formed reply (`bad_reply`; `bad_tool_call`, a tool call whose
-             arguments are not a JSON object: stages/serving/replies.py) up to `max_retries_500`.
-  fatal      401/403/404: the configuration is wrong; the run stops (StageError).
-  down       the server refuses connections: requests wait (not counted as retries)
-             until `unreachable_deadline` passes with no answer from any URL.
-The API key only ever lives in a request header, URL credentials only in the URL the
-request goes to; every message that leaves this module, and every reply body that holds
-a secret, passes through `redact` (stages/common/secrets.py) before it is cut to length.
+One aiohttp session with a connection pool at least as wide as the concurrency; a fixed
+pool of workers (in generate.py) each takes the next prompt as soon as its last one
+finishes, so one slow reply never holds the others. Errors are sorted by what a retry
+can change: permanent (sent once), too long (sent again once with max_tokens clamped to
+what the context leaves), transient (retried with exponential backoff and jitter),
+fatal (the run stops) and down (requests wait until `unreachable_deadline`); a
+`Failure` names its kind. The API key only ever lives in a request header, URL
+credentials only in the URL a request goes to, and every message that leaves this module
+passes through `redact` (common/secrets.py) before it is cut to length. Which status is
+which: docs/stages.md, generate, "Failures by kind".
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Fitting each request into the engine's context before it is sent.
 
-SGLang refuses prompt + max_tokens over its context length with a 400; vLLM cuts the
-answer at the context's end. Either way a long prompt is best sent once, with
-`max_tokens = min(generate.max_tokens, context - prompt tokens)`, and a prompt that
-leaves fewer than `generate.min_new_tokens` is not sent at all (a `context_overflow`).
-
-The context comes from `generate.context_length`, else from the server's /v1/models
-(`max_model_len`, which SGLang and vLLM both report; stages/serving/servers.py). The prompt's
-tokens are counted on a local render + encode of exactly what the engine sees: the
-messages and tools rendered with `generate.tokenizer`'s chat template and the generation
-prompt, control tokens parsed (stages/chat/encoder.py `ChatEncoder.engine_prompt`). Counting is
-cheap for most prompts: a byte-level BPE token covers at least one byte of the
-tokenizer's normalized text, so its UTF-8 length bounds the count from above, and only a
-prompt whose bound does not fit is encoded. Most prompts are not even rendered (a
-render is ~50 µs, which a 1,000-in-flight run feels): plain text messages are bounded by
-their shape's skeleton, rendered once, plus their texts' bytes.
-
-When the count is off (a server started with another chat template or tokenizer) or no
-context is known, the engine's own context error is the fallback: stages/serving/client.py
-reads its numbers and resends once with max_tokens lowered.
+A long prompt is sent once, with `max_tokens = min(generate.max_tokens, context - prompt
+tokens)`, and a prompt that leaves fewer than `generate.min_new_tokens` is not sent (a
+`context_overflow`). The context is `generate.context_length`, else the server's
+`max_model_len` (serving/servers.py); the prompt is counted on a local render + encode of
+exactly what the engine sees (`ChatEncoder.engine_prompt`, chat/encoder.py). Counting is
+cheap: a prompt's UTF-8 length bounds its byte-level BPE tokens from above, so only a
+prompt whose bound does not fit is encoded, and plain text messages are bounded by their
+shape's skeleton, rendered once, plus their texts' bytes (a render is ~50 µs, which a
+1,000-in-flight run feels). When the count is off or no context is known, the engine's
+own context error is the fallback (serving/client.py). docs/stages.md, generate,
+"Context".
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Crash-safe, content-addressed cache of chat-completion replies.
 
-A 15-hour generation must survive SIGKILL, a power cut and a hung server without
-losing or duplicating a completion. The cache lives outside the DVC outs
-(`generate.cache_dir`, default `.cache/requests`) and is laid out as
-
-    <cache_dir>/<namespace>/meta.json        model + sampling params of this key space
+    <cache_dir>/<namespace>/meta.json            model + sampling params of this key space
     <cache_dir>/<namespace>/seg-<ns>-<pid>.log   one append-only segment per run
 
-The namespace is a hash of the model name and every sampling param, so changing
-temperature (say) starts a fresh key space while the old one stays on disk for a
-rollback. Inside it a key is the sha256 of the request payload that decides the reply
-(messages + tools + namespace). Each segment line is
-
-    <64 hex key> <JSON record>\\n
-
-written with one `os.write` of the whole line, so a SIGKILL leaves at most one torn
-last line, which the reader skips (it does not end in "}\\n" or does not parse).
-Segments are fsync'd about once a second and on close, which bounds what a power cut
-can take. Nothing is ever rewritten in place: a re-run opens a new segment.
-
-The in-memory index is a few numpy arrays over the run's prompts (about 50 bytes per
-prompt), never a dict of replies, so memory does not grow with the number of prompts
-beyond that.
+The namespace is a hash of the model name and every sampling param; a key is the sha256
+of the request payload that decides the reply (messages + tools + namespace). Each
+segment line, `<64 hex key> <JSON record>`, is written with one `os.write`, so a SIGKILL
+leaves at most one torn last line, which the reader skips; segments are fsync'd about
+once a second and on close; nothing is rewritten in place. The in-memory index is a few
+numpy arrays over the run's prompts (about 50 bytes a prompt), never a dict of replies.
+What it means for a run (resume, key spaces): docs/stages.md, generate, "Resume".
 """
 
 from __future__ import annotations

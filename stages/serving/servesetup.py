@@ -1,22 +1,15 @@
 """What a run's serving setup needs that the params may not say: the flags a launched
 engine needs for these prompts, and what a URL that is an sglang-router lacks.
 
-Tools. SGLang returns a tool call as structured `tool_calls` only when it runs a tool-call
-parser (`--tool-call-parser`); without one the call comes back as raw `<tool_call>` text
-in `content`, and a training row would then hold the call as answer text. A launched
-SGLang therefore gets the parser of its model's format when the prompts carry tools,
-unless its `launch.args` (or a custom `launch.command`) name one: `qwen3_coder` for the
-Qwen3.5/3.6 family and Qwen3-Coder (XML calls, `<function=NAME>`), `qwen25` for the
-other Qwen3 and Qwen2.5 models (JSON inside `<tool_call>`). Another model gets a warning
-naming the flag.
-
-Router. sglang-router 0.3.2 (read from its source and binary) answers /v1/models itself:
-no `max_model_len` (so no request is fitted to the context unless
-`generate.context_length` says it, and every long prompt costs a rejected request), and a
-model id it learned from SGLang's /get_model_info (or `unknown`); it drops the token-id
-switches (stages/chat/engineids.py); it retries a failed request 5 times by default before our
-client's own retries (`--disable-retries`), and cuts requests after
-`--request-timeout-secs` (1800 by default). Each missing param is one warning line.
+Tools: SGLang returns structured `tool_calls` only when it runs a tool-call parser, so a
+launched SGLang gets the parser of its model's format when the prompts carry tools
+(`qwen3_coder` for the Qwen3.5/3.6 family and Qwen3-Coder, `qwen25` for the other Qwen3
+and Qwen2.5 models), unless its `launch.args` or `launch.command` name one; another model
+gets a warning. Router: sglang-router 0.3.2 (read from its source and binary) answers
+/v1/models without `max_model_len` and may name the model `unknown`, drops the token-id
+switches, retries a failed request itself and cuts requests after
+`--request-timeout-secs`: each param a run behind it misses is one warning line.
+docs/stages.md, generate, "Server" and "Router".
 """
 
 from __future__ import annotations

@@ -450,8 +450,8 @@ class Generation:
     """One run of the send loop over the pending prompts."""
 
     def __init__(
-        self, cfg: params.Generate, plan: PromptLocations, cache: RequestCache, server: ServerHandle,
-        client: ChatClient, budget: Optional[fitting.ContextBudget] = None,
+        self, cfg: params.Generate, plan: PromptLocations, cache: RequestCache,
+        server: ServerHandle, client: ChatClient, budget: Optional[fitting.ContextBudget] = None,
     ):
         self.cfg, self.plan, self.cache, self.server, self.client = cfg, plan, cache, server, client
         self.budget = budget  # None: max_tokens as set, the engine's context error clamps

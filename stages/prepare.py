@@ -85,7 +85,8 @@ def run(cfg: params.Prepare, paths) -> dict:
     t = report["totals"]
     log.info(
         "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
-        t["kept"], paths.out / conversation.PROMPTS_FILE, t["read"], t["dropped"], report["seconds"],
+        t["kept"], paths.out / conversation.PROMPTS_FILE, t["read"], t["dropped"],
+        report["seconds"],
     )
     return report
 
@@ -344,8 +345,8 @@ class _CheckJob:
 
 
 def _one_source(
-    index: int, src: params.Source, cfg: params.Prepare, seen: dict, out, tmp: Path, workers: _Workers,
-    evals: "_Evals",
+    index: int, src: params.Source, cfg: params.Prepare, seen: dict, out, tmp: Path,
+    workers: _Workers, evals: "_Evals",
 ) -> dict:
     token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
     spec = _Spec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars, cfg.seed,

@@ -443,7 +443,8 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: param
 
 
 def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
-               cfg: params.Tokenize, path: str, stats: dict) -> tuple[Optional[pa.RecordBatch], dict]:
+               cfg: params.Tokenize, path: str, stats: dict
+               ) -> tuple[Optional[pa.RecordBatch], dict]:
     """The encoded rows within the length and supervision limits, as one record batch,
     and their lengths per source; each answer checked against the engine's tokens."""
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []

@@ -227,8 +227,8 @@ def _limits(cfg: params.Validate, findings: Findings, fingerprint: dict,
         part = fingerprint.get(section)
         recorded = part.get(key) if isinstance(part, dict) else None
         if recorded is not None:
-            why = (f"is {json_type(recorded)}, not a whole number"
-                   if type(recorded) is not int else params.range_problem(params.Validate, name, recorded))
+            why = (f"is {json_type(recorded)}, not a whole number" if type(recorded) is not int
+                   else params.range_problem(params.Validate, name, recorded))
             if why:
                 findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
                 recorded = None
@@ -260,8 +260,8 @@ def _idle_cpus() -> int:
 
 
 def _training(cfg: params.Validate, findings: Findings, data: Path) -> tuple[Optional[dict], dict]:
-    """The token budget (stages/dataset/loader.py) and the training check (stages/dataset/traincheck.py),
-    on data that passed every other check: a trainer would stop at a broken row first."""
+    """The token budget (dataset/loader.py) and the training check (dataset/traincheck.py), on
+    data that passed every other check: a trainer would stop at a broken row first."""
     tc = cfg.train_check
     if findings.failed():
         return None, {"skipped": "other checks failed"}

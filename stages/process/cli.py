@@ -66,7 +66,8 @@ def main(section: str, doc: str, run: Callable[[object, argparse.Namespace], obj
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {section}: %(message)s", datefmt="%H:%M:%S"
     )
-    return reported(section, lambda: run(params.load(section, args.params), only_paths(args, paths)))
+    return reported(section,
+                    lambda: run(params.load(section, args.params), only_paths(args, paths)))
 
 
 def reported(section: str, work: Callable[[], object]) -> int:

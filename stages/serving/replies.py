@@ -75,9 +75,10 @@ def _tool_calls(calls: Any) -> Optional[tuple[str, str]]:
         return None
     if not isinstance(calls, list):
         return BAD_REPLY, f"message.tool_calls is {json_type(calls)}, not an array"
-    if calls and conversation.objects_problem(calls) == f"nest deeper than {conversation.MAX_DEPTH} levels":
+    too_deep = f"nest deeper than {conversation.MAX_DEPTH} levels"
+    if calls and conversation.objects_problem(calls) == too_deep:
         # tokenize refuses such a row: cached, it would stop every later run there
-        return BAD_REPLY, f"message.tool_calls nest deeper than {conversation.MAX_DEPTH} levels"
+        return BAD_REPLY, f"message.tool_calls {too_deep}"
     for k, call in enumerate(calls):
         where = f"message.tool_calls[{k}]"
         why = conversation.tool_call_problem(call)

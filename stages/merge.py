@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common import outputs, params
-from stages.common.errors import StageError, json_file, json_type
+from stages.common.errors import StageError, json_file, json_type, writable
 from stages.dataset import adopt, lineage
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -205,6 +205,8 @@ def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
         if required:
             raise StageError(f"{path}: not found (the tokenize stage writes it)") from None
         return None
+    if not writable(doc):  # it is carried into the merged fingerprint and the card
+        raise StageError(f"{path}: holds a lone surrogate, which cannot be written as UTF-8")
     policy = doc.get("policy")
     for key in POLICY_LIMITS:
         value = policy.get(key) if isinstance(policy, dict) else None

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from tests.fakeserver import FakeProcess, FakeServer, spawn
+
+# Property tests draw the same examples on every run, so a suite that passed once passes
+# again (CI included); HYPOTHESIS_PROFILE=explore draws new ones, many more of them.
+settings.register_profile("fixed", derandomize=True)
+settings.register_profile("explore", max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
 @pytest.fixture

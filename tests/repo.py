@@ -98,3 +98,14 @@ def demo_clone(dest: Path) -> Path:
     run(["git", "init", "-q", "-b", "main"], repo)
     git_commit(repo, "initial")
     return repo
+
+
+def small_training_check(repo: Path) -> None:
+    """validate's training check on 256-token batches, its longest batch off (null: off on
+    a CPU), in a clone's params.yaml: for the tests that run the whole pipeline for
+    something else. Each validate run with the shipped 2,048-token batches of the demo
+    model's 248K-entry vocabulary costs ~30 s of CPU; tests/test_pipeline.py runs those."""
+    path = repo / "params.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["validate"]["train_check"].update(tokens_per_batch=256, longest_batch_tokens=None)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))

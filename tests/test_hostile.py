@@ -16,10 +16,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -31,7 +29,7 @@ from stages import merge, validate
 from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
 from stages.dataset import lineage
-from stages.dataset.schema import list_shards, open_shard
+from stages.dataset.schema import list_shards
 from stages.serving import servers
 from tests import stagecli
 from tests.fakeserver import FakeServer, secret_pieces, spawn
@@ -203,6 +201,9 @@ def write_card_inputs(root: Path, generate, prepare, tokenize, history, lock) ->
 
 
 def build_card(root: Path, fingerprint: dict):
+    path = root / "fingerprint.json"  # read as merge reads the new rows' fingerprint
+    path.write_text(json.dumps(fingerprint))
+    fingerprint = merge._read_fingerprint(path, required=True)
     lin = lineage.build(copy.deepcopy(MERGE_REPORT), fingerprint, Path("base"), "st", MERGE_PATHS)
     text = lineage.card(lin, MERGE_PATHS)
     json.dumps(lin, ensure_ascii=False).encode("utf-8")  # lineage.write can write both

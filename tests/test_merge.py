@@ -306,6 +306,17 @@ def test_an_unreadable_base_fingerprint_is_one_error(standard):
         merge.run(cfg(), PATHS)
 
 
+def test_a_fingerprint_holding_a_lone_surrogate_is_one_error(repo):
+    """It would be carried into the merged fingerprint and the card, which cannot hold it."""
+    save(repo / "data/base", rows(ids("b", 3)))
+    save(repo / "data/tokenized", rows(ids("n", 3)))
+    path = repo / "data/tokenized/fingerprint.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"versions": {"x": "\ud800"}}))
+    with pytest.raises(StageError, match="^data/tokenized/fingerprint.json: holds a lone surrogate"):
+        merge.run(cfg(), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
 def test_both_empty_is_refused(repo):
     save(repo / "data/tokenized", rows([]))
     with pytest.raises(StageError, match="no rows to write"):

@@ -28,7 +28,7 @@ from stages import tokenize
 from stages.common import params, reports
 from stages.serving import servers
 from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
-from tests.repo import demo_clone, run
+from tests.repo import demo_clone, run, small_training_check
 from tests.chat.test_servecheck import prompts as every_shape
 from tests.repo import env as repo_env
 from tests import stagecli
@@ -274,6 +274,7 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     through, the next `dvc repro` finishes every stage, and its completions are the
     bytes an uninterrupted run against another vLLM gets."""
     repo = demo_clone(tmp_path)
+    small_training_check(repo)
     run([sys.executable, "-c", "from stages import demo; demo.setup()"], repo)  # data/base
     servers.resolve_model(MODEL)  # built once in the project's .cache, linked into the clone
     shutil.copytree(ROOT / ".cache/demo-model-vllm", repo / ".cache/demo-model-vllm",

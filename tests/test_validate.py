@@ -521,7 +521,8 @@ def test_rows_attending_across_a_pack_are_caught(repo, demo_model_cache, monkeyp
 def test_without_torch_the_check_says_so_and_validate_passes(repo):
     write(repo, shards())
     (repo / "params.yaml").write_text("validate:\n  max_seq_len: 64\n")
-    blocked = ("import sys; sys.modules['torch'] = None; from stages import cli, validate; "
+    blocked = ("import sys; sys.modules['torch'] = None; from stages import validate; "
+               "from stages.process import cli; "
                "sys.exit(cli.main('validate', '', validate.run, validate.PATHS, sys.argv[1:]))")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     argv = cli.pipeline_command("validate")[3:]  # dvc.yaml's paths

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from stages.common import reports
-from tests.repo import ROOT, demo_clone, env, git_commit, run
+from tests.repo import ROOT, demo_clone, env, git_commit, run, small_training_check
 
 pytestmark = pytest.mark.slow
 
@@ -202,6 +202,7 @@ def history(tmp_path_factory) -> History:
     for key, value in SMALL_GENERATE.items():
         set_param(repo, "generate", key, value)
     set_param(repo, "tokenize", "keep_truncated", True)  # short answers are mostly cut off
+    small_training_check(repo)
     git_commit(repo, "a smaller demo")
 
     repros["A"] = timed(seconds, "demo", run, [sys.executable, "-m", "stages.demo"], repo)

@@ -88,7 +88,7 @@ def test_sigterm_unwinds_a_stage_and_removes_its_temporary(tmp_path):
 
 def test_a_scratch_folder_of_a_killed_run_is_removed_by_the_next_writer(tmp_path):
     target = tmp_path / "prompts"
-    code = ("import sys, time; from pathlib import Path; from stages import outputs\n"
+    code = ("import sys, time; from pathlib import Path; from stages.common import outputs\n"
             "folder = outputs.scratch_dir(Path(sys.argv[1]), 'evals')\n"
             "(folder / 'index.bin').write_bytes(b'x' * 1000)\n"
             "print(folder, flush=True); time.sleep(60)\n")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from urllib.parse import quote, quote_plus
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stages.common import secrets
 from stages.common.secrets import (
@@ -18,6 +21,7 @@ from stages.common.secrets import (
     strip_url_credentials,
     url_credentials,
 )
+from tests.fakeserver import ECHO_FORMS, render, secret_pieces
 
 KEY = 'sk-proj/A1b2+C3d4"E5f6=G7h8 I9j0\\K1l2%M3n4'
 
@@ -106,18 +110,10 @@ def test_log_records_are_redacted_inside_the_block_only(caplog):
     ]
 
 
-# From the lineage work: the same module, seen from the card's side.
 def test_url_credentials_are_stripped_wherever_the_url_is():
     text = "down: http://alice:pw@h:30000/v1 and https://tok@h2/x, ftp://h3/ok"
     assert secrets.strip_url_credentials(text) == \
         "down: http://h:30000/v1 and https://h2/x, ftp://h3/ok"
-
-
-def test_secret_flags_are_masked_in_both_spellings():
-    argv = ["--tp", "8", "--api-key", "sk-1", "--hf-token=hf_2", "--password", "p",
-            "--port", "30000", "http://u:p@h:1"]
-    assert secrets.redact_args(argv) == ["--tp", "8", "--api-key", "***", "--hf-token=***",
-                                         "--password", "***", "--port", "30000", "http://h:1"]
 
 
 def test_scrub_masks_keys_and_urls_in_nested_values():
@@ -127,13 +123,6 @@ def test_scrub_masks_keys_and_urls_in_nested_values():
 
 
 # ------------------------------------------------- every encoding a server can echo back
-
-import base64  # noqa: E402
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from tests.fakeserver import ECHO_FORMS, render, secret_pieces  # noqa: E402
 
 secret_text = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x2FF), min_size=8,
                       max_size=40)

@@ -20,7 +20,7 @@ from stages import merge, validate
 from stages.common import params
 from stages.dataset import lineage
 from tests.fakeserver import spawn
-from tests.repo import demo_clone, git_commit, run
+from tests.repo import demo_clone, git_commit, run, small_training_check
 from tests.test_dvc_deps import covers
 from tests.test_merge import FP, ids, rows, save
 from tests import stagecli
@@ -248,6 +248,7 @@ def runs(tmp_path_factory) -> Runs:
     """The demo against the fake server (with an API key), then a default-only knob, then
     the same answers through a URL carrying a password."""
     repo = demo_clone(tmp_path_factory.mktemp("lineage"))
+    small_training_check(repo)
     # well under generate.max_tokens; token counts as the bundled tokenizer and template
     # give them, as a real engine reports them (tokenize checks every prompt against them)
     short = {"reasoning_tokens": 6, "reply_tokens": 6,
@@ -373,7 +374,7 @@ def test_an_edited_shared_module_outdates_the_stages_it_shapes(runs, module):
 def test_an_edited_eval_set_outdates_prepare_only(runs):
     status = status_after_appending(runs.repo, "data/evals/eval_sample.jsonl",
                                     b'{"question": "What is the tallest mountain in Africa?"}\n')
-    assert status
+    assert status == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}
 
 
 def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
@@ -384,7 +385,7 @@ def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
         path.write_bytes(original + data)
         return json.loads(run(["dvc", "status", "--json"], repo))
     finally:
-        path.write_bytes(original) == {"prepare": [{"changed deps": {"data/evals": "modified"}}]}
+        path.write_bytes(original)
 
 
 @pytest.mark.parametrize("entry, message", [

@@ -31,8 +31,9 @@ import numpy as np
 import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 from bench_merge import generate  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 
@@ -78,17 +79,10 @@ def _batch(rng, first: int, n: int) -> pa.RecordBatch:
         schema=BASE_SCHEMA)
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    return env
-
-
 def _merge(repo: Path) -> tuple[dict, float]:
     """The merge stage in its own process; (its report, its peak RSS in MB)."""
     shutil.rmtree(repo / "data/merged", ignore_errors=True)
-    proc = subprocess.run(stage_command("merge"), cwd=repo, env=_env(), capture_output=True,
+    proc = subprocess.run(stage_command("merge"), cwd=repo, env=harness.env(), capture_output=True,
                           text=True)
     rc, peak_mb = outcome(proc.stdout) if proc.stdout.strip() else (proc.returncode, 0.0)
     if rc:
@@ -121,7 +115,7 @@ def _repo(name: str, base_shards: list[Path], tokenized: Path) -> Path:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     base_bytes = (256 if quick else 2048) * MB
     shard_bytes = (64 if quick else 256) * MB
     shutil.rmtree(WORK, ignore_errors=True)

@@ -22,7 +22,6 @@ when the other CPU is idle), run twice interleaved, the faster of each counts.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import harness  # noqa: E402
 from bench_prepare import WORDS, WORK, make_source, run_stage  # noqa: E402
 
 PLANTED = 10
@@ -61,7 +61,7 @@ def make_evals(path: Path, items: int, mix: Path) -> None:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     rows, items = (50_000, 5_000) if quick else (500_000, 50_000)
     mix = WORK / f"sharegpt-v3-{rows}.jsonl"
     evals = WORK / f"evals-{items}.jsonl"

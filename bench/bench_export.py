@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 from bench_merge import MB, generate  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "export"
@@ -73,7 +74,7 @@ def _export(trainer: str, merged: Path, out: Path) -> dict:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     total = (256 if quick else 2200) * MB
     shard = (64 if quick else 256) * MB
     shutil.rmtree(WORK, ignore_errors=True)

@@ -27,15 +27,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = HERE / "work" / "generate"
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 from stages.common import reports  # noqa: E402
 
 IN_FLIGHT = 1000
-
-
-def quick() -> bool:
-    return "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
 
 
 def write_prompts(wd: Path, n: int) -> Path:
@@ -124,8 +121,8 @@ def floor_bodies(prompts: Path) -> list[bytes]:
 def main() -> dict:
     from tests.fakeserver import spawn
 
-    n_ratio = 5_000 if quick() else 10_000
-    n_mem = 20_000 if quick() else 200_000
+    n_ratio = 5_000 if harness.quick() else 10_000
+    n_mem = 20_000 if harness.quick() else 200_000
     WORK.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     with spawn({"record": False, "latency": 0}) as fake:

@@ -27,8 +27,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = HERE / "work" / "generate_vs_engine"
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 from stages.common import reports  # noqa: E402
 
 MODEL = "demo:tiny-qwen3-vllm"
@@ -45,10 +46,6 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-
-
-def quick() -> bool:
-    return "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
 
 
 def texts(n: int) -> list[str]:
@@ -118,7 +115,7 @@ def main() -> dict:
     if not ENGINE_PYTHON.exists():
         raise RuntimeError("no engine venv: run `make engine-venv` first")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    n = 32 if quick() else 96
+    n = 32 if harness.quick() else 96
     prompts = texts(n)
     WORK.mkdir(parents=True, exist_ok=True)
     launch = params.build(params.Launch, {

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,9 @@ import numpy as np
 import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.common import reports  # noqa: E402
 from stages.dataset.schema import (  # noqa: E402
@@ -124,23 +124,9 @@ def raw_scan(folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    return env
-
-
-def _sh(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return proc.stdout
-
-
 def _stage(name: str, repo: Path) -> tuple[dict, float]:
     """Run a stage in its own process; return (its report, peak RSS in MB)."""
-    rc, peak_mb = outcome(_sh(stage_command(name), repo))
+    rc, peak_mb = outcome(harness.sh(stage_command(name), repo))
     if rc:
         raise RuntimeError(f"{name} failed")
     return reports.read(repo / "reports", name), peak_mb  # seconds: the run's part
@@ -176,7 +162,7 @@ def _half_size(repo: Path, params: str) -> dict:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     base_bytes = (256 if quick else 2200) * MB
     shard_bytes = (64 if quick else 256) * MB
     new_bytes = base_bytes // 5  # the reference run appended 193K rows to 902K
@@ -184,9 +170,9 @@ def main(quick: bool | None = None) -> dict:
     repo = WORK / "repo"
     try:
         repo.mkdir(parents=True)
-        _sh(["git", "init", "-q"], repo)
-        _sh(["dvc", "init", "-q"], repo)
-        _sh(["dvc", "config", "cache.type", "hardlink,symlink"], repo)
+        harness.sh(["git", "init", "-q"], repo)
+        harness.sh(["dvc", "init", "-q"], repo)
+        harness.sh(["dvc", "config", "cache.type", "hardlink,symlink"], repo)
         base_rows = generate(repo / "data/base", base_bytes, shard_bytes, "base", 1)
         new_rows = generate(repo / "data/tokenized", new_bytes, shard_bytes, "new", 2)
         # the training step (validate.train_check) is a fixed cost of a few batches, not a
@@ -194,7 +180,7 @@ def main(quick: bool | None = None) -> dict:
         params = ("merge:\n  base: data/base\nvalidate:\n  max_seq_len: 4096\n"
                   "  train_check:\n    enabled: false\n")
         (repo / "params.yaml").write_text(params)
-        _sh(["dvc", "add", "-q", "data/base"], repo)
+        harness.sh(["dvc", "add", "-q", "data/base"], repo)
         cache_before = _cache_bytes(repo)
 
         new_shards = sorted((repo / "data/tokenized").glob("*.arrow"))
@@ -211,7 +197,7 @@ def main(quick: bool | None = None) -> dict:
         copy_seconds = sorted(copies)[1]
 
         merge_report, merge_rss = _stage("merge", repo)
-        _sh(["dvc", "add", "-q", "data/merged"], repo)
+        harness.sh(["dvc", "add", "-q", "data/merged"], repo)
         growth = _cache_bytes(repo) - cache_before
 
         raw_scan(repo / "data/merged")  # warm the page cache the same way for both

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work" / "prepare"
 sys.path.insert(0, str(ROOT / "bench"))
 
+import harness  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 
 WORDS = (
@@ -140,7 +141,7 @@ def run_stage(path: Path, rows: int, num_proc: int, extra: dict | None = None, t
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     big, small = (50_000, 10_000) if quick else (500_000, 100_000)
     big_path, small_path = WORK / f"sharegpt-v3-{big}.jsonl", WORK / f"sharegpt-v3-{small}.jsonl"
     make_source(big_path, big)

@@ -40,6 +40,9 @@ import numpy as np
 import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import harness  # noqa: E402
 WORK = ROOT / "bench" / "work" / "repro"
 BIN = Path(sys.executable).parent
 MB = 1 << 20
@@ -173,7 +176,7 @@ def build(repo: Path, base_mb: int, new_mb: int) -> None:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     base_mb, new_mb = (192, 64) if quick else (1920, 128)
     shutil.rmtree(WORK, ignore_errors=True)
     try:

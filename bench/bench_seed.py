@@ -56,7 +56,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
-import bench_tokenize as BT  # noqa: E402
+import harness  # noqa: E402
+import bench_tokenize  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.process import cpus  # noqa: E402
 
@@ -103,7 +104,7 @@ def _scale() -> float:
         return 1.0
     if value:
         return float(value)
-    quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+    quick = harness.quick()
     return 1 / 200 if quick else 1 / 20
 
 
@@ -121,7 +122,7 @@ class Pool:
 
     def __init__(self, tok, size: int = 6000, seed: int = 0):
         rng = random.Random(seed)
-        text = BT.Text(rng)
+        text = bench_tokenize.Text(rng)
         self.texts = [text.prose(rng.randint(20, 90)) for _ in range(size)]  # some hold code
         encode = tok.backend_tokenizer.encode_batch_fast
 
@@ -141,7 +142,7 @@ class Pool:
         return int(self.broken[picks[:-1]].sum() + last)
 
 
-TOOLS = BT.TOOLS
+TOOLS = bench_tokenize.TOOLS
 
 
 class Conversations:
@@ -352,7 +353,7 @@ def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
         _, tok_id = _load_tokenizer(cfg.tokenizer, None, False, None)
         base_tokens = write_base(repo / "data/base", round(BASE_ROWS * scale),
                                  tokenize.fingerprint(tok_id, tok, cfg), len(tok), foreign)
-        _sh(["dvc", "add", "-q", "data/base"], repo)
+        harness.sh(["dvc", "add", "-q", "data/base"], repo)
         out = {"scale": scale, "prompts": facts["prompts"], "answers": facts["answers"],
                "output_tokens_mean": round(facts["output_tokens"] / facts["answers"]),
                "base_rows": round(BASE_ROWS * scale), "base_tokens": base_tokens,
@@ -387,7 +388,7 @@ def _setup(repo: Path, foreign: bool) -> dict:
     for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"],
                 ["dvc", "config", "cache.type", "hardlink,symlink"],
                 ["dvc", "remote", "add", "-q", "-d", "local", str(WORK / "remote")]):
-        _sh(cmd, repo)
+        harness.sh(cmd, repo)
     (repo / "stages").symlink_to(ROOT / "stages")
     (repo / ".cache").symlink_to(ROOT / ".cache")
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())
@@ -441,7 +442,7 @@ def _sampled(cmd: list[str], cwd: Path) -> tuple[str, dict]:
     """Run `cmd`, sampling its process tree: (stdout, peak summed PSS and anonymous MB)."""
     import psutil
 
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=harness.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     peaks = {"tree_pss_mb": 0.0, "anon_mb": 0.0}
     done = threading.Event()
@@ -523,12 +524,12 @@ def _versioned(repo: Path) -> dict:
     """`dvc commit` of the three stages, then `dvc push` to the local remote."""
     cache_before = _size(repo / ".dvc/cache")
     start = time.perf_counter()
-    _sh(["dvc", "commit", "-f", "-q"], repo)
+    harness.sh(["dvc", "commit", "-f", "-q"], repo)
     commit = time.perf_counter() - start
     start = time.perf_counter()
-    _sh(["dvc", "push", "-q"], repo)
+    harness.sh(["dvc", "push", "-q"], repo)
     push = time.perf_counter() - start
-    status = _sh(["dvc", "status", "--json"], repo).strip()
+    status = harness.sh(["dvc", "status", "--json"], repo).strip()
     if json.loads(status or "{}"):
         raise RuntimeError(f"bench_seed: after dvc commit, dvc status says {status[:2000]}")
     return {"dvc_commit_seconds": round(commit, 1), "dvc_push_seconds": round(push, 1),
@@ -551,17 +552,17 @@ def _floor(repo: Path, tok) -> tuple[float, float]:
     tokens = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch_fast(
         texts, add_special_tokens=False))
     procs = cpus.usable()
-    BT._TEXTS[:] = texts
+    bench_tokenize._TEXTS[:] = texts
     step = math.ceil(len(texts) / procs)
     parts = [(lo, min(lo + step, len(texts))) for lo in range(0, len(texts), step)]
     best = math.inf
-    with BT.single_threaded(), multiprocessing.get_context("fork").Pool(procs) as pool:
+    with bench_tokenize.single_threaded(), multiprocessing.get_context("fork").Pool(procs) as pool:
         for _ in range(3):
             start = time.perf_counter()
-            pool.map(BT._encode_part, parts)
+            pool.map(bench_tokenize._encode_part, parts)
             best = min(best, time.perf_counter() - start)
     start = time.process_time()
-    BT.bare_one(texts)  # one thread, off the main one as the stage's
+    bench_tokenize.bare_one(texts)  # one thread, off the main one as the stage's
     return tokens / best, tokens / (time.process_time() - start)
 
 
@@ -574,20 +575,6 @@ def _inodes(folder: Path) -> dict[int, int]:
 
 def _size(folder: Path) -> int:
     return sum(_inodes(folder).values()) if folder.exists() else 0
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    return env
-
-
-def _sh(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return proc.stdout
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work" / "tokenize"
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import harness  # noqa: E402
 COMMON = (
     "the of and to in is that it for as with was on be by this are or at from an but not "
     "have which can we if so all one what there when more will about into out up then them "
@@ -281,7 +282,7 @@ def memory_run(rows: int) -> float:
 
 def main(quick: bool | None = None) -> dict:
     if quick is None:
-        quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+        quick = harness.quick()
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.tokenize import _file_stamp, _load_tokenizer, tokenize_file
 

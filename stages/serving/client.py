@@ -22,7 +22,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import aiohttp
 
@@ -259,8 +259,19 @@ def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return None, content
 
 
-def parse_reply(data: Any, enable_thinking: bool) -> tuple:
-    """(content, reasoning, tool_calls, finish_reason, prompt_tokens, completion_tokens)."""
+class ReplyParts(NamedTuple):
+    """What a checked reply body says, as a completion row takes it."""
+
+    content: Optional[str]
+    reasoning: Optional[str]
+    tool_calls: Optional[list]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
+    """The parts of a reply body that replies.check accepted."""
     choice = data["choices"][0]
     msg = choice["message"]
     content = msg.get("content") or None
@@ -269,7 +280,7 @@ def parse_reply(data: Any, enable_thinking: bool) -> tuple:
         reasoning, content = split_think(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
-    return (
+    return ReplyParts(
         content,
         reasoning,
         tool_calls,

@@ -22,7 +22,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import aiohttp
 
@@ -104,13 +104,21 @@ class RetryPolicy:
 
 
 @dataclass
-class Reply:
+class ReplyParts:
+    """What a checked reply body says, as a completion row takes it (`parse_reply`)."""
+
     content: Optional[str]
     reasoning: Optional[str]
     tool_calls: Optional[list]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass
+class Reply(ReplyParts):
+    """A reply the client accepted: its parts, and how it came."""
+
     attempts: int
     latency: float  # seconds, the successful attempt (sglang.bench_serving's e2e latency)
     raw: bytes = b""  # the reply body exactly as the server sent it
@@ -257,17 +265,6 @@ def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     if opened:
         return text.strip("\n") or None, None
     return None, content
-
-
-class ReplyParts(NamedTuple):
-    """What a checked reply body says, as a completion row takes it."""
-
-    content: Optional[str]
-    reasoning: Optional[str]
-    tool_calls: Optional[list]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
 
 
 def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
@@ -589,7 +586,7 @@ class ChatClient:
                 data = self.redact.scrub(data)
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         parsed = parse_reply(data, self.enable_thinking)
-        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
+        return Reply(**vars(parsed), attempts=attempts, latency=latency, raw=raw)
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> Optional[bytes]:

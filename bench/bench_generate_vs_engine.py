@@ -110,7 +110,7 @@ def engine_tok_s(wd: Path, url: str, model_path: str, prompts: list[str]) -> flo
 
 def main() -> dict:
     from stages.common import params
-    from stages.serving import servers
+    from stages.serving import engines
 
     if not ENGINE_PYTHON.exists():
         raise RuntimeError("no engine venv: run `make engine-venv` first")
@@ -124,7 +124,7 @@ def main() -> dict:
         "startup_timeout": 900,
     }, "bench")  # fmt: skip
     t0 = time.monotonic()
-    with servers.EngineProcess(launch, WORK / "vllm.log") as server:
+    with engines.EngineProcess(launch, WORK / "vllm.log") as server:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
         ours, theirs = [], []

@@ -30,7 +30,7 @@ from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
 from stages.dataset import lineage
 from stages.dataset.schema import list_shards
-from stages.serving import servers
+from stages.serving import probes
 from tests import stagecli
 from tests.fakeserver import FakeServer, secret_pieces, spawn
 from tests.test_generate import (
@@ -271,14 +271,14 @@ def probed():
 def probe_all(url: str, models: bool) -> None:
     """Every probe of a server, each bounded; they answer "cannot tell", never raise."""
     started = time.monotonic()
-    assert servers.seed_honoured("sglang", url, None) in (True, False, None)
-    assert servers.is_router(url, None) in (True, False)
-    context = servers.served_context([url], "fake-model", None)
+    assert probes.seed_honoured("sglang", url, None) in (True, False, None)
+    assert probes.is_router(url, None) in (True, False)
+    context = probes.served_context([url], "fake-model", None)
     assert context is None or 0 < context <= INT32
-    tokens = servers.generation_tokens(url, None, 2.0)
+    tokens = probes.generation_tokens(url, None, 2.0)
     assert tokens is None or isinstance(tokens, float)
-    assert servers.engine_healthy(url, "sglang", "fake-model", None, 2.0) in (True, False)
-    probe = servers.GenerationProbe(url, "sglang", "fake-model", None)
+    assert probes.engine_healthy(url, "sglang", "fake-model", None, 2.0) in (True, False)
+    probe = probes.GenerationProbe(url, "sglang", "fake-model", None)
     assert probe.evidence(2.0) in ("tokens", "health", None)
     if models:
         ready_or_one_line(url)
@@ -287,7 +287,7 @@ def probe_all(url: str, models: bool) -> None:
 
 def ready_or_one_line(url: str) -> None:
     try:
-        name = asyncio.run(servers.wait_ready([url], 1.0))
+        name = asyncio.run(probes.wait_ready([url], 1.0))
     except StageError as e:
         assert "\n" not in str(e) and url in str(e)
     else:
@@ -311,10 +311,10 @@ def test_any_probe_body_is_read_bounded_and_never_raises(probed, path, body):
 def test_endless_huge_slow_and_silent_probes_end_in_bounded_time(probed, answer):
     probed.reset({"endpoints": {p: answer for p in ENDPOINTS}})
     started = time.monotonic()
-    assert servers.generation_tokens(probed.url, None, 1.0) is None
+    assert probes.generation_tokens(probed.url, None, 1.0) is None
     # a body nested past the limit still comes with a 200: /health_generate needs no body
-    assert servers.engine_healthy(probed.url, "sglang", "m", None, 1.0) is ("nested" in answer)
-    assert servers.is_router(probed.url, None) is False
+    assert probes.engine_healthy(probed.url, "sglang", "m", None, 1.0) is ("nested" in answer)
+    assert probes.is_router(probed.url, None) is False
     assert time.monotonic() - started < 30
     ready_or_one_line(probed.url)
     assert time.monotonic() - started < 90

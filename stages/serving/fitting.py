@@ -3,7 +3,7 @@
 A long prompt is sent once, with `max_tokens = min(generate.max_tokens, context - prompt
 tokens)`, and a prompt that leaves fewer than `generate.min_new_tokens` is not sent (a
 `context_overflow`). The context is `generate.context_length`, else the server's
-`max_model_len` (serving/servers.py); the prompt is counted on a local render + encode of
+`max_model_len` (serving/probes.py); the prompt is counted on a local render + encode of
 exactly what the engine sees (`ChatEncoder.engine_prompt`, chat/encoder.py). Counting is
 cheap: a prompt's UTF-8 length bounds its byte-level BPE tokens from above, so only a
 prompt whose bound does not fit is encoded, and plain text messages are bounded by their

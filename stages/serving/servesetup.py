@@ -21,6 +21,7 @@ from typing import Optional
 
 from stages.chat import engineids
 from stages.common import params
+from stages.serving import probes
 
 log = logging.getLogger("stages.generate")
 
@@ -73,9 +74,7 @@ def behind_router(cfg: params.Generate, urls: list[str], shown: list[str],
                   key: Optional[str]) -> bool:
     """Whether a URL server is an sglang-router (it lists its workers at /workers); if
     so, one warning line per param the run misses behind it."""
-    from stages.serving import servers
-
-    if not any(servers.is_router(u, key) for u in urls):
+    if not any(probes.is_router(u, key) for u in urls):
         return False
     where = f"{', '.join(shown)} is an sglang-router"
     if cfg.server.router_timeout is None and cfg.request_timeout > ROUTER_DEFAULT_TIMEOUT:

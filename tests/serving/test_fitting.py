@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.serving import servers
 from stages.serving.fitting import ContextBudget, PromptCounter, TooLong
-from tests.fakeserver import spawn
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +91,3 @@ def test_fit_keeps_max_tokens_lowers_it_near_the_context_and_refuses_past_it(cou
     assert isinstance(too_long, TooLong) and too_long.context == n + 50
     assert "generate.min_new_tokens=16" in too_long.message("bundled:qwen3.6")
     assert (budget.fitted, budget.refused) == (2, 1)
-
-
-def test_the_served_context_is_max_model_len_of_the_served_model():
-    with spawn({"max_context": 4096}) as a, spawn({"max_context": 2048}) as b, spawn({}) as c:
-        assert servers.served_context([a.url], "fake-model", None) == 4096
-        assert servers.served_context([a.url, b.url], "fake-model", None) == 2048
-        assert servers.served_context([a.url], "other-model", None) == 4096  # its only model
-        assert servers.served_context([a.url, c.url], "fake-model", None) is None

@@ -1,0 +1,100 @@
+"""How a generate run is going, and how its requests went.
+
+`Progress(total, done, interval)` shows a tqdm bar on a terminal, otherwise a log line
+every `interval` seconds; call `tick` as requests finish, inside `quiet_logs()` so log
+lines print above the bar. `Latencies` keeps each completed request's end-to-end seconds
+and summarises them as sglang.bench_serving names them. docs/stages.md, generate,
+"Progress" and "Report".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from array import array
+
+import numpy as np
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+log = logging.getLogger("stages.generate")
+
+LATENCY_KEYS = ("mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
+                "p99_e2e_latency_ms")
+
+
+class Progress:
+    """A tqdm bar on a terminal, otherwise a log line every `interval` seconds."""
+
+    def __init__(self, total: int, done: int, interval: float):
+        self.total, self.start_done = total, done
+        self.interval = interval
+        self.t0 = time.monotonic()
+        self.last_log = self.t0
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(
+                total=total, initial=done, unit="req", dynamic_ncols=True, smoothing=0.05
+            )
+
+    def quiet_logs(self) -> contextlib.AbstractContextManager:
+        """Log lines printed above the bar, not through it (nothing to do without one)."""
+        return logging_redirect_tqdm() if self.bar is not None else contextlib.nullcontext()
+
+    def tick(
+        self, done: int, failed: int, out_tokens: int, in_flight: int, final: bool = False
+    ) -> None:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        rate = (done - self.start_done) / elapsed
+        tok = out_tokens / elapsed
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            self.bar.set_postfix_str(
+                f"failed={failed} {rate:.1f} req/s {tok:.0f} tok/s in-flight={in_flight}"
+            )
+            if final:
+                self.bar.close()
+            return
+        now = time.monotonic()
+        if final or now - self.last_log >= self.interval:
+            self.last_log = now
+            left = self.total - done
+            eta = _hms(left / rate) if rate > 0 else "?"
+            log.info(
+                "%d/%d done (%.1f%%), %d failed, %.1f req/s, %.0f output tok/s, %d in flight, "
+                "ETA %s", done, self.total, 100.0 * done / max(self.total, 1), failed, rate, tok,
+                in_flight, eta,
+            )  # fmt: skip
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+
+
+class Latencies:
+    """Each completed request's end-to-end seconds, summarised as sglang.bench_serving
+    names them (milliseconds)."""
+
+    def __init__(self):
+        self.seconds = array("d")
+
+    def add(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+
+    def total(self) -> float:
+        return float(np.sum(np.asarray(self.seconds, dtype=np.float64))) if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        if not self.seconds:
+            return dict.fromkeys(LATENCY_KEYS, 0.0)
+        lat = np.asarray(self.seconds, dtype=np.float64)
+        ms = (lambda x: round(float(x) * 1000, 1))
+        return {
+            "mean_e2e_latency_ms": ms(lat.mean()),
+            "median_e2e_latency_ms": ms(np.percentile(lat, 50)),
+            "p90_e2e_latency_ms": ms(np.percentile(lat, 90)),
+            "p99_e2e_latency_ms": ms(np.percentile(lat, 99)),
+        }

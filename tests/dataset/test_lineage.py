@@ -349,6 +349,7 @@ SHAPED_BY = {
     "stages/process/cpus.py": set(),  # how many processes: the output is the same for any count
     "stages/dataset/headloss.py": {"validate"},
     "stages/sources/decontam.py": {"prepare"},
+    "stages/sources/ngrams.py": {"prepare"},
     "stages/sources/checker.py": {"prepare"},
     "stages/process/children.py": set(),  # how workers live and end: results come in order
     "stages/serving/logpipe.py": {"generate"},

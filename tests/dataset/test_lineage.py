@@ -348,6 +348,7 @@ SHAPED_BY = {
     "stages/process/cli.py": set(),
     "stages/process/cpus.py": set(),  # how many processes: the output is the same for any count
     "stages/dataset/headloss.py": {"validate"},
+    "stages/dataset/rowsummary.py": {"validate"},
     "stages/sources/decontam.py": {"prepare"},
     "stages/sources/ngrams.py": {"prepare"},
     "stages/sources/checker.py": {"prepare"},

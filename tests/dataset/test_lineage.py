@@ -356,6 +356,7 @@ SHAPED_BY = {
     "stages/serving/logpipe.py": {"generate"},
     "stages/dataset/markdown.py": {"merge"},
     "stages/chat/encoder.py": {"generate", "tokenize"},  # generate counts prompts with it
+    "stages/chat/controltokens.py": {"generate", "tokenize"},  # the encoder's
     # the demo model carries the template, but no byte validate writes depends on it
     "stages/models/templates/qwen3.6.jinja": {"generate", "tokenize"},
 }

@@ -1,41 +1,15 @@
 """Tokenize completions into input_ids and assistant-only loss masks (data/tokenized/).
 
-Reads data/completions/completions.jsonl as a stream, renders each conversation with the
-tokenizer's chat template (stages/chat/encoder.py: one render, one batch encode, mask from the
-pieces; text that spells a control token stays text), filters, and writes a datasets
-save_to_disk folder with explicit features (input_ids list<int32>, loss_mask list<int8>)
-in bounded shards, plus data/tokenized/fingerprint.json (tokenizer vocabulary hash,
-special-token ids, chat template hash, these params, library versions) and
-reports/tokenize.json (rows, tokens, supervised tokens, drops per source and reason,
-length percentiles per source).
-
-Filters, each counted per source: `truncated` (the answer hit max_tokens; kept only with
-keep_truncated, and then without the end-of-turn token in the loss), `empty_content`
-(no answer text and no tool call; a kept truncated answer needs only some text, its
-thinking counts), `too_long` (over max_seq_len with on_too_long: drop; with truncate the
-row is cut to max_seq_len), `too_few_loss_tokens` (under min_loss_tokens supervised
-tokens).
-
-multi_turn: `last` (one row, loss on the final answer), `all` (one row, loss on every
-assistant turn as rendered), `expand` (one row per assistant turn, rendered as at
-inference; the final turn's row keeps the conversation id, earlier ones are `<id>#<k>`).
-
-enable_thinking: null (the default) is what generate recorded beside the completions
-(generation.json), so the two cannot disagree.
-
-Serve-render check (stages/chat/servecheck.py): every row's prompt, rendered here, against
-the tokens the engine served (its ids where generate kept them, else
-usage.prompt_tokens), and its supervised answer tokens against the engine's completion;
-counts and the first examples go to the report's `serve_check`, and more than
-max_render_mismatch differing prompts fail the stage with the likely cause.
-
-ids: engine (stages/chat/enginerows.py) makes each row from the engine's own prompt and
-generated ids, loss on exactly the generated ones; a row without them is counted and
-rendered or dropped (on_missing_ids).
+`python -m stages.tokenize` streams data/completions/completions.jsonl, renders each
+conversation with the tokenizer's chat template (stages/chat/encoder.py: one render, one
+batch encode, the mask from the pieces), filters (truncated, empty_content, too_long,
+too_few_loss_tokens, no_engine_ids), checks every row's prompt against the tokens the
+engine served (stages/chat/servecheck.py), and writes a save_to_disk folder in bounded
+shards, data/tokenized/fingerprint.json and reports/tokenize.json.
 
 num_proc worker processes (0: one per usable CPU) take chunks of about equal bytes from a
-shared queue (long rows do not pile up in one worker); results are written in input
-order, so the output does not depend on num_proc. Each process encodes on one thread.
+shared queue; results are written in input order, so the output does not depend on
+num_proc. Behaviour, params and the report: docs/stages.md, "tokenize".
 """
 
 from __future__ import annotations

@@ -3,28 +3,14 @@
   python -m stages.validate --merged PATH --reports PATH [--params params.yaml]
   (the paths: dvc.yaml's cmd)
 
-Shard by shard, every row is reduced to a summary computed with columnar operations on
-the flattened Arrow lists (lengths, token ids outside [0, vocab), mask values outside
-{0, 1}, supervised count, longest supervised run, stored counters); the summaries are
-checked against the row rules in stages/dataset/schema.py, in one polars pass, and only when a
-rule fails does its pandera schema name the rows. Then dataset checks: each shard's
-Arrow types and dataset_info.json equal the contract, `datasets.load_from_disk` opens
-the folder, ids are unique across all shards, the row count equals reports/merge.json.
-
-Writes reports/validate.json (pass/fail, failures and up to `validate.max_examples`
-offending ids per check, rows/tokens per source) and the plots under reports/plots/
-(token-length and supervised-fraction histograms, one CSV per source). Any failed check
-exits with status 1 after writing them, so `dvc repro` stops here.
-
-The vocabulary size, the length limit and the supervision floor are `validate.vocab_size`,
-`max_seq_len` and `min_loss_tokens`; each one left null is what tokenize recorded with the
-data (tokenizer.vocab_size, policy.max_seq_len, policy.min_loss_tokens in
-data/merged/fingerprint.json). The report says which was used (`limits_from`).
-
-Memory does not grow with the dataset: shards are read through memory maps whose pages
-are dropped behind the reader, summaries (one shard's at a time) are checked in chunks of
-about CHUNK_ROWS rows, and the id hashes for the uniqueness check spill to temporary
-files past a bound (stages/dataset/idhashes.py).
+Every row is summarised shard by shard (stages/dataset/rowsummary.py) and the summaries
+are checked against the row rules of stages/dataset/schema.py, in chunks of CHUNK_ROWS;
+then the dataset: types and features equal the contract, `load_from_disk` opens it, ids
+are unique (stages/dataset/idhashes.py), the row count is merge's. When every check
+passes, real training steps run on it (stages/dataset/traincheck.py). Writes
+reports/validate.json and the plots under reports/plots/; any failed check exits 1 after
+writing them, so `dvc repro` stops here. The checks, the limits each param sets and the
+memory bound: docs/stages.md ("validate") and docs/params.md.
 """
 
 from __future__ import annotations
@@ -51,8 +37,17 @@ import pyarrow.compute as pc
 
 from stages.common import outputs, params
 from stages.common.errors import StageError, json_file, json_type
-from stages.dataset import charts, loader, traincheck
+from stages.dataset import charts, loader, rowsummary, traincheck
 from stages.dataset.idhashes import IdHashes
+from stages.dataset.rowsummary import (
+    FRACTION_BINS,
+    FRACTIONS,
+    LENGTH_BINS,
+    LENGTHS,
+    ROWS,
+    SUPERVISED,
+    TOKENS,
+)
 from stages.dataset.schema import (
     FEATURES,
     FINGERPRINT_FILE,
@@ -65,7 +60,6 @@ from stages.dataset.schema import (
     row_rules,
     row_schema,
     rows_pass,
-    schema_differences,
 )
 from stages.process import cli, cpus
 
@@ -76,8 +70,6 @@ PATHS = {"merged": "merge's dataset", "reports": "folder of the stage reports (m
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
 CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
-LENGTH_BINS = 64
-FRACTION_BINS = 20
 
 
 class Findings:
@@ -158,7 +150,8 @@ def _scan(cfg: params.Validate, findings: Findings, shards: list, data: Path,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()
         for path in shards:
-            queue.append((path, pool.submit(summarize_shard, path, vocab, scan.width)))
+            queue.append((path, pool.submit(rowsummary.summarize_shard, path, vocab,
+                                            scan.width)))
             if len(queue) > threads:
                 scan.add(*queue.popleft())
         while queue:
@@ -177,7 +170,8 @@ def _report(cfg: params.Validate, findings: Findings, scan: "Scanner", shards: l
             used: dict, budget, train_check) -> dict:
     """reports/validate.json, but for `seconds`."""
     sources = {
-        name: {"rows": int(v[0]), "tokens": int(v[1]), "supervised_tokens": int(v[2])}
+        name: {"rows": int(v[ROWS]), "tokens": int(v[TOKENS]),
+               "supervised_tokens": int(v[SUPERVISED])}
         for name, v in sorted(scan.stats.items())
     }
     failed = findings.failed()
@@ -340,8 +334,10 @@ def _load(folder: Path):
 def _check_loads(findings: Findings, loaded, rows: int) -> None:
     if isinstance(loaded, Exception):
         findings.add("loads", 1, [f"load_from_disk: {type(loaded).__name__}: {loaded}"[:300]])
-    elif loaded[0] != rows or loaded[1] != FEATURES:
-        findings.add("loads", 1, [f"load_from_disk: {loaded[0]} rows, features {loaded[1]}"])
+        return
+    loaded_rows, features = loaded
+    if loaded_rows != rows or features != FEATURES:
+        findings.add("loads", 1, [f"load_from_disk: {loaded_rows} rows, features {features}"])
 
 
 def _check_row_count(findings: Findings, rows: int, data: Path,
@@ -373,35 +369,36 @@ class Scanner:
         self.findings = findings
         self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
         self.schema = row_schema(self.rules)
-        self.width = bin_width(cfg.max_seq_len)
+        self.width = rowsummary.bin_width(cfg.max_seq_len)
         self.rows = 0
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
         self.ids = ids  # 64-bit id hashes and row numbers, dataset-wide
         self.shard_rows: list[int] = []
-        self.stats: dict[str, np.ndarray] = {}  # per source: see source_stats()
+        self.stats: dict[str, np.ndarray] = {}  # per source: see rowsummary.source_stats
 
     def add(self, path: Path, future: Future) -> None:
         """Take one shard's summaries (in dataset order) and check them chunk by chunk."""
         try:
-            diffs, summaries, rows, stats = future.result()
+            shard = future.result()
         except StageError as e:
             self.findings.add("shards_readable", 1, [str(e)[:300]])
             self.shard_rows.append(0)
             return
-        if diffs:
-            self.findings.add("features", len(diffs), [f"{path.name}: {d}" for d in diffs])
-        for summary in summaries:
+        if shard.diffs:
+            self.findings.add("features", len(shard.diffs),
+                              [f"{path.name}: {d}" for d in shard.diffs])
+        for summary in shard.summaries:
             first = pc.add(summary.column("row"), self.rows)
             self.pending.append(summary.set_column(0, "row", first))
             self.pending_rows += summary.num_rows
             if self.pending_rows >= CHUNK_ROWS:
                 self.flush()
-        self.rows += rows
-        self.shard_rows.append(rows)
-        _add_stats(self.stats, stats)
-        log.info("shard %d %s: %d rows, %d in all", len(self.shard_rows), path.name, rows,
-                 self.rows)
+        self.rows += shard.rows
+        self.shard_rows.append(shard.rows)
+        rowsummary.add_stats(self.stats, shard.stats)
+        log.info("shard %d %s: %d rows, %d in all", len(self.shard_rows), path.name,
+                 shard.rows, self.rows)
 
     def flush(self) -> None:
         if not self.pending:
@@ -448,238 +445,6 @@ class Scanner:
             self.findings.add("id_unique", total, repeated.field("values").to_pylist())
 
 
-# what summarising a readable shard of the wrong types raises
-_SUMMARY_ERRORS = (StageError, pa.ArrowException, KeyError, ValueError, TypeError)
-
-
-def summarize_shard(path: Path, vocab: int, width: int):
-    """(schema differences, summary batches, rows, per-source stats) of one shard.
-
-    Runs in a worker thread; summary rows are numbered from 0 within the shard. A shard
-    whose columns cannot be summarised (a list of floats, say) is only counted: its
-    schema differences say what is wrong with it. StageError if it cannot be read.
-    """
-    summaries, rows, failure = [], 0, None
-    with open_shard(path, drop_behind=True) as reader:
-        diffs = schema_differences(reader.schema)
-        for batch in reader:
-            if failure is None:
-                try:
-                    summaries.append(summarize(batch, vocab, rows))
-                except _SUMMARY_ERRORS as e:
-                    failure = e
-            rows += batch.num_rows
-    summary = None
-    if summaries and failure is None:
-        # one batch per shard: few large batches are cheap to convert and count, many
-        # small not; the casts to one schema for all shards are done here, once, too
-        summary = pa.concat_batches(summaries)
-        try:
-            summary = pa.RecordBatch.from_arrays(
-                [pc.cast(c, SUMMARY_TYPES[name])
-                 for c, name in zip(summary.columns, summary.schema.names)],
-                names=summary.schema.names,
-            )
-        except _SUMMARY_ERRORS as e:
-            failure = e
-    if failure is not None:
-        if not diffs:
-            raise StageError(f"{path}: cannot summarise its rows ({failure})")
-        return diffs + [f"its rows were not checked ({failure})"], [], rows, {}
-    if summary is None:
-        return diffs, [], rows, {}
-    return diffs, [summary], rows, source_stats(summary, width)
-
-
-def bin_width(max_seq_len: int) -> int:
-    return max(1, -(-max_seq_len // LENGTH_BINS))
-
-
-def source_stats(summary: pa.RecordBatch, width: int) -> dict[str, np.ndarray]:
-    """Per source, one int64 vector: rows, tokens, supervised tokens, then the token-length
-    histogram (LENGTH_BINS bins of `width` + one past), then the supervised-fraction one."""
-    lengths = pc.fill_null(summary.column("input_ids_len"), 0).to_numpy()
-    supervised = pc.fill_null(summary.column("supervised"), 0).to_numpy()
-    encoded = pc.dictionary_encode(pc.fill_null(summary.column("source"), "(null)"))
-    codes = encoded.indices.to_numpy()
-    names = encoded.dictionary.to_pylist()
-    k, lb, fb = len(names), LENGTH_BINS + 1, FRACTION_BINS
-    length_bin = np.minimum(lengths // width, LENGTH_BINS)
-    fraction_bin = np.minimum(supervised * fb // np.maximum(lengths, 1), fb - 1)
-    out = np.empty((k, 3 + lb + fb), np.int64)
-    out[:, 0] = np.bincount(codes, minlength=k)
-    out[:, 1] = np.bincount(codes, weights=lengths, minlength=k)
-    out[:, 2] = np.bincount(codes, weights=supervised, minlength=k)
-    out[:, 3 : 3 + lb] = np.bincount(codes * lb + length_bin, minlength=k * lb).reshape(k, lb)
-    out[:, 3 + lb :] = np.bincount(codes * fb + fraction_bin, minlength=k * fb).reshape(k, fb)
-    return {name: out[i] for i, name in enumerate(names)}
-
-
-def _add_stats(into: dict[str, np.ndarray], stats: dict[str, np.ndarray]) -> None:
-    for name, vector in stats.items():
-        if name in into:
-            into[name] = into[name] + vector
-        else:
-            into[name] = vector.copy()
-
-
-SUMMARY_TYPES = {
-    name: pa.large_string() if name in ("id", "source") else pa.int64()
-    for name in ["row", "id", "source", "input_ids_len", "loss_mask_len", "ids_out_of_range",
-                 "mask_not_binary", "supervised", "longest_run", "num_tokens",
-                 "num_loss_tokens"]
-}
-
-
-def summarize(batch: pa.RecordBatch, vocab: int, first_row: int) -> pa.RecordBatch:
-    """One summary row per row of `batch`, from the flattened lists (no per-row loop).
-
-    id, source and the stored counters keep the shard's own types (summarize_shard casts
-    them to SUMMARY_TYPES): a compute call costs about as much as the numpy work on a
-    1000-row batch, so per-batch calls are kept few.
-    """
-    n = batch.num_rows
-    ids_col = batch.column("input_ids")
-    mask_col = batch.column("loss_mask")
-    id_off, id_vals = _flat(ids_col)
-    mask_off, mask_vals = _flat(mask_col)
-
-    out_of_range = _count_from(id_vals, id_off, vocab)  # negatives too: compared unsigned
-    not_binary, ones = _binary(mask_vals, mask_off)
-    supervised, longest = _runs(ones, mask_off, n)
-
-    id_nulls, mask_nulls = _null_mask(ids_col), _null_mask(mask_col)
-
-    def ints(values: np.ndarray, nulls: Optional[np.ndarray]) -> pa.Array:
-        return pa.array(values, pa.int64(), mask=nulls)
-
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(np.arange(first_row, first_row + n, dtype=np.int64)),
-            batch.column("id"),
-            batch.column("source"),
-            ints(np.diff(id_off), id_nulls),
-            ints(np.diff(mask_off), mask_nulls),
-            ints(out_of_range, id_nulls),
-            ints(not_binary, mask_nulls),
-            ints(supervised, mask_nulls),
-            ints(longest, mask_nulls),
-            batch.column("num_tokens"),
-            batch.column("num_loss_tokens"),
-        ],
-        names=list(SUMMARY_TYPES),
-    )
-
-
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Row offsets (from 0) and the flattened values of a list column; null items -> -1."""
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise StageError(f"column is {column.type}, not a list")
-    if not pa.types.is_integer(column.type.value_type):
-        raise StageError(f"column holds {column.type.value_type}, not integers")
-    offsets = column.offsets.to_numpy().astype(np.int64, copy=False)
-    if len(offsets) == 0:  # an empty array may come without its single 0 offset
-        offsets = np.zeros(1, np.int64)
-    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
-    if values.null_count:
-        values = pc.fill_null(values, -1)
-    return offsets - offsets[0], values.to_numpy()
-
-
-def _null_mask(column: pa.Array) -> Optional[np.ndarray]:
-    if not column.null_count:
-        return None
-    return pc.is_null(column).to_numpy(zero_copy_only=False)
-
-
-def _count_from(values: np.ndarray, offsets: np.ndarray, limit: int) -> np.ndarray:
-    """Per-row count of values outside [0, limit).
-
-    Viewed as unsigned, a negative value is huge, so one max() pass clears clean data;
-    only a batch holding a bad value pays for the per-row counts.
-    """
-    n = len(offsets) - 1
-    unsigned = values.view(np.dtype(f"u{values.itemsize}"))
-    if len(values) == 0 or unsigned.max() < limit:
-        return np.zeros(n, np.int64)
-    cumulative = np.concatenate(([0], np.cumsum(unsigned >= limit, dtype=np.int64)))
-    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
-
-
-def _binary(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row count of mask values outside {0, 1}, and the mask as 0/1 bytes.
-
-    The contract's int8 mask is read as 64-bit words: one OR over them shows that no
-    byte holds more than its low bit, so clean data costs one pass over an eighth of the
-    elements and is used as is. Anything else pays for the per-row counts.
-    """
-    if values.itemsize == 1:
-        data = values.view(np.uint8)
-        words, tail = _words(data)
-        high = np.bitwise_or.reduce(words) if len(words) else np.uint64(0)
-        if not high & ~_LOW_BITS and not (tail > 1).any():
-            return np.zeros(len(offsets) - 1, np.int64), data
-    return _count_from(values, offsets, 2), (values == 1).view(np.uint8)
-
-
-_LOW_BITS = np.uint64(0x0101010101010101)  # a word of eight 1 bytes
-
-
-def _words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A uint8 array as whole uint64 words (native order: byte k stays byte k), and the
-    bytes left over."""
-    whole = len(data) // 8 * 8
-    return data[:whole].view(np.uint64), data[whole:]
-
-
-def _changes(ones: np.ndarray) -> np.ndarray:
-    """Sorted positions p (0 < p < len) where the 0/1 bytes differ from the byte before.
-
-    Eight bytes are compared in one step, as a 64-bit word against the word one byte
-    further on; the XOR of the few words that differ then has a 1 byte exactly where a
-    change is. (A compare byte by byte, then np.flatnonzero over its result, or any
-    per-position fancy indexing, costs several times more.)
-    """
-    size = len(ones)
-    whole = max(size - 1, 0) // 8
-    here = ones[: whole * 8].view(np.uint64)
-    ahead = ones[1 : whole * 8 + 1].view(np.uint64)
-    hits = np.flatnonzero(here != ahead)
-    flips = np.flatnonzero((here[hits] ^ ahead[hits]).view(np.uint8))
-    inside = hits[flips >> 3] * 8 + (flips & 7) + 1
-    tail = whole * 8 + np.flatnonzero(ones[whole * 8 + 1 :] != ones[whole * 8 : -1]) + 1
-    return np.concatenate((inside, tail))
-
-
-def _runs(ones: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: number of supervised tokens and the longest run of consecutive ones.
-
-    Runs come from the positions where the 0/1 mask changes (see _changes); their
-    number is small next to the token count.
-    """
-    size = len(ones)
-    change = _changes(ones)
-    rising = ones[change] == 1
-    starts, ends = change[rising], change[~rising]
-    if size and ones[0] == 1:
-        starts = np.concatenate(([0], starts))
-    if size and ones[-1] == 1:
-        ends = np.concatenate((ends, [size]))
-    # a run that continues across a row boundary is two runs: split it there
-    inner = offsets[1:-1]
-    inner = inner[(inner > 0) & (inner < size)]
-    split = inner[(ones[inner - 1] == 1) & (ones[inner] == 1)]
-    if len(split):
-        starts = np.sort(np.concatenate((starts, split)))
-        ends = np.sort(np.concatenate((ends, split)))
-    lengths = ends - starts
-    row = np.searchsorted(offsets, starts, side="right") - 1
-    supervised = np.bincount(row, weights=lengths, minlength=n).astype(np.int64)[:n]
-    longest = np.zeros(n, np.int64)
-    np.maximum.at(longest, row, lengths)
-    return supervised, longest
-
-
 def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.Array:
     """The ids at dataset-wide row numbers `rows` (sorted), reading only those shards."""
     starts = np.concatenate(([0], np.cumsum(shard_rows)))
@@ -707,12 +472,11 @@ def _write_plots(stats: dict[str, np.ndarray], width: int, reports: Path) -> Non
     per 0.05 of supervised tokens / tokens, x = the bin's upper edge.
     """
     names = _file_names(sorted(stats))
-    lb = LENGTH_BINS + 1
-    lengths = [(b + 1) * width for b in range(lb)]
+    lengths = [(b + 1) * width for b in range(LENGTH_BINS + 1)]
     fractions = [round((b + 1) / FRACTION_BINS, 4) for b in range(FRACTION_BINS)]
     for folder, column, edges, part in (
-        ("token_length", "tokens", lengths, slice(3, 3 + lb)),
-        ("supervised_fraction", "supervised_fraction", fractions, slice(3 + lb, None)),
+        ("token_length", "tokens", lengths, LENGTHS),
+        ("supervised_fraction", "supervised_fraction", fractions, FRACTIONS),
     ):
         _write_svg(reports, folder, [0] + edges,
                    {s: stats[s][part].tolist() for s in sorted(stats)})

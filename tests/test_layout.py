@@ -15,11 +15,6 @@ from tests.repo import ROOT
 STAGES = ROOT / "stages"
 MAX_LINES = 800
 MAX_DOCSTRING_LINES = 15
-# being split or rewritten, their docstrings with them; this list only shrinks
-LONG_DOCSTRING_BEING_SPLIT = {
-    "stages/prepare.py", "stages/validate.py", "stages/tokenize.py",
-    "stages/chat/encoder.py", "stages/sources/decontam.py",
-}
 TREE_LINE = re.compile(r"^((?:│   |    )*)(?:├── |└── )(\S+)")
 
 
@@ -91,13 +86,7 @@ def test_a_module_docstring_says_what_it_is_in_a_few_lines(module):
     doc = ast.get_docstring(ast.parse((ROOT / module).read_text(encoding="utf-8")), clean=False)
     assert doc, f"{module} has no docstring"
     lines = len(doc.strip().splitlines())
-    if module in LONG_DOCSTRING_BEING_SPLIT:
-        pytest.skip(f"a {lines}-line docstring, being rewritten")
     assert lines <= MAX_DOCSTRING_LINES, (
         f"{module}: a {lines}-line docstring; say what the module is and how to call it, "
         "and move the behaviour reference to docs/")
 
-
-def test_what_is_being_split_still_exists():
-    """The list above only names modules that are there (a finished split leaves it)."""
-    assert LONG_DOCSTRING_BEING_SPLIT <= set(modules())

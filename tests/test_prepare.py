@@ -652,9 +652,9 @@ def test_planted_eval_items_are_dropped_and_attributed(tmp_path):
 
 
 def decontam_words(text: str) -> list[str]:
-    from stages.sources import decontam
+    from stages.sources import ngrams
 
-    return decontam.words(text)
+    return ngrams.words(text)
 
 
 def test_contaminated_prompts_leave_before_the_limit(tmp_path):
@@ -703,7 +703,7 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
         return True
 
     monkeypatch.setattr(checker.Checker, "ready", ready)
-    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda since: True)  # however busy the test machine
+    monkeypatch.setattr(cpus, "idle_since", lambda since: 1.0)  # however busy the test machine
     monkeypatch.setattr(checker.Checker, "send",
                         lambda c, texts, counts: sent.append(len(counts)) or real_send(c, texts, counts))
     report, _, two = run(tmp_path, sources, num_proc=0, decontaminate=dc)
@@ -723,7 +723,7 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
     src = [{"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"}]
     monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
     monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
-    monkeypatch.setattr(prepare, "_cpu_to_spare", lambda since: True)
+    monkeypatch.setattr(cpus, "idle_since", lambda since: 1.0)
     monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     real_ready, started = checker.Checker.ready, []
 
@@ -738,19 +738,6 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
         run(tmp_path, src, num_proc=0, decontaminate={"evals": eval_sets(tmp_path)})
     assert started and started[0].exitcode is not None  # ended, not left behind
     assert not multiprocessing.active_children()
-
-
-def test_the_checker_starts_only_beside_an_idle_cpu(monkeypatch):
-    monkeypatch.setattr(cpus, "usable", lambda: 2)
-    since = (100, 1000)  # (idle, all) ticks of this process's CPUs
-    for now, spare in (((600, 2000), True), ((350, 2000), True), ((200, 2000), False), (None, False)):
-        monkeypatch.setattr(prepare, "_cpu_times", lambda: now)
-        assert prepare._cpu_to_spare(since) is spare, now
-    assert prepare._cpu_to_spare(None) is False  # no /proc/stat: stay in one process
-    if os.path.exists("/proc/stat"):
-        monkeypatch.undo()
-        idle, total = prepare._cpu_times()
-        assert 0 <= idle <= total
 
 
 def test_decontamination_param_errors(tmp_path):

@@ -388,34 +388,6 @@ def test_the_report_is_the_same_whatever_the_threads(repo, monkeypatch):
     assert reports[0] == reports[1] == reports[2]
 
 
-@pytest.mark.parametrize("values, longest, skip", [
-    ([0, 1, 1, 1, 2, -1], 12, 7),  # bad values: the per-row count path
-    ([0, 1, 1], 40, 7),  # only 0/1: read eight bytes at a time, from an odd offset
-    ([0, 1], 40, 8),
-])
-def test_row_summary_matches_a_plain_python_count(values, longest, skip):
-    """The columnar summary against a per-row Python loop, on random rows."""
-    rng = np.random.default_rng(0)
-    data = []
-    for i in range(300):
-        n = int(rng.integers(0, longest))
-        data.append({"id": f"r{i}", "source": "s",
-                     "input_ids": rng.integers(-3, VOCAB + 3, n).tolist(),
-                     "loss_mask": rng.choice(values, n).tolist(),
-                     "num_tokens": n, "num_loss_tokens": 0})
-    batch = pa.Table.from_pylist(data, schema=ARROW_SCHEMA).slice(skip).combine_chunks()
-    summary = validate.summarize(batch.to_batches()[0], VOCAB, 0).to_pydict()
-    for k, r in enumerate(data[skip:]):
-        mask, best, run = r["loss_mask"], 0, 0
-        for v in mask:
-            run = run + 1 if v == 1 else 0
-            best = max(best, run)
-        assert summary["ids_out_of_range"][k] == sum(not 0 <= t < VOCAB for t in r["input_ids"])
-        assert summary["mask_not_binary"][k] == sum(v not in (0, 1) for v in mask)
-        assert summary["supervised"][k] == sum(v == 1 for v in mask)
-        assert summary["longest_run"][k] == best
-
-
 def test_cli_exits_1_after_writing_the_report(repo):
     parts = shards()
     mask_two(parts[0][1])

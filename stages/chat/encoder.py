@@ -1,45 +1,16 @@
 """Chat rendering and assistant-only loss masks: render once, encode once, mask from ids.
 
-How a conversation becomes `input_ids` and `loss_mask`:
+  enc = ChatEncoder(tokenizer, enable_thinking=True)
+  rows = enc.encode(messages, tools, policy="last")  # EncodedRow: ids, mask, prompt_len
+  batch = enc.encode_plans(plans)  # many conversations' enc.plan(...) rows in one call
 
-1. Every string in the messages and the tools list (keys and values) is sanitized: each
-   spelling of a control token (an added token of the tokenizer: `<|im_start|>`,
-   `<|im_end|>`, `<think>`, `<tool_call>`, ...) becomes a private-use sentinel, so neither
-   the template's logic nor the tokenizer can take message text for structure. One
-   exception, which the Qwen3.5/3.6 format defines: a user message that is wholly a
-   `<tool_response>...</tool_response>` block keeps that wrapper (it is a tool result,
-   not a query, and the engine read those control tokens); its inside is sanitized.
-2. The sanitized conversation is rendered once with the chat template.
-3. The rendering is cut at every control token the template wrote, at the end of the
-   generation prompt and at the edges of supervised spans. Sentinels inside the text
-   pieces turn back into the text they stood for, and all pieces of a batch are encoded
-   in one `encode_batch_fast` call with control-token parsing off: message text that
-   spells a control token is ordinary text. Cutting at control tokens gives the ids of a
-   whole-text encode; cutting at the end of the generation prompt gives the prompt the
-   ids the server saw, and the answer the ids of its own text (a whole-text encode could
-   merge `assistant\\n` with an answer that starts with a newline).
-4. The loss mask is 1 on the pieces inside supervised spans and 0 elsewhere.
-
-Supervised spans are the tokens the assistant generated:
-- ChatML templates (`<|im_start|>role\\n...<|im_end|>`): from the end of the generation
-  prompt (the header `<|im_start|>assistant\\n` plus anything the template prefills: the
-  Qwen3.6 format's `<think>\\n`, or its closed empty thinking block with
-  enable_thinking=false) through the `<|im_end|>` that closes the turn; never the newline
-  after it. A truncated completion (kept with
-  `keep_truncated`) has no `<|im_end|>` in its span: the model never wrote it. With the
-  `all` policy, earlier assistant turns start after their header (and after the prefill
-  when the turn begins with it).
-- Templates with `{% generation %}` blocks: the blocks; the end of the generation prompt
-  comes from a second rendering of the history with `add_generation_prompt`.
-- Any other template is refused with an error naming it, and so is a tokenizer whose
-  piece-wise encoding differs from a whole-text encode (checked on a probe chat at start:
-  SentencePiece tokenizers that prefix every piece with a space).
-
-Multi-turn policies: `last` supervises the final assistant turn; `all` every assistant
-turn as the full rendering shows it (the Qwen3 and Qwen3.6 formats drop the thinking of
-turns before the last user query, so those turns are trained on their answer and tool
-calls alone; turns after it, a tool-calling chain, keep theirs); `expand` makes one row
-per assistant turn, each rendered with its history as the model saw it at inference.
+A conversation's strings are sanitized (stages/chat/controltokens.py) and rendered once
+with the chat template; the rendering is cut at every control token the template wrote,
+at the end of the generation prompt and at the edges of the supervised spans, and the
+pieces of a whole batch are encoded in one call with control-token parsing off. The mask
+is 1 on the pieces inside supervised spans. Which spans (ChatML turns, `{% generation %}`
+blocks), the multi-turn policies, and the templates and tokenizers refused:
+docs/stages.md ("tokenize").
 """
 
 from __future__ import annotations
@@ -49,20 +20,16 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from stages.chat import thinking
+from stages.chat.controltokens import ControlTokenCodec
 from stages.common.errors import StageError
 
 POLICIES = ("last", "all", "expand")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
-# A sanitized spelling is ESC followed by one index character; a raw ESC in the text is
-# escaped the same way, so every string survives the round trip.
-ESC = "\U0010fffd"
-INDEX_BASE = 0xF0100
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # as transformers aliases them
 
@@ -85,6 +52,22 @@ class RenderedRow:
     sup: list[bool]
     prompt_parts: int
     lookalikes: bool
+
+
+class ForTemplate(NamedTuple):
+    """A conversation as the chat template gets it."""
+
+    messages: list[dict]
+    tools: list | None
+    lookalikes: bool  # whether its text spelled a control token (now sentinels)
+
+
+class EncodedRow(NamedTuple):
+    """One row of a conversation, encoded."""
+
+    ids: np.ndarray  # int32
+    mask: np.ndarray  # int8: the loss mask
+    prompt_len: int  # tokens of its generation prompt
 
 
 @dataclass
@@ -117,19 +100,6 @@ def off_main_thread(fn, *args, **kwargs):
     return _helper[1].submit(fn, *args, **kwargs).result()
 
 
-def _strings(obj: Any, out: list[str]) -> None:
-    if isinstance(obj, str):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if isinstance(k, str):
-                out.append(k)
-            _strings(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _strings(v, out)
-
-
 def with_parsed_arguments(messages: list[dict]) -> list[dict]:
     """The conversation with JSON-text tool-call arguments parsed into objects, as vLLM
     and SGLang hand them to the template (an OpenAI reply carries arguments as JSON text;
@@ -158,107 +128,6 @@ def _calls_with_parsed_arguments(calls: Any) -> Any:
                 call = {**call, "function": {**fn, "arguments": parsed}}
         out.append(call)
     return out
-
-
-class ControlTokenCodec:
-    """Swaps control-token spellings in message text for private-use sentinels and back,
-    so text can never be read as a control token (see the module docstring)."""
-
-    def __init__(self, spellings: list[str], name: str):
-        """`spellings`: the control tokens' texts, longest first; `name`: the tokenizer's,
-        for messages."""
-        self.name = name
-        spellings = spellings + [ESC]
-        self._lookalike_re = re.compile("|".join(map(re.escape, spellings)))
-        self._index = {s: ESC + chr(INDEX_BASE + k) for k, s in enumerate(spellings)}
-        self._restore_map = {v: s for s, v in self._index.items()}
-        self._restore_re = re.compile(re.escape(ESC) + ".?", re.S)
-        # On a raw JSON line: a spelling, or an escape that could hide one
-        self._raw_re = re.compile(b"|".join([rb"\\u", rb"\\/",
-                                             *(re.escape(x.encode()) for x in spellings)]))
-        # A line without the first byte of any spelling (a fast memchr) can only match
-        # an escape, which a regex with a literal first byte finds fast too
-        self._raw_starts = sorted({x.encode()[:1] for x in spellings})
-        self._raw_escape_re = re.compile(rb"\\[u/]")
-
-    def sanitize(self, obj: Any) -> Any:
-        """A copy of `obj` whose strings spell no control token (sentinels instead)."""
-        if isinstance(obj, str):
-            return self._lookalike_re.sub(lambda m: self._index[m.group(0)], obj)
-        if isinstance(obj, dict):
-            return {self.sanitize(k): self.sanitize(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [self.sanitize(v) for v in obj]
-        return obj
-
-    def sanitize_messages(self, messages: list[dict],
-                          inline: dict[int, tuple[str, str]] | None = None) -> list[dict]:
-        """`sanitize` for a conversation, but a user message that is wholly one
-        `<tool_response>...</tool_response>` block keeps that wrapper: the format gives it
-        meaning (a tool result, not a query: it decides which turns keep their thinking),
-        and the engine read it as those control tokens. Only the text inside is sanitized.
-        `inline`: {index: (reasoning, content)} of messages whose thinking the template
-        takes from their content (stages/chat/thinking.py); each keeps the one `</think>` the
-        template splits at, between its two parts sanitized.
-        """
-        out = []
-        for i, m in enumerate(messages):
-            if inline and i in inline:
-                reasoning, rest = inline[i]
-                joined = self.sanitize(reasoning) + thinking.CLOSE + self.sanitize(rest)
-                out.append({**self.sanitize({k: v for k, v in m.items() if k != "content"}),
-                            "content": joined})
-                continue
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str) and m.get("role") == "user":
-                body = content.strip()
-                if (body.startswith(TOOL_RESPONSE[0]) and body.endswith(TOOL_RESPONSE[1])
-                        and len(body) >= len(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[1])):
-                    a = content.index(TOOL_RESPONSE[0]) + len(TOOL_RESPONSE[0])
-                    b = content.rindex(TOOL_RESPONSE[1])
-                    rest = self.sanitize({k: v for k, v in m.items() if k != "content"})
-                    rest["content"] = content[:a] + self.sanitize(content[a:b]) + content[b:]
-                    out.append(rest)
-                    continue
-            out.append(self.sanitize(m))
-        return out
-
-    def json_may_spell(self, raw: bytes) -> bool:
-        """False when a raw JSON text certainly has no control-token spelling in it
-        (a quick scan of the bytes spares walking every string of the parsed row)."""
-        if any(start in raw for start in self._raw_starts):
-            return self._raw_re.search(raw) is not None
-        return self._raw_escape_re.search(raw) is not None
-
-    def has_lookalikes(self, messages: Any, tools: Any = None) -> bool:
-        """Whether any string in the messages or tools spells a control token."""
-        found: list[str] = []
-        _strings(messages, found)
-        _strings(tools, found)
-        search = self._lookalike_re.search
-        return any(search(s) for s in found)
-
-    def restore(self, text: str) -> str:
-        """Undo `sanitize` inside a piece of rendered text."""
-        if ESC not in text:
-            return text
-        broken = False
-
-        def back(m: re.Match) -> str:
-            nonlocal broken
-            s = self._restore_map.get(m.group(0))
-            if s is None:
-                broken = True
-                return m.group(0)
-            return s
-
-        out = self._restore_re.sub(back, text)
-        if broken:
-            raise StageError(
-                f"chat template of {self.name!r} cut a message string inside a control-token "
-                "spelling; the conversation cannot be rendered safely"
-            )
-        return out
 
 
 class ChatEncoder:
@@ -471,18 +340,18 @@ class ChatEncoder:
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if policy != "expand":
             conv = self._for_template(messages, tools, lookalikes, answer=True)
-            return [self._plan_one(*conv[:2], len(turns), policy == "all", truncated, conv[2])]
+            return [self._plan_one(conv, len(turns), policy == "all", truncated)]
         rows = []
         for k, i in enumerate(turns, 1):
             conv = self._for_template(messages[: i + 1], tools, lookalikes, answer=True)
             last = truncated and i == len(messages) - 1
-            rows.append(self._plan_one(*conv[:2], k, False, last, conv[2]))
+            rows.append(self._plan_one(conv, k, False, last))
         return rows
 
     def _for_template(self, messages: list[dict], tools: list | None,
-                      lookalikes: bool | None = None, answer: bool = False):
-        """(messages, tools, whether their text spells a control token) as the template
-        gets them here: spellings swapped for sentinels when there are any, thinking
+                      lookalikes: bool | None = None, answer: bool = False) -> ForTemplate:
+        """The messages and tools as the template gets them here: spellings swapped for
+        sentinels when there are any (`lookalikes` says), thinking
         written inline in an assistant's content cut where the template cuts it
         (stages/chat/thinking.py), and with `answer` (the messages end with the answer a row
         trains on) and enable_thinking off, that answer taken as written after the
@@ -498,11 +367,12 @@ class ChatEncoder:
                     for i, m in enumerate(messages)] if inline else messages
             look = self.codec.has_lookalikes(view, tools)
         if not look:
-            return messages, tools, False
+            return ForTemplate(messages, tools, False)
         tls = self.codec.sanitize(tools) if tools else tools
-        return self.codec.sanitize_messages(messages, inline), tls, True
+        return ForTemplate(self.codec.sanitize_messages(messages, inline), tls, True)
 
-    def _plan_one(self, msgs, tools, turn, all_turns, truncated, look) -> RenderedRow:
+    def _plan_one(self, conv: ForTemplate, turn, all_turns, truncated) -> RenderedRow:
+        msgs, tools = conv.messages, conv.tools
         if self.generation_tags:
             full, marked = self.render(msgs, tools, with_spans=True)
             prompt = self.render(msgs[:-1], tools, add_generation_prompt=True)
@@ -513,11 +383,14 @@ class ChatEncoder:
         else:
             full = self.render(msgs, tools)
             cut, spans = self._chatml_spans(full, all_turns, truncated)
-        plan = self._cut(full, cut, spans, look)
+        plan = self._cut(full, cut, spans, conv.lookalikes)
         plan.turn, plan.n_messages = turn, len(msgs)
         return plan
 
     def _generation_spans(self, full, marked, cut, all_turns, truncated):
+        """The supervised spans of a template with `{% generation %}` blocks: its blocks
+        from `cut` on (all of them with `all_turns`), where `cut`, the end of the
+        generation prompt, comes from a second rendering with add_generation_prompt."""
         spans = [(max(s, cut) if s < cut < e else s, e) for s, e in marked if e > s]
         if not all_turns:
             spans = [(s, e) for s, e in spans if s >= cut]
@@ -542,6 +415,13 @@ class ChatEncoder:
                 return e
 
     def _chatml_spans(self, full: str, all_turns: bool, truncated: bool):
+        """The end of the generation prompt in a ChatML rendering, and its supervised
+        spans: from there (the header `<|im_start|>assistant\\n` and what the template
+        prefills: the Qwen3.6 format's `<think>\\n`, or its closed empty thinking block with
+        enable_thinking=false) through the `<|im_end|>` that closes the turn, never the
+        newline after it; a truncated answer's span stops before it (the model never wrote
+        it). With `all_turns`, earlier assistant turns too, each from after its header (and
+        the prefill, when the turn begins with it)."""
         header, prefill = self.header, self.prefill
         head_at = full.rfind(header)
         cut = head_at + len(header)
@@ -578,6 +458,11 @@ class ChatEncoder:
         return cut, spans
 
     def _cut(self, full: str, cut: int, spans, look: bool) -> RenderedRow:
+        """`full` cut into parts at its control tokens, at `cut` and at the edges of
+        `spans`. Cutting at control tokens gives the ids of a whole-text encode; cutting at
+        the end of the generation prompt gives the prompt the ids the server saw, and the
+        answer the ids of its own text (a whole-text encode could merge `assistant\\n`
+        with an answer that starts with a newline)."""
         texts: list[str] = []
         parts: list[int | None] = []
         sup: list[bool] = []
@@ -665,10 +550,11 @@ class ChatEncoder:
         )
 
     def encode(self, messages: list[dict], tools: list | None = None, *,
-               policy: str = "last", truncated: bool = False):
-        """Render and encode one conversation: [(ids, mask, prompt_len)] per row."""
+               policy: str = "last", truncated: bool = False) -> list[EncodedRow]:
+        """Render and encode one conversation: its rows."""
         batch = self.encode_plans(self.plan(messages, tools, policy=policy, truncated=truncated))
-        return [(*batch.row(i), batch.prompt_lens[i]) for i in range(len(batch.prompt_lens))]
+        return [EncodedRow(*batch.row(i), batch.prompt_lens[i])
+                for i in range(len(batch.prompt_lens))]
 
     # ---------------------------------------------------------- train/serve
 
@@ -689,9 +575,9 @@ class ChatEncoder:
         parsed, as an engine that does not sanitize message text encodes it."""
         if engine_style:
             return np.array(self.engine_ids(self.engine_prompt(messages, tools)), dtype=np.int32)
-        msgs, tls, look = self._for_template(with_parsed_arguments(messages), tools)
-        text = self.render(msgs, tls, add_generation_prompt=True)
-        return self.encode_plans([self._cut(text, len(text), [], look)]).ids
+        conv = self._for_template(with_parsed_arguments(messages), tools)
+        text = self.render(conv.messages, conv.tools, add_generation_prompt=True)
+        return self.encode_plans([self._cut(text, len(text), [], conv.lookalikes)]).ids
 
 
 def is_nfc(normalizer) -> bool:

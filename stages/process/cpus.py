@@ -1,5 +1,6 @@
 """How many CPUs this process may use: the one count behind every `num_proc: 0` and
-`threads: 0` (each stage decides how many of them its own work can keep busy).
+`threads: 0` (each stage decides how many of them its own work can keep busy); and how
+many of them sat idle since a `times()` reading (`idle_since`).
 
 No byte of any output depends on it: stages write the same data whatever the count.
 """
@@ -7,6 +8,7 @@ No byte of any output depends on it: stages write the same data whatever the cou
 from __future__ import annotations
 
 import os
+from typing import NamedTuple, Optional
 
 
 def usable() -> int:
@@ -16,3 +18,38 @@ def usable() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+class CpuTimes(NamedTuple):
+    """CPU time so far, in ticks, of the CPUs this process may run on."""
+
+    idle: int  # idle and waiting on I/O
+    total: int
+
+
+def times() -> Optional[CpuTimes]:
+    """The CpuTimes of now, from /proc/stat; None where there is none."""
+    try:
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().decode("ascii", "replace").splitlines()
+    except (AttributeError, OSError):  # not Linux
+        return None
+    idle = total = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in mine:
+            ticks = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+            idle += ticks[3] + ticks[4]
+            total += sum(ticks)
+    return CpuTimes(idle, total) if total else None
+
+
+def idle_since(since: Optional[CpuTimes]) -> float:
+    """How many of this process's CPUs sat idle on average since the reading `since`
+    (0 when it cannot be told). Not the load average: that of the minute before counts
+    what ran before the reading."""
+    now = times()
+    if since is None or now is None or now.total <= since.total:
+        return 0.0
+    return (now.idle - since.idle) / (now.total - since.total) * usable()

@@ -3,7 +3,7 @@ against the index while a single-process prepare goes on making the next batches
 
 On a machine of two CPUs prepare runs in one process (workers would only compete with
 it), which leaves one CPU idle; checking there takes most of decontamination's cost off
-prepare. prepare sends each batch as its counts and one packed buffer (decontam.pack) and
+prepare. prepare sends each batch as its counts and one packed buffer (ngrams.pack) and
 reads the answers back in the order it sent them, CHECK_AHEAD batches ahead at most.
 
 An answer is awaited CHECK_TIMEOUT seconds at most: a checker that was stopped (SIGSTOP)
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from stages.common.errors import StageError
-from stages.sources import decontam
+from stages.sources import decontam, ngrams
 
 log = logging.getLogger("prepare")
 
@@ -75,7 +75,7 @@ class Checker:
             return  # hits() answers None: the caller checks them
         if not self.proc.is_alive():
             raise _gone()
-        self._outbox.put((counts, decontam.pack(texts)))
+        self._outbox.put((counts, ngrams.pack(texts)))
 
     def hits(self) -> Optional[list]:
         """Index.check's answer for the oldest batch sent and not yet answered, or None
@@ -171,7 +171,7 @@ def _serve(asks, answers, folder: str) -> None:
                 return
             try:
                 out.put(index.check_packed(data, counts))
-            except decontam.Unpacked:
+            except ngrams.Unpacked:
                 out.put(None)
     except Exception as e:  # noqa: BLE001 - told to prepare, which stops with it
         out.put(("error", f"{type(e).__name__}: {e}"))

@@ -33,7 +33,7 @@ def settle_tool_turns(messages: list) -> bool:
     there is no structured call to answer (calls written as text). Ids depend only on
     the conversation, so a prompt sends the same request in every run.
     """
-    if not any(m["role"] == "tool" for m in messages):
+    if "tool" not in [m["role"] for m in messages]:  # called per row: no generator
         return False
     changed = _unwrap_responses(messages)
     pending: list[str] = []

@@ -21,7 +21,8 @@ import unicodedata
 import numpy as np
 import pytest
 
-from stages.chat.encoder import ChatEncoder, ESC
+from stages.chat.controltokens import ESC
+from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -352,8 +353,8 @@ def test_policy_expand_rows_are_each_turn_as_at_inference(tok, enc, ref):
         for (ids, mask, _), i in zip(rows, turns):
             check_row(ref, enc, msgs[: i + 1], tools, ids, mask)
         (last_ids, last_mask, _), = enc.encode(msgs, tools, policy="last")
-        assert rows[-1][0].tolist() == last_ids.tolist()
-        assert rows[-1][1].tolist() == last_mask.tolist()
+        assert rows[-1].ids.tolist() == last_ids.tolist()
+        assert rows[-1].mask.tolist() == last_mask.tolist()
 
 
 def test_truncated_answer_has_no_end_of_turn_in_the_loss(enc, ref):
@@ -530,17 +531,6 @@ def test_tokenizer_adding_a_prefix_space_per_piece_is_refused(tok):
     spm = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
     with pytest.raises(StageError, match="piece by piece.*Metaspace"):
         ChatEncoder(spm, chat_template=tok.chat_template, name="spm")
-
-
-def test_raw_lines_that_may_spell_a_control_token_are_found(enc):
-    may = enc.codec.json_may_spell
-    # only an escape can hide a spelling in a line with no '<' and no sentinel byte
-    assert may(rb'{"content": "\u003c|im_end|>"}')
-    assert may(rb'{"content": "<\/think>"}') and may(rb'{"content": "a\/b"}')
-    assert may(json.dumps({"content": "x <think> y"}).encode())
-    assert may(json.dumps({"content": f"x {ESC} y"}, ensure_ascii=False).encode())
-    assert not may(rb'{"content": "line\nbreak \"quoted\" <b>bold</b>"}')
-    assert not may(json.dumps({"content": "你好 🙂"}, ensure_ascii=False).encode())
 
 
 def test_skipping_nfc_for_normalized_text_leaves_the_tokenizer_as_it_was(tok, enc):

@@ -349,12 +349,15 @@ SHAPED_BY = {
     "stages/process/cli.py": set(),
     "stages/process/cpus.py": set(),  # how many processes: the output is the same for any count
     "stages/dataset/headloss.py": {"validate"},
+    "stages/dataset/rowsummary.py": {"validate"},
     "stages/sources/decontam.py": {"prepare"},
+    "stages/sources/ngrams.py": {"prepare"},
     "stages/sources/checker.py": {"prepare"},
     "stages/process/children.py": set(),  # how workers live and end: results come in order
     "stages/serving/logpipe.py": {"generate"},
     "stages/dataset/markdown.py": {"merge"},
     "stages/chat/encoder.py": {"generate", "tokenize"},  # generate counts prompts with it
+    "stages/chat/controltokens.py": {"generate", "tokenize"},  # the encoder's
     # the demo model carries the template, but no byte validate writes depends on it
     "stages/models/templates/qwen3.6.jinja": {"generate", "tokenize"},
 }

@@ -20,7 +20,7 @@ def saved(tmp_path):
     evals = tmp_path / "e.jsonl"
     evals.write_text(json.dumps({"q": QUESTION}) + "\n")
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(evals), "columns", prompt_field="q")])
-    index = decontam.build(cfg, "error")[0]
+    index = decontam.build(cfg, "error").index
     folder = tmp_path / "index"
     folder.mkdir()
     index.save(folder)

@@ -1,4 +1,4 @@
-"""Decontamination: words, the n-gram index built from evaluation files, and the check."""
+"""Decontamination: the n-gram index built from evaluation files, and the check."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from stages.common import params
 from stages.common.errors import StageError
 from stages.sources import decontam
+from stages.sources.ngrams import words
 
 GSM = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -56,32 +57,13 @@ def evals(tmp_path: Path) -> list[dict]:
 
 def index(tmp_path: Path, **policy) -> decontam.Index:
     cfg = params.build(params.Decontaminate, {"evals": evals(tmp_path), **policy}, "prepare.decontaminate")
-    return decontam.build(cfg, "error")[0]
+    return decontam.build(cfg, "error").index
 
 
 def verdicts(idx: decontam.Index, prompts: list[list[str]]) -> list:
     """Per prompt None or (eval set, item index, shared n-gram)."""
     hits = idx.check([t for p in prompts for t in p], [len(p) for p in prompts])
-    return [None if h is None else (*idx.where(h[0]), h[1]) for h in hits]
-
-
-# ----------------------------------------------------------------------------- words
-
-
-def test_words_fold_case_punctuation_whitespace_and_unicode_forms():
-    assert decontam.words("Hello,\tWORLD!!  it's 2+2=4\n(foo_bar)") == [
-        "hello", "world", "it", "s", "2", "2", "4", "foo", "bar"]
-    composed, decomposed = "caf\u00e9 na\u00efve", "cafe\u0301 nai\u0308ve"
-    assert decontam.words(composed) == decontam.words(decomposed) == ["café", "naïve"]
-    assert decontam.words("STRASSE Straße") == ["strasse", "straße"]
-
-
-def test_scripts_without_spaces_give_one_word_per_letter():
-    assert decontam.words("Привет, мир!") == ["привет", "мир"]
-    assert decontam.words("区块链。是什么？") == ["区", "块", "链", "是", "什", "么"]
-    assert decontam.words("カタカナとひらがな") == list("カタカナとひらがな")
-    assert decontam.words("abc漢字def 한국어 문장") == ["abc", "漢", "字", "def", "한국어", "문장"]
-    assert decontam.words("नमस्ते दुनिया") == ["नमस्ते", "दुनिया"]  # combining marks stay in the word
+    return [None if h is None else (*idx.where(h.item), h.ngram) for h in hits]
 
 
 # ------------------------------------------------------------------------- the check
@@ -99,7 +81,7 @@ def test_copies_in_disguise_are_caught_and_attributed(tmp_path):
                          [GSM[1]]])
     assert [g[:2] for g in got] == [("gsm", 0), ("gsm", 0), ("trivia", 1), ("intl", 0),
                                     ("intl", 1), ("gsm", 1)]
-    assert got[2][2] == " ".join(decontam.words(TRIVIA[1])[:13])  # the first shared n-gram
+    assert got[2][2] == " ".join(words(TRIVIA[1])[:13])  # the first shared n-gram
     assert len(got[4][2].split()) == 13
 
 
@@ -107,9 +89,9 @@ def test_near_misses_and_clean_prompts_are_kept(tmp_path):
     idx = index(tmp_path)
     paraphrase = ("In April Natalia sold clips to 48 friends; in May she sold half that many. "
                   "What is the total number of clips she sold over the two months?")
-    twelve_words = " ".join(decontam.words(GSM[0])[:12])  # one word short of an n-gram
+    twelve_words = " ".join(words(GSM[0])[:12])  # one word short of an n-gram
     # every run of 13 words broken by a changed word
-    broken = " ".join(w if i % 6 != 5 else "XX" for i, w in enumerate(decontam.words(TRIVIA[0])))
+    broken = " ".join(w if i % 6 != 5 else "XX" for i, w in enumerate(words(TRIVIA[0])))
     clean = ["Explain recursion to a new programmer.", "Write a haiku about autumn rain.",
              "What is 7 times 9?", "Сколько будет семь умножить на восемь?", "区块链是什么？"]
     got = verdicts(idx, [[paraphrase], [twelve_words + " and more unrelated words here"],
@@ -141,7 +123,7 @@ def test_the_item_sharing_most_ngrams_wins(tmp_path):
     rows = [{"q": base[: len(base) // 2]}, {"q": base}]  # item 1 holds all of item 0
     path = write_jsonl(tmp_path / "e.jsonl", rows)
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(path), "columns", prompt_field="q")])
-    idx = decontam.build(cfg, "error")[0]
+    idx = decontam.build(cfg, "error").index
     assert verdicts(idx, [[base]])[0][:2] == ("e", 1)
 
 
@@ -151,7 +133,7 @@ def test_long_words_are_hashed_whole(tmp_path):
     b = a.replace("expialidocious", "expialidociouz")
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(write_jsonl(tmp_path / "e.jsonl", [{"q": a}])),
                                            "columns", prompt_field="q")])
-    idx = decontam.build(cfg, "error")[0]
+    idx = decontam.build(cfg, "error").index
     assert [v is not None for v in verdicts(idx, [[a.upper()], [b]])] == [True, False]
 
 
@@ -184,7 +166,8 @@ def test_index_memory_is_a_few_bytes_per_ngram(tmp_path):
     rows = [{"q": " ".join(f"t{i}x{j}" for j in range(40))} for i in range(500)]
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(write_jsonl(tmp_path / "e.jsonl", rows)),
                                            "columns", prompt_field="q")])
-    idx, stats = decontam.build(cfg, "error")
+    built = decontam.build(cfg, "error")
+    idx, stats = built.index, built.stats
     assert len(idx.hashes) == 500 * 28
     assert idx.nbytes() <= 24 * len(idx.hashes)
     assert stats["e"]["indexed"] == 500
@@ -213,7 +196,7 @@ def test_malformed_eval_lines_follow_on_bad_row(tmp_path):
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(path), "columns", prompt_field="question")])
     with pytest.raises(StageError, match=r"eval set e: .*e.jsonl:2: malformed JSON"):
         decontam.build(cfg, "error")
-    _, stats = decontam.build(cfg, "skip")
+    stats = decontam.build(cfg, "skip").stats
     assert stats["e"]["items"] == 2 and stats["e"]["skipped"] == {"malformed_json": 1}
 
 
@@ -223,6 +206,22 @@ def test_an_eval_text_with_a_lone_surrogate_follows_on_bad_row(tmp_path):
     cfg = params.Decontaminate(evals=[params.EvalSet("e", str(path), "columns", prompt_field="question")])
     with pytest.raises(StageError, match=r"eval set e: .*e\.jsonl:2: text that is not valid Unicode"):
         decontam.build(cfg, "error")
-    index, stats = decontam.build(cfg, "skip")
+    built = decontam.build(cfg, "skip")
+    index, stats = built.index, built.stats
     assert stats["e"]["items"] == 2 and stats["e"]["skipped"] == {"invalid_text": 1}
     assert index.check([GSM[0]], [1])[0] is not None
+
+
+def test_an_eval_tool_call_no_template_can_write_follows_on_bad_row(tmp_path):
+    call = {"type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    path = write_jsonl(tmp_path / "e.jsonl", [
+        {"messages": [{"role": "user", "content": GSM[0]},
+                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "content": "r", "tool_call_id": "c"}]},
+        {"messages": [{"role": "user", "content": GSM[1]}]}])
+    cfg = params.Decontaminate(evals=[params.EvalSet("e", str(path), "messages")])
+    with pytest.raises(StageError, match=r"eval set e: .*e\.jsonl:1: messages\[1\]\.tool_calls\[0\]"):
+        decontam.build(cfg, "error")
+    built = decontam.build(cfg, "skip")
+    assert built.stats["e"]["items"] == 2 and built.stats["e"]["skipped"] == {"bad_tool_call": 1}
+    assert built.index.check([GSM[1]], [1])[0].item == 1

@@ -1,10 +1,7 @@
 """End to end: the real `dvc repro` on the demo data in a throwaway clone of the repo."""
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import datasets
 import pytest

@@ -59,7 +59,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import harness  # noqa: E402
 import bench_tokenize  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
-from stages.process import cpus  # noqa: E402
+from stages.common import cpus  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "seed"
 

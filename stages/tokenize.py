@@ -33,7 +33,7 @@ import pyarrow as pa
 from stages.chat import conversation, enginerows, servecheck
 from stages.chat.encoder import ChatEncoder
 from stages.chat.engineids import Served
-from stages.common import outputs, params
+from stages.common import cpus, outputs, params
 from stages.common.errors import StageError, json_object
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -42,7 +42,7 @@ from stages.dataset.schema import (
     shard_name,
     write_metadata,
 )
-from stages.process import children, cli, cpus
+from stages.process import children, cli
 
 log = logging.getLogger(__name__)
 

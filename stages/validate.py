@@ -35,7 +35,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.common import outputs, params
+from stages.common import cpus, outputs, params
 from stages.common.errors import StageError, json_file, json_type
 from stages.dataset import charts, loader, rowsummary, traincheck
 from stages.dataset.idhashes import IdHashes
@@ -61,7 +61,7 @@ from stages.dataset.schema import (
     row_schema,
     rows_pass,
 )
-from stages.process import cli, cpus
+from stages.process import cli
 
 log = logging.getLogger("validate")
 

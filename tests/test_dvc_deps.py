@@ -30,9 +30,11 @@ EVERY_STAGE = frozenset(PIPELINE)
 LEFT_OUT = {
     # how a stage process runs, shaping no byte of any out: the command line (options,
     # logging, signals, one-line errors; it hands the params, a dep, to the stage
-    # unchanged), the CPU count behind `num_proc: 0` / `threads: 0` (outputs are the same
-    # for any count), how worker processes live and end (results come back in order)
+    # unchanged), how worker processes live and end (results come back in order)
     "stages/process": EVERY_STAGE,
+    # the CPU count behind `num_proc: 0` / `threads: 0` and the run file's host (outputs
+    # are the same for any count)
+    "stages/common/cpus.py": EVERY_STAGE,
     # the demo model, for `demo:` model names: editing demo code must never rerun a
     # 15-hour generation (validate depends on it: its training check's default model)
     "stages/models/tinymodel.py": frozenset({"generate"}),

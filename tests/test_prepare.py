@@ -18,7 +18,7 @@ import yaml
 from stages import prepare
 from stages.common import params, reports
 from stages.common.errors import StageError
-from stages.process import cpus
+from stages.common import cpus
 from stages.sources import checker, readers
 from tests import stagecli
 

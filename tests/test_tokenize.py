@@ -19,7 +19,7 @@ from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 from stages.common.params import ParamError, Tokenize
 from stages.dataset.schema import FEATURES
-from stages.process import cpus
+from stages.common import cpus
 from tests import stagecli
 
 PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write

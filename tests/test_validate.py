@@ -14,10 +14,10 @@ import pyarrow as pa
 import pytest
 
 from stages import validate
-from stages.common import params
+from stages.common import cpus, params
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
-from stages.process import cli, cpus
+from stages.process import cli
 from tests import stagecli
 
 PATHS = stagecli.paths("validate")  # where dvc.yaml has the stage read and write

@@ -18,7 +18,7 @@ import platform
 from pathlib import Path
 from typing import Optional
 
-from stages.process import cpus
+from stages.common import cpus
 
 RUN_FOLDER = "runs"
 

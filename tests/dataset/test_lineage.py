@@ -347,7 +347,7 @@ SHAPED_BY = {
     "stages/models/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/models/tokenizer.py": {"generate", "tokenize", "validate"},  # validate: the demo model's
     "stages/process/cli.py": set(),
-    "stages/process/cpus.py": set(),  # how many processes: the output is the same for any count
+    "stages/common/cpus.py": set(),  # how many processes: the output is the same for any count
     "stages/dataset/headloss.py": {"validate"},
     "stages/dataset/rowsummary.py": {"validate"},
     "stages/sources/decontam.py": {"prepare"},

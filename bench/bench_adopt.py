@@ -19,7 +19,6 @@ shards with --quick). Work files live in bench/work/adopt and are removed afterw
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -34,12 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
+from harness import MB  # noqa: E402
 from bench_merge import generate  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
+from stages.common import reports  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "adopt"
 VOCAB = 248_077
-MB = 1 << 20
 BASE_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int64())),
                          ("loss_mask", pa.list_(pa.int64())),
                          ("conversation_id", pa.int64())])
@@ -87,7 +87,7 @@ def _merge(repo: Path) -> tuple[dict, float]:
     rc, peak_mb = outcome(proc.stdout) if proc.stdout.strip() else (proc.returncode, 0.0)
     if rc:
         raise RuntimeError(f"merge failed: {proc.stderr[-2000:]}")
-    return json.loads((repo / "reports/merge.json").read_text()), peak_mb
+    return reports.read(repo / "reports", "merge"), peak_mb  # seconds: the run's part
 
 
 def _copy(base: Path) -> float:
@@ -116,10 +116,8 @@ def _repo(name: str, base_shards: list[Path], tokenized: Path) -> Path:
 def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
-    base_bytes = (256 if quick else 2048) * MB
-    shard_bytes = (64 if quick else 256) * MB
-    shutil.rmtree(WORK, ignore_errors=True)
-    try:
+    base_bytes, shard_bytes = harness.set_bytes(quick, 2048)
+    with harness.scratch(WORK):
         source = WORK / "source"
         foreign_base(source, base_bytes, shard_bytes, 1)
         generate(WORK / "tokenized", 4 * MB, 4 * MB, "new", 2)
@@ -148,8 +146,6 @@ def main(quick: bool | None = None) -> dict:
             "adopt_tokens": adopted["tokens"],
             "adopt_rows_half": half_report["adopted"]["rows"],
         }
-    finally:
-        shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

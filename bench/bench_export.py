@@ -16,10 +16,7 @@ warm (the set was just written). Work files go to bench/work/export.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
-from bench_merge import MB, generate  # noqa: E402
+from bench_merge import generate  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "export"
 TRAINERS = ("trl", "specforge", "axolotl")
@@ -55,18 +52,9 @@ print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start}))
 """
 
 
-def _child(code: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
-    if proc.returncode or result.get("rc"):
-        raise RuntimeError(f"exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return result
-
-
 def _export(trainer: str, merged: Path, out: Path) -> dict:
-    result = _child(EXPORT, "--for", trainer, "--merged", str(merged), "--out", str(out))
+    result = harness.python_json(EXPORT, "--for", trainer, "--merged", str(merged),
+                                 "--out", str(out))
     result["bytes"] = sum(p.stat().st_size for p in out.iterdir())
     shutil.rmtree(out)  # one export on disk at a time
     return result
@@ -75,15 +63,13 @@ def _export(trainer: str, merged: Path, out: Path) -> dict:
 def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
-    total = (256 if quick else 2200) * MB
-    shard = (64 if quick else 256) * MB
-    shutil.rmtree(WORK, ignore_errors=True)
-    try:
+    total, shard = harness.set_bytes(quick, 2200)
+    with harness.scratch(WORK):
         full, half = WORK / "full", WORK / "half"
         rows = generate(full, total, shard, "full", 1)
         half_rows = generate(half, total // 2, shard, "half", 2)
         size = sum(p.stat().st_size for p in full.glob("*.arrow"))
-        copy = _child(COPY, str(full), str(WORK / "copy"))
+        copy = harness.python_json(COPY, str(full), str(WORK / "copy"))
         shutil.rmtree(WORK / "copy")
         figures = {}
         for trainer in TRAINERS:
@@ -97,8 +83,6 @@ def main(quick: bool | None = None) -> dict:
         return {**figures, "export_copy_seconds": round(copy["seconds"], 2),
                 "export_set_gb": round(size / 1e9, 3), "export_rows": rows,
                 "export_rows_half": half_rows}
-    finally:
-        shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,6 @@ The page cache is warm (the set was just written). Work files go to bench/work/l
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
-from bench_merge import MB, generate  # noqa: E402
+from bench_merge import generate  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "loader"
 TOKENS = 512
@@ -69,32 +65,21 @@ print(json.dumps({{"seconds": sum(times[1:]), "steps": len(times) - 1}}))  # fir
 """.format(tokens=TOKENS)
 
 
-def _child(code: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
-    total = (256 if quick else 2200) * MB
-    shard = (64 if quick else 256) * MB
-    shutil.rmtree(WORK, ignore_errors=True)
-    try:
+    total, shard = harness.set_bytes(quick, 2200)
+    with harness.scratch(WORK):
         full, half = WORK / "full", WORK / "half"
         rows = generate(full, total, shard, "full", 1, ROW_TOKENS)
         half_rows = generate(half, total // 2, shard, "half", 2, ROW_TOKENS)
         size = sum(p.stat().st_size for p in full.glob("*.arrow"))
-        packed = _child(PASS, str(full), "packed")
-        padded = _child(PASS, str(full), "padded")
-        packed_half = _child(PASS, str(half), "packed")
+        packed = harness.python_json(PASS, str(full), "packed")
+        padded = harness.python_json(PASS, str(full), "padded")
+        packed_half = harness.python_json(PASS, str(half), "packed")
         steps = 3 if quick else 5
-        train = _child(STEP, str(full), "packed", str(steps))
-        train_padded = _child(STEP, str(full), "padded", str(steps))
+        train = harness.python_json(STEP, str(full), "packed", str(steps))
+        train_padded = harness.python_json(STEP, str(full), "padded", str(steps))
         train_rate = train["steps"] / train["seconds"]
         train_rate_padded = train_padded["steps"] / train_padded["seconds"]
         rate = packed["batches"] / packed["seconds"]
@@ -116,8 +101,6 @@ def main(quick: bool | None = None) -> dict:
             "loader_batches": packed["batches"],
             "loader_tokens_per_batch": TOKENS,
         }
-    finally:
-        shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

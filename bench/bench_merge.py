@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
+from harness import MB  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.common import reports  # noqa: E402
 from stages.dataset.schema import (  # noqa: E402
@@ -47,7 +48,6 @@ from stages.dataset.schema import (  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "merge"
 VOCAB = 248_077
-MB = 1 << 20
 FINGERPRINT = {
     "tokenizer": {"name": "bench", "vocab_sha256": "0" * 64, "vocab_size": VOCAB,
                   "special_tokens": {}},

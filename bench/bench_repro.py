@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import harness  # noqa: E402
+from harness import MB  # noqa: E402
 WORK = ROOT / "bench" / "work" / "repro"
 BIN = Path(sys.executable).parent
-MB = 1 << 20
 GB = 1 << 30
 SHARD_BYTES = 128 * MB
 ROW_TOKENS = 2048

@@ -59,7 +59,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import harness  # noqa: E402
 import bench_tokenize  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
-from stages.common import cpus  # noqa: E402
+from stages.common import cpus, reports  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "seed"
 
@@ -417,7 +417,7 @@ def _stage(name: str, repo: Path) -> tuple[dict, dict]:
     rc, peak = outcome(stdout)
     if rc:
         raise RuntimeError(f"bench_seed: {name} exited {rc}")
-    report = json.loads((repo / "reports" / f"{name}.json").read_text())
+    report = reports.read(repo / "reports", name)  # the facts and the run's timings
     if name == "validate" and isinstance(report["train_check"].get("process_peak_rss_mb"), float):
         peak = max(peak, report["train_check"]["process_peak_rss_mb"])
     tokens = {"tokenize": report.get("tokens"), "validate": report.get("tokens"),

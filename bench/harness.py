@@ -1,19 +1,40 @@
-"""What every benchmark shares about running things: the size switch, and the environment
-and shell of the stage and `dvc` commands it starts."""
+"""What every benchmark shares about running things: the size switch, its scratch folder,
+and the environment and shell of the stage, `dvc` and Python commands it starts."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
+MB = 1 << 20
 
 
 def quick() -> bool:
     """Smaller inputs (`BENCH_QUICK=1` or `--quick`): a quick look, fixed costs weigh more."""
     return os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+
+
+def set_bytes(quick: bool, full_mb: int) -> tuple[int, int]:
+    """(bytes of the set, bytes per shard) a set-sized benchmark writes: 256 MB in 64 MB
+    shards when quick, else `full_mb` in 256 MB shards."""
+    return (256 if quick else full_mb) * MB, (64 if quick else 256) * MB
+
+
+@contextlib.contextmanager
+def scratch(work: Path) -> Iterator[Path]:
+    """`work`, empty, removed again whatever happens: a benchmark's sets can be gigabytes."""
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def env() -> dict:
@@ -31,3 +52,15 @@ def sh(cmd: list[str], cwd: Path) -> str:
     if proc.returncode:
         raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return proc.stdout
+
+
+def python_json(code: str, *args: str) -> dict:
+    """Run `python -c code args` in its own process (its peak RSS is its own) and read the
+    JSON object its last line prints; RuntimeError if it failed or says `rc`."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines else {}
+    if proc.returncode or result.get("rc"):
+        raise RuntimeError(f"exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return result

@@ -60,6 +60,13 @@ def prebuilt_caches() -> None:
         os.chdir(cwd)
 
 
+def link_caches(dest: Path) -> None:
+    """dest/.cache is the project's, the bundled tokenizer and demo model built in it first
+    (a clean clone has no .cache until something builds one)."""
+    prebuilt_caches()
+    (Path(dest) / ".cache").symlink_to(ROOT / ".cache")
+
+
 def run_products() -> list[str]:
     """What runs write into a checkout besides ignored folders: dvc.lock and every out,
     metric and plot of dvc.yaml (`make demo` leaves them, untracked, in the project)."""

@@ -23,7 +23,7 @@ import yaml
 from stages import demo, export
 from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
 from tests import stagecli
-from tests.repo import ROOT, prebuilt_caches
+from tests.repo import ROOT, link_caches
 
 IGNORE = -100
 
@@ -85,9 +85,8 @@ def pipeline_set(tmp_path_factory):
     """data/merged made by the real tokenize and merge commands: a base of the demo's
     arithmetic answers, then new rows with a system prompt, several turns (all trained:
     masks with gaps), a tool call, thinking and non-ASCII text."""
-    prebuilt_caches()
     root = tmp_path_factory.mktemp("export")
-    (root / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(root)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["tokenize"].update(enable_thinking=True, multi_turn="all", shard_rows=6)
     (root / "params.yaml").write_text(yaml.safe_dump(params))

@@ -21,6 +21,7 @@ from stages.common.params import ParamError, Tokenize
 from stages.dataset.schema import FEATURES
 from stages.common import cpus
 from tests import stagecli
+from tests.repo import link_caches
 
 PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
 
@@ -161,7 +162,7 @@ def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch, caplog):
 def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
     """What DVC compares (and merge depends on) moves only with the data: a rerun with
     other num_proc writes the same metrics file, its timings go to the run's report."""
-    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(tmp_path)
     rows = [completion(i, f"s{i % 2}", qa(f"q{i} " * (i % 5 + 1), f"a{i} " * (i * 7 % 30 + 1)))
             for i in range(40)]
     write(tmp_path / "data/completions/completions.jsonl", rows)
@@ -317,7 +318,7 @@ def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch
 
 
 def test_run_writes_the_report(tmp_path, monkeypatch):
-    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(tmp_path)
     write(tmp_path / "data/completions/completions.jsonl", ROWS[:1])
     monkeypatch.chdir(tmp_path)
     tokenize.run(Tokenize(), PATHS)
@@ -327,7 +328,7 @@ def test_run_writes_the_report(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_bad_input_exits_1_with_one_line(tmp_path):
-    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(tmp_path)
     write(tmp_path / "data/completions/completions.jsonl", [ROWS[0], "{oops\n"])
     (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 2\n")
     proc = subprocess.run(stagecli.command("tokenize"), cwd=tmp_path,
@@ -342,7 +343,7 @@ def test_cli_bad_input_exits_1_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_cli_row_breaking_the_contract_is_one_line(tmp_path):
-    (tmp_path / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(tmp_path)
     write(tmp_path / "data/completions/completions.jsonl",
           [ROWS[0], completion(9, "s", qa("q", "a"), tools=[1, "f"])])
     (tmp_path / "params.yaml").write_text("tokenize:\n  num_proc: 1\n")

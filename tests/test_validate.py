@@ -14,11 +14,12 @@ import pyarrow as pa
 import pytest
 
 from stages import validate
-from stages.common import cpus, params
+from stages.common import cpus, params, reports
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
 from stages.process import cli
 from tests import stagecli
+from tests.repo import link_caches
 
 PATHS = stagecli.paths("validate")  # where dvc.yaml has the stage read and write
 
@@ -432,7 +433,7 @@ def train_cfg(**kw) -> params.Validate:
 @pytest.fixture
 def demo_model_cache(repo):
     """The demo model built once under the project's .cache, seen from the test repo."""
-    (repo / ".cache").symlink_to(ROOT / ".cache")
+    link_caches(repo)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -568,6 +569,9 @@ def test_the_longest_batch_is_off_on_a_cpu_unless_asked_for(repo, demo_model_cac
     longest = check["longest_batch"]
     assert longest["tokens"] == 64
     assert longest["full_logits_mb"] == round(64 * 248077 * 4 / 2**20, 1)
+    prefix = "train_check.longest_batch."
+    run_keys = [k[len(prefix):] for k in reports.RUN["validate"] if k.startswith(prefix)]
+    assert run_keys and all(k in longest for k in run_keys), (run_keys, longest)
 
 
 def test_the_process_peak_survives_the_steps_resets(repo, demo_model_cache):

@@ -13,7 +13,8 @@ from stages.common import params
 from stages.sources import decontam, prompts, readers
 from stages.sources.layouts import Dropped
 from stages.sources.prompts import Candidate, PromptSpec
-from tests.sources.test_decontam import GSM, evals as eval_sets
+from tests.sources import test_decontam
+from tests.sources.test_decontam import GSM
 
 
 SPECS = itertools.count()  # a spec's token: workers make one maker per token
@@ -74,7 +75,7 @@ def test_a_candidate_comes_back_whole_from_a_worker():
 
 
 def test_a_contaminated_candidate_becomes_a_match(tmp_path):
-    cfg = params.build(params.Decontaminate, {"evals": eval_sets(tmp_path)}, "prepare.decontaminate")
+    cfg = params.build(params.Decontaminate, {"evals": test_decontam.evals(tmp_path)}, "prepare.decontaminate")
     decontam.register("test-prompts", decontam.build(cfg, "error").index)
     try:
         made = prompts.work(spec("columns", evals="test-prompts"),

@@ -482,8 +482,8 @@ def test_an_experiment_shows_only_what_changed_in_the_data(history):
 def test_every_key_the_split_names_is_in_a_real_run_report(history):
     """reports.RUN names keys the stages really write (none renamed away unnoticed). The
     history's longest batch is off (tests/repo.py): test_validate holds its keys."""
-    skipped = json.loads((history.repo / "reports" / "validate.json").read_text())
-    assert "skipped" in skipped["train_check"]["longest_batch"]
+    validated = json.loads((history.repo / "reports" / "validate.json").read_text())
+    assert "skipped" in validated["train_check"]["longest_batch"]
     for stage, keys in reports.RUN.items():
         written = json.loads((history.repo / "reports" / "runs" / f"{stage}.json").read_text())
         for key in keys:

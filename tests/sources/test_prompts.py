@@ -75,7 +75,8 @@ def test_a_candidate_comes_back_whole_from_a_worker():
 
 
 def test_a_contaminated_candidate_becomes_a_match(tmp_path):
-    cfg = params.build(params.Decontaminate, {"evals": test_decontam.evals(tmp_path)}, "prepare.decontaminate")
+    cfg = params.build(params.Decontaminate, {"evals": test_decontam.evals(tmp_path)},
+                       "prepare.decontaminate")
     decontam.register("test-prompts", decontam.build(cfg, "error").index)
     try:
         made = prompts.work(spec("columns", evals="test-prompts"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,9 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
 from harness import MB  # noqa: E402
-from bench_merge import generate  # noqa: E402
-from peak import outcome, stage_command  # noqa: E402
-from stages.common import reports  # noqa: E402
+from bench_merge import generate, run_stage  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "adopt"
 VOCAB = 248_077
@@ -80,14 +77,9 @@ def _batch(rng, first: int, n: int) -> pa.RecordBatch:
 
 
 def _merge(repo: Path) -> tuple[dict, float]:
-    """The merge stage in its own process; (its report, its peak RSS in MB)."""
+    """The merge stage in its own process, from scratch; (its report, its peak RSS in MB)."""
     shutil.rmtree(repo / "data/merged", ignore_errors=True)
-    proc = subprocess.run(stage_command("merge"), cwd=repo, env=harness.env(), capture_output=True,
-                          text=True)
-    rc, peak_mb = outcome(proc.stdout) if proc.stdout.strip() else (proc.returncode, 0.0)
-    if rc:
-        raise RuntimeError(f"merge failed: {proc.stderr[-2000:]}")
-    return reports.read(repo / "reports", "merge"), peak_mb  # seconds: the run's part
+    return run_stage("merge", repo)
 
 
 def _copy(base: Path) -> float:

@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
-from harness import MB  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.common import reports  # noqa: E402
 from stages.dataset.schema import (  # noqa: E402
@@ -124,7 +123,7 @@ def raw_scan(folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def _stage(name: str, repo: Path) -> tuple[dict, float]:
+def run_stage(name: str, repo: Path) -> tuple[dict, float]:
     """Run a stage in its own process; return (its report, peak RSS in MB)."""
     rc, peak_mb = outcome(harness.sh(stage_command(name), repo))
     if rc:
@@ -151,8 +150,8 @@ def _half_size(repo: Path, params: str) -> dict:
         os.link(path, half / "data/base" / path.name)
     shutil.copytree(repo / "data/tokenized", half / "data/tokenized", copy_function=os.link)
     (half / "params.yaml").write_text(params)
-    report, merge_rss = _stage("merge", half)
-    validate_rss = _stage("validate", half)[1]
+    report, merge_rss = run_stage("merge", half)
+    validate_rss = run_stage("validate", half)[1]
     return {
         "merge_peak_rss_half_mb": round(merge_rss, 1),
         "validate_peak_rss_half_mb": round(validate_rss, 1),
@@ -163,12 +162,10 @@ def _half_size(repo: Path, params: str) -> dict:
 def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
-    base_bytes = (256 if quick else 2200) * MB
-    shard_bytes = (64 if quick else 256) * MB
+    base_bytes, shard_bytes = harness.set_bytes(quick, 2200)
     new_bytes = base_bytes // 5  # the reference run appended 193K rows to 902K
-    shutil.rmtree(WORK, ignore_errors=True)
     repo = WORK / "repo"
-    try:
+    with harness.scratch(WORK):
         repo.mkdir(parents=True)
         harness.sh(["git", "init", "-q"], repo)
         harness.sh(["dvc", "init", "-q"], repo)
@@ -196,7 +193,7 @@ def main(quick: bool | None = None) -> dict:
             shutil.rmtree(dest)
         copy_seconds = sorted(copies)[1]
 
-        merge_report, merge_rss = _stage("merge", repo)
+        merge_report, merge_rss = run_stage("merge", repo)
         harness.sh(["dvc", "add", "-q", "data/merged"], repo)
         growth = _cache_bytes(repo) - cache_before
 
@@ -206,10 +203,10 @@ def main(quick: bool | None = None) -> dict:
         for _ in range(3):
             scans.append(raw_scan(repo / "data/merged"))
             (repo / "params.yaml").write_text(params)  # default: threads up to 4
-            runs.append(_stage("validate", repo))
+            runs.append(run_stage("validate", repo))
             one = params.replace("validate:\n", "validate:\n  threads: 1\n")
             (repo / "params.yaml").write_text(one)
-            singles.append(_stage("validate", repo)[0]["seconds"])
+            singles.append(run_stage("validate", repo)[0]["seconds"])
         validate_seconds = min(report["seconds"] for report, _ in runs)
         validate_rss = max(rss for _, rss in runs)
         one_thread = min(singles)
@@ -234,8 +231,6 @@ def main(quick: bool | None = None) -> dict:
             "merge_new_rows": new_rows,
             **half,
         }
-    finally:
-        shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

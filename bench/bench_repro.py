@@ -178,8 +178,7 @@ def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
     base_mb, new_mb = (192, 64) if quick else (1920, 128)
-    shutil.rmtree(WORK, ignore_errors=True)
-    try:
+    with harness.scratch(WORK):
         repo = WORK / "pipeline"
         build(repo, base_mb, new_mb)
         first, _ = sh(["dvc", "repro"], repo)
@@ -190,8 +189,6 @@ def main(quick: bool | None = None) -> dict:
         sh(["dvc", "config", "cache.type", "copy"], repo)
         sh(["dvc", "checkout", "--relink"], repo)
         copy = du_bytes(repo)
-    finally:
-        shutil.rmtree(WORK, ignore_errors=True)
     return {
         "noop_repro_seconds": round(noop, 2),
         "noop_status_seconds": round(status, 2),

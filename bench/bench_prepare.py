@@ -132,7 +132,7 @@ def run_stage(path: Path, rows: int, num_proc: int, extra: dict | None = None, t
     proc.stdout.close()
     if os.waitstatus_to_exitcode(status) != 0 or outcome(out)[0] != 0:
         raise RuntimeError(f"prepare failed on {path}:\n{err}")
-    report = json.loads((run_dir / "reports" / "prepare.json").read_text())
+    report = reports.read(run_dir / "reports", "prepare")  # index_mb: the run's part
     assert report["totals"]["read"] == rows, report["totals"]
     # with workers, the peak is the stage process's own (the biggest)
     return {"wall": rows / seconds, "cpu": rows / (usage.ru_utime + usage.ru_stime),

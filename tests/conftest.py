@@ -15,6 +15,28 @@ settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
+# tests/test_every_cpu.py runs the numeric tests with a given number of torch threads, more
+# than the cores too: torch caps OMP_NUM_THREADS at the cores when it starts, not this
+TORCH_THREADS = "TEST_TORCH_THREADS"
+
+
+def pytest_configure(config):
+    if os.environ.get(TORCH_THREADS):
+        import torch
+
+        torch.set_num_threads(int(os.environ[TORCH_THREADS]))
+
+
+def pytest_report_header(config):
+    """The kernel set and threads torch computes with, once something has imported it."""
+    import sys
+
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return (f"torch kernels: {torch.backends.cpu.get_cpu_capability()}, "
+                f"threads: {torch.get_num_threads()}")
+    return None
+
 
 @pytest.fixture
 def fake_server():

@@ -21,7 +21,7 @@ import functools
 from stages.common.errors import StageError
 from stages.dataset.loader import IGNORE
 
-# float32 logits of one chunk of positions; backward holds a few such tensors at once
+# the logits of one chunk of positions; backward holds a few such tensors at once
 CHUNK_BYTES = 64 << 20
 
 
@@ -37,13 +37,14 @@ class Head:
                              "linear layer: its loss cannot be computed in chunks")
         self.weight, self.bias = layer.weight, layer.bias
         self.vocab = self.weight.shape[0]
-        self.rows = max(1, CHUNK_BYTES // (4 * self.vocab))
+        width = torch.finfo(_accumulation(self.weight.dtype)).bits // 8
+        self.rows = max(1, CHUNK_BYTES // (width * self.vocab))
 
     def logits(self, hidden):
-        """float32 logits of a few positions ([positions, hidden size])."""
+        """Logits of a few positions ([positions, hidden size]), at least float32."""
         import torch.nn.functional as F
 
-        return F.linear(hidden, self.weight, self.bias).float()
+        return _upcast(F.linear(hidden, self.weight, self.bias))
 
 
 def last_hidden(model, inputs: dict):
@@ -88,11 +89,12 @@ def _forward(hidden, weight, bias, targets, rows: int):
     import torch
     import torch.nn.functional as F
 
-    lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
-    losses = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    dtype = _accumulation(hidden.dtype)
+    lse = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
+    losses = torch.empty(targets.shape, dtype=dtype, device=hidden.device)
     for lo in range(0, len(hidden), rows):
         part = slice(lo, lo + rows)
-        logits = F.linear(hidden[part], weight, bias).float()  # upcast, as the models' loss
+        logits = _upcast(F.linear(hidden[part], weight, bias))
         lse[part] = torch.logsumexp(logits, -1)
         picked = logits.gather(1, targets[:, part].clamp(min=0).T).T
         losses[:, part] = torch.where(targets[:, part] == IGNORE, 0.0, lse[part] - picked)
@@ -111,7 +113,7 @@ def _backward(hidden, weight, bias, targets, lse, grad, rows: int, needs: tuple)
     d_bias = torch.zeros_like(bias) if bias is not None and needs[2] else None
     for lo in range(0, len(hidden), rows):
         part = slice(lo, lo + rows)
-        g = F.linear(hidden[part], weight, bias).float()
+        g = _upcast(F.linear(hidden[part], weight, bias))
         g.sub_(lse[part, None]).exp_()  # softmax, in place
         g.mul_(grad[:, part].sum(0)[:, None])
         at = torch.arange(g.shape[0], device=g.device).expand(len(targets), -1)
@@ -125,6 +127,19 @@ def _backward(hidden, weight, bias, targets, lse, grad, rows: int, needs: tuple)
         if d_bias is not None:
             d_bias += g.sum(0)
     return d_hidden, d_weight, d_bias
+
+
+def _accumulation(dtype):
+    """The dtype logits and losses are computed in: float32 for half-precision models (as
+    the models' own loss upcasts), the model's own where it is wider (float64 in the tests,
+    whose bounds follow float64's epsilon)."""
+    import torch
+
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _upcast(logits):
+    return logits.to(_accumulation(logits.dtype))
 
 
 def mean_loss(losses, targets):

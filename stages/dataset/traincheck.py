@@ -32,7 +32,20 @@ log = logging.getLogger("validate")
 
 # Largest per-token loss difference between layouts that counts as the same: float32
 # differs by ~1e-6 from summation order; a row that attends into another moves by ~0.1+.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+def loss_tolerance(dtype) -> float:
+    """How far apart two losses of the same tokens may be, relative to max(1, |loss|):
+    sqrt of the dtype's epsilon, i.e. half its significant bits agree (3.5e-4 in float32,
+    0.088 in bfloat16). Computing the same sums in another order (packed, padded, alone;
+    chunked or whole-vocabulary logits; another CPU's kernels or thread split) moves a
+    loss by units in the last place; a label one token off moves it by O(1)."""
+    import torch
+
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def _apart(got, reference) -> float:
+    """|got - reference| relative to max(1, |reference|): what loss_tolerance() bounds."""
+    return abs(got - reference) / max(1.0, abs(reference))
 
 
 class TrainCheckFailed(StageError):
@@ -61,7 +74,7 @@ def run(cfg: params.TrainCheck, folder: Path, max_seq_len: int) -> dict:
     head = headloss.Head(model, f"validate.train_check.model: {path}")
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    tolerance = TOLERANCE[str(dtype).removeprefix("torch.")]
+    tolerance = float(f"{loss_tolerance(dtype):.3g}")
     fitting = Fitting(cfg.tokens_per_batch)
     steps, losses, diffs, rows, tokens, supervised = [], [], {}, 0, 0, 0
     head_check = None
@@ -216,8 +229,8 @@ def _head_check(model, head, row: loader.Row, device, tolerance: float, path: st
     with torch.no_grad():
         own = model(**inputs, use_cache=False).loss.item()
         chunked = _loss(model, head, inputs).item()
-    difference = abs(own - chunked)
-    if not difference <= tolerance * max(1.0, abs(own)):
+    difference = _apart(chunked, own)
+    if not difference <= tolerance:
         raise StageError(
             f"validate.train_check.model: {path}: its own loss ({own:.6g}) is not the "
             f"cross-entropy of its output layer on its last hidden states ({chunked:.6g}) on "
@@ -276,7 +289,8 @@ def _batch(model, head, group, packed: bool, pad_id: int, device, tolerance: flo
     for name in ("packed", "padded"):
         worst = 0.0
         for k, (got, ref) in enumerate(zip(per_row[name], alone)):
-            worst = max(worst, float((got - ref).abs().max()) if len(ref) else 0.0)
+            worst = max(worst, float(((got - ref).abs() / ref.abs().clamp(min=1.0)).max())
+                        if len(ref) else 0.0)
             if worst > tolerance:
                 raise TrainCheckFailed(
                     f"train step: row {k} of {_rows(group)} has a per-token loss {worst:.3g} "
@@ -371,7 +385,7 @@ def _check_labels(losses, targets, per_row: list, group, loss: float,
         total += float(values[where].sum()) if len(where) else 0.0
         count += len(where)
     reference = total / count if count else float("nan")
-    if not abs(reference - loss) <= tolerance * max(1.0, abs(reference)):
+    if not _apart(loss, reference) <= tolerance:
         raise TrainCheckFailed(
             f"train step: the loss {loss:.6g} is not the mean cross-entropy of the {count} "
             f"supervised tokens ({reference:.6g}): the labels do not follow loss_mask "

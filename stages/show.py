@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                 out.append(terminal.render(olds[id(m)], use, args.tokens).replace(
                     "=== row", f"=== at {args.rev}: row", 1))
             out.append(terminal.render(m, use, args.tokens))
-        sys.stdout.write("\n".join(out))
+        sys.stdout.write(out[0] + "\n\n" + "".join(out[1:]))
 
     return cli.reported("show", work)
 

@@ -26,7 +26,11 @@ h1{font-size:1.3em}section{border:1px solid #ccc;border-radius:6px;margin:1em 0;
 dl{display:grid;grid-template-columns:max-content auto;gap:.1em 1em;margin:.3em 0 .8em}
 dt{font-weight:600}dd{margin:0;overflow-wrap:anywhere}
 .text{font:13px/1.5 ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere}
-.t{unicode-bidi:isolate}.t0{color:#777}
+.t{unicode-bidi:isolate;position:relative}.t0{color:#777}
+.t[data-pos]:hover{outline:1px solid #333}
+.t[data-pos]:hover::after{content:"pos " attr(data-pos) " \b7  id " attr(data-token-id);
+position:absolute;left:0;top:1.6em;z-index:9;background:#222;color:#fff;font-size:11px;
+padding:1px 4px;border-radius:3px;white-space:nowrap;pointer-events:none}
 .t1{background:#d8f5d0;color:#0b3d02}.t1.thinking{background:#eadcf8;color:#3b1060}
 .t1.tool_call{background:#d2eef7;color:#063b4c}
 .ctl{outline:1px solid #b58900;background:#fff3c4;color:#6b5200;font-weight:600}
@@ -34,12 +38,12 @@ dt{font-weight:600}dd{margin:0;overflow-wrap:anywhere}
 .diff{box-shadow:inset 0 -3px 0 #d62828}.note{color:#a33;font-style:italic}
 .legend span{margin-right:1em;padding:0 .3em}.side{display:grid;grid-template-columns:1fr 1fr;gap:1em}
 """
-LEGEND = ('<p class="legend"><b>Legend:</b> <span class="t t1 answer">supervised answer</span>'
+LEGEND = ('<p class="legend"><strong>Legend:</strong> <span class="t t1 answer">supervised answer</span>'
           '<span class="t t1 thinking">supervised thinking</span>'
           '<span class="t t1 tool_call">supervised tool call</span>'
           '<span class="t t0">not supervised</span><span class="t ctl">control token</span>'
           '<span class="t diff">differs from the other version</span> '
-          'Hover a token for its position and id. Characters that hide or reorder text '
+          'Hover a token for its position and id (CSS only: no script). Characters that hide or reorder text '
           'are written \u27e8U+XXXX\u27e9.</p>')
 
 
@@ -66,12 +70,9 @@ def row_section(m: Marked, label: Optional[str] = None) -> str:
         differs = m.differs is not None and bool(m.differs[k])
         if differs:
             classes += " diff"
-        title = (f"pos {k} \u00b7 id {i} \u00b7 {'supervised' if sup else 'not supervised'}"
-                 f" \u00b7 {kind}" + (" \u00b7 control token" if m.control[k] else "")
-                 + (" \u00b7 differs" if differs else ""))
         extra = ' data-differs="1"' if differs else ""
         out.append(f'<span class="{classes}" data-token-id="{i}" data-pos="{k}" '
-                   f'data-supervised="{sup}"{extra} title="{esc(title)}">{esc(piece)}</span>')
+                   f'data-supervised="{sup}"{extra}>{esc(piece)}</span>')
     out.append("</div></section>")
     return "".join(out)
 
@@ -92,3 +93,23 @@ def page(title: str, rows: list[Marked], note: str = "",
         out.append('<div class="side">' + row_section(old, a) + row_section(new, b) + "</div>")
     out.append("</body></html>\n")
     return "\n".join(out)
+
+
+def write_samples(folder, target, sample: int = 2, longest: int = 1, seed: int = 0,
+                  max_tokens: int = 1024) -> int:
+    """validate's page: `sample` seeded rows and the longest of every source of the set at
+    `folder`, written atomically to `target`; the number of rows on it."""
+    from stages.common import outputs
+    from stages.view.marked import mark
+    from stages.view.rows import Dataset
+    from stages.view.tokens import text_for
+
+    data = Dataset(folder)
+    rows = data.per_source(sample, seed, longest)
+    text = text_for(data.fingerprint)
+    marked = [mark(r, text, data, max_tokens) for r in rows]
+    note = (f"{sample} rows drawn with seed {seed} and the {longest} longest of every "
+            f"source; at most {max_tokens} tokens a row. More: python -m stages.show --help")
+    with outputs.atomic_file(target) as f:
+        f.write(page(f"Sample rows of {folder}", marked, note))
+    return len(marked)

@@ -213,6 +213,28 @@ class Dataset:
         picked = list(dict.fromkeys(int(n) for n in picked))
         return self.by_numbers(picked)
 
+    def per_source(self, sample: int, seed: int, longest: int) -> list[Row]:
+        """`sample` seeded rows and the `longest` longest of every source (sources in
+        name order), in one pass over the source and length columns."""
+        if not self.has_source:
+            return self.chosen(sample=sample, seed=seed, longest=longest)
+        numbers: dict[str, list] = {}
+        lengths: dict[str, list] = {}
+        for start, _path, _k, got in self.scan(("source", "length")):
+            column = got["source"]
+            for name in pc.unique(column).to_pylist():
+                hit = (pc.is_null(column) if name is None else pc.equal(column, name))
+                idx = np.flatnonzero(hit.fill_null(False).to_numpy(zero_copy_only=False))
+                numbers.setdefault(name, []).append(idx + start)
+                lengths.setdefault(name, []).append(got["length"][idx])
+        picked: list[int] = []
+        for name in sorted(numbers, key=lambda n: (n is None, n or "")):
+            nums, lens = np.concatenate(numbers[name]), np.concatenate(lengths[name])
+            rng = np.random.default_rng(seed)
+            picked += sorted(rng.choice(nums, min(sample, len(nums)), replace=False).tolist())
+            picked += nums[np.argsort(-lens, kind="stable")[:longest]].tolist()
+        return self.by_numbers(list(dict.fromkeys(int(n) for n in picked)))
+
     # ------------------------------------------------------------ one row
 
     def _fetch(self, number: int, path: Path, batch_index: int, j: int) -> Row:

@@ -6,7 +6,8 @@ unsupervised text dim, control tokens in reverse video. Plain (NO_COLOR, or pipe
 every supervised span is written between `[[` and `]]` (more brackets when the row's
 text itself holds `[[` or `]]`; the header's `marks` says which), and the text between
 them is exactly the span's decode, but for ⟨U+XXXX⟩ escapes (tokens.visible).
-`tokens=True` lists one token a line: position, id, supervised, kind, text.
+`tokens=True` lists one token a line: position, id, supervised, kind, text. A row is
+`=== row ID`, its header lines (indented), the body, and a line `=== end of row`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def header(m: Marked, colour: bool, tokens: bool = False) -> list[str]:
 
 def body(m: Marked, colour: bool) -> str:
     """The row's text with its supervised spans marked."""
-    if not colour and not tokens:
+    if not colour:
         opened, closed = marks(m)
         out = []
         for a, b, sup in m.spans():
@@ -87,7 +88,11 @@ def token_lines(m: Marked) -> list[str]:
     return lines
 
 
+END = "=== end of row"
+
+
 def render(m: Marked, colour: bool, tokens: bool = False) -> str:
+    """Header lines, the body, then END on a line of its own."""
     parts = header(m, colour, tokens)
     parts += token_lines(m) if tokens else [body(m, colour)]
-    return "\n".join(parts) + "\n"
+    return "\n".join(parts) + f"\n{END}\n\n"

@@ -12,6 +12,7 @@ assistant turn thinking (`<think>`...`</think>`), tool call (`<tool_call>`...) o
 from __future__ import annotations
 
 import codecs
+import functools
 import re
 from typing import Sequence
 
@@ -152,14 +153,21 @@ def runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
 
 
 def text_for(fingerprint: dict, spec: str | None = None) -> TokenText:
-    """TokenText for the tokenizer a set's fingerprint names (or `spec`)."""
+    """TokenText for the tokenizer a set's fingerprint names (or `spec`); loaded once
+    per process."""
     from stages.common.errors import StageError
-    from stages.models.tokenizer import _load_hf, load_tokenizer
 
     tok = fingerprint.get("tokenizer") if isinstance(fingerprint, dict) else None
     spec = spec or (tok.get("name") if isinstance(tok, dict) else None)
     if not isinstance(spec, str) or not spec:
         raise StageError("the set's fingerprint.json names no tokenizer; give --tokenizer")
+    return _loaded(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def _loaded(spec: str) -> TokenText:
+    from stages.models.tokenizer import _load_hf, load_tokenizer
+
     if spec.startswith("bundled:"):
         return TokenText(load_tokenizer(spec))
     return TokenText(_load_hf(spec, trust_remote_code=False))  # no chat template needed

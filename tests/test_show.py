@@ -65,7 +65,12 @@ def show(capsys, monkeypatch):
 
 def plain_rows(out: str) -> dict[str, tuple[str, str, str]]:
     """id -> (marks opened, marks closed, body) of each row the plain view printed."""
-    rows = {}
+    return {head: rest for head, *rest in plain_list(out)}
+
+
+def plain_list(out: str) -> list[tuple[str, str, str, str]]:
+    """(id, marks opened, marks closed, body) of each row the plain view printed."""
+    rows = []
     for part in out.split("=== row ")[1:]:
         part = part.split("\n=== end of row\n")[0]
         head, _, rest = part.partition("\n")
@@ -73,7 +78,7 @@ def plain_rows(out: str) -> dict[str, tuple[str, str, str]]:
         facts = [line for line in lines if line.startswith("  ")]
         marks = next(line for line in facts if line.startswith("  marks: "))
         opened, closed = marks.split()[1:3]
-        rows[head] = (opened, closed, "\n".join(lines[len(facts):]))
+        rows.append((head, opened, closed, "\n".join(lines[len(facts):])))
     return rows
 
 
@@ -195,7 +200,8 @@ def test_every_export_shows_what_its_trainer_reads(rowset, tmp_path, show):
         proc = show(out, "--row", "0", "--row", "2", "--color", "never")
         assert proc.returncode == 0, proc.stderr
         assert "axolotl export (labels != -100)" in proc.stdout or trainer != "axolotl"
-        bodies = [body for _, _, body in plain_rows(proc.stdout).values()]
+        bodies = [body for _, _, _, body in plain_list(proc.stdout)]
+        assert len(bodies) == 2
         ordered = list(rows.values())
         for body, (ids, mask) in zip(bodies, [ordered[0], ordered[2]]):
             assert spans(body, "[[", "]]") == [visible(s) for s in
@@ -211,6 +217,8 @@ def test_row_choices_and_a_missing_id(rowset, show):
     assert heads[1] == visible(min(lengths, key=lengths.get))
     proc = show(data, "--id", "nope")
     assert proc.returncode == 1 and proc.stderr.strip().endswith("no row with id 'nope'")
+    a = show(data, "--sample", "2", "--seed", "5", "--color", "never").stdout
+    assert a == show(data, "--sample", "2", "--seed", "5", "--color", "never").stdout
 
 
 def test_the_command_line_colours_only_a_terminal(rowset):
@@ -224,8 +232,9 @@ def test_the_command_line_colours_only_a_terminal(rowset):
     ids, mask = rows["think-1"]
     opened, closed, body = plain_rows(plain.stdout)["think-1"]
     assert spans(body, opened, closed) == supervised_runs(tok, ids, mask)
-    a = show(data, "--sample", "2", "--seed", "5", "--color", "never").stdout
-    assert a == show(data, "--sample", "2", "--seed", "5", "--color", "never").stdout
+    coloured = subprocess.run(run + ["--color", "always"], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=600)
+    assert "\x1b[1m" in coloured.stdout and "marks:" not in coloured.stdout
 
 
 def chromium() -> str | None:

@@ -7,13 +7,14 @@ column of each shard (memory-mapped), so its time follows rows, not tokens.
 Writes a synthetic set in the row contract (random ids, mean ~600 tokens a row) under
 bench/work/show, removed afterwards. Figures, `show_` + :
 
-  lookup_<where>_s      Dataset.by_ids for a row at the start / middle / end of the set
-  scan_ids_s            every shard's id column, as the lookup reads it (an absent id)
-  scan_checked_s        baseline: the same id scan through the project's default reader,
-                        which checks every column's bytes (so reads the token columns)
-  checked_vs_ids        scan_checked_s / scan_ids_s
-  cli_s                 `python -m stages.show --id ID` end to end (tokenizer load included)
-  cli_peak_rss_mb       its peak RSS
+  lookup_<where>_s      Dataset.by_ids for a row at the start / middle / end of the set,
+                        the set's pages first dropped from the page cache (cold)
+  lookup_end_read_mb    what the cold lookup of the last row read from disk (/proc/self/io)
+  lookup_end_warm_s     the same lookup again (pages cached)
+  read_all_s, _mb       baseline: every byte of the shards read once, cold
+  read_all_vs_lookup    read_all_s / lookup_end_s
+  cli_s                 `python -m stages.show --id ID` end to end, cold (tokenizer load
+                        included), and cli_peak_rss_mb its peak RSS
 """
 
 from __future__ import annotations
@@ -73,6 +74,30 @@ def write_set(folder: Path, rows: int) -> int:
     return tokens
 
 
+def evict(folder: Path) -> None:
+    """Drop this set's pages (only its own files) from the page cache: a cold read."""
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def read_bytes() -> int:
+    """Bytes this process has had read from storage (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def read_all(folder: Path) -> int:
+    total = 0
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                total += len(chunk)
+    return total
+
+
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
@@ -82,7 +107,6 @@ def timed(fn) -> tuple[float, object]:
 def main() -> dict:
     rows = int(os.environ.get("BENCH_SHOW_ROWS") or (200_000 if harness.quick() else 2_000_000))
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
-    from stages.dataset.schema import list_shards, open_shard
     from stages.view.rows import Dataset
 
     out = {"show_rows": rows}
@@ -95,21 +119,21 @@ def main() -> dict:
               f"{seconds:.0f} s", flush=True)
         data = Dataset(folder)
         for where, n in (("start", 0), ("middle", rows // 2), ("end", rows - 1)):
+            evict(folder)
+            before = read_bytes()
             seconds, found = timed(lambda: data.by_ids([f"row-{n:09d}"]))
             assert found[0].number == n and len(found[0].input_ids) > 0
             out[f"show_lookup_{where}_s"] = round(seconds, 3)
-
-        def scan(check):
-            hits = 0
-            for path in list_shards(folder):
-                with open_shard(path, check=check) as reader:
-                    for batch in reader:
-                        hits += int(batch.column("id").null_count)
-            return hits
-
-        out["show_scan_ids_s"] = round(timed(lambda: scan(("id",)))[0], 3)
-        out["show_scan_checked_s"] = round(timed(lambda: scan(None))[0], 3)
-        out["show_checked_vs_ids"] = round(out["show_scan_checked_s"] / out["show_scan_ids_s"], 1)
+            out[f"show_lookup_{where}_read_mb"] = round((read_bytes() - before) / 2**20, 1)
+        out["show_lookup_end_warm_s"] = round(
+            timed(lambda: data.by_ids([f"row-{rows - 1:09d}"]))[0], 3)
+        evict(folder)
+        before = read_bytes()
+        out["show_read_all_s"] = round(timed(lambda: read_all(folder))[0], 2)
+        out["show_read_all_mb"] = round((read_bytes() - before) / 2**20, 1)
+        out["show_read_all_vs_lookup"] = round(out["show_read_all_s"] /
+                                               out["show_lookup_end_s"], 1)
+        evict(folder)
         cmd = [sys.executable, "-m", "stages.show", str(folder), "--id",
                f"row-{rows - 1:09d}", "--color", "never"]
         start = time.perf_counter()

@@ -125,6 +125,8 @@ class ShardReader:
                  drop_behind: bool, check: Optional[tuple[str, ...]] = None):
         self.path = path
         self._check = check
+        if check is not None:  # a few columns of each batch: no read-around of the rest
+            mapped.madvise(mmap.MADV_RANDOM)
         self._source = source
         self._mapped = mapped
         self._drop_behind = drop_behind
@@ -172,7 +174,8 @@ class ShardReader:
 def open_shard(path: str | Path, drop_behind: bool = False,
                check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache).
-    `check`: the only columns whose bytes are checked (and so read); default all."""
+    `check`: the only columns whose bytes are checked (and so read: the file is then
+    mapped for random access, with no read-around); default all."""
     path = Path(path)
     try:
         with open_regular(path) as f:

@@ -241,18 +241,25 @@ class Dataset:
         with open_shard(path, check=()) as reader:  # batches before it are skipped unread
             for k, batch in enumerate(reader):
                 if k == batch_index:
-                    one = batch.slice(j, 1)
-                    try:
-                        one.validate(full=True)
-                    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
-                        raise StageError(f"{path}: damaged record batch ({e})") from None
-                    return self._arrow(number, one, path)
+                    return self._arrow(number, batch, j, path)
         raise StageError(f"{path}: record batch {batch_index} is gone")
 
-    def _arrow(self, number: int, one: pa.RecordBatch, path: Path) -> Row:
-        row = one.to_pylist()[0]
-        ids = np.asarray(row["input_ids"] or [], np.int64)
-        values = np.asarray(row[self.mask] or [], np.int64)
+    def _arrow(self, number: int, batch: pa.RecordBatch, j: int, path: Path) -> Row:
+        """Row `j` of `batch`, its bytes checked: the strings in full, each list's bounds
+        against its values (the other rows' tokens stay unread)."""
+        row = {}
+        try:
+            for name in batch.schema.names:
+                column = batch.column(name)
+                if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+                    row[name] = _list_row(column, j)
+                elif name in ("id", "source"):
+                    column.validate(full=True)
+                    row[name] = column[j].as_py()
+        except (pa.ArrowInvalid, UnicodeDecodeError, ValueError) as e:
+            raise StageError(f"{path}: damaged record batch ({e})") from None
+        ids = np.asarray(row["input_ids"], np.int64)
+        values = np.asarray(row[self.mask], np.int64)
         notes = []
         if len(values) != len(ids):
             notes.append(f"{self.mask} has {len(values)} values for {len(ids)} tokens")
@@ -278,6 +285,18 @@ class Dataset:
             mask = np.resize(mask, len(ids)) if len(mask) else np.zeros(len(ids), np.int64)
         rid = doc.get("id") if isinstance(doc.get("id"), str) else None
         return Row(number, rid, None, ids, mask == 1, path.name, notes)
+
+
+def _list_row(column: pa.Array, j: int) -> np.ndarray:
+    """Row `j` of a list column of integers (empty when null); ValueError when its
+    offsets point outside the values."""
+    if column.null_count and not column.is_valid()[j].as_py():
+        return np.zeros(0, np.int64)
+    lo, hi = column.offsets[j].as_py(), column.offsets[j + 1].as_py()
+    child = column.values
+    if not 0 <= lo <= hi <= len(child) or not pa.types.is_integer(child.type):
+        raise ValueError(f"row {j}: list offsets {lo}..{hi} outside its {len(child)} values")
+    return child.slice(lo, hi - lo).to_numpy(zero_copy_only=False)
 
 
 def _jsonl_row(line: bytes, path: Path, number: int) -> dict:

@@ -80,3 +80,17 @@ def test_exports_are_read_as_their_trainer_reads_them(rowset, tmp_path):
         if trainer != "axolotl":
             assert data.by_ids(["r5"])[0].number == 5
         assert json.loads((out / "export.json").read_text())["for"] == trainer
+
+
+def test_a_lookup_checks_the_row_it_returns_and_no_other(tmp_path):
+    from stages.dataset.schema import write_metadata
+    from tests.dataset.test_schema import _damaged_tokens_shard
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    _damaged_tokens_shard(folder / "data-00000-of-00001.arrow")
+    write_metadata(folder, ["data-00000-of-00001.arrow"])
+    data = Dataset(folder)
+    assert data.by_ids(["a"])[0].input_ids.tolist() == [7, 8]
+    with pytest.raises(StageError, match="damaged record batch"):
+        data.by_ids(["b"])

@@ -119,6 +119,7 @@ def main(argv=None) -> int:
                     o.differs, m.differs = versions.differences(o.ids, o.supervised, m.ids,
                                                                 m.supervised)
                     m.facts["differs from " + args.rev] = _count(m, o)
+                    m.facts["differing positions"] = _positions(m.differs)
                     pairs.append((o, m))
         if args.html:
             title = f"{folder}: {len(marked)} rows"
@@ -148,6 +149,15 @@ def main(argv=None) -> int:
 def _count(new, old) -> str:
     return (f"{int(new.differs.sum())} of {new.shown} tokens here, "
             f"{int(old.differs.sum())} of {old.shown} there")
+
+
+def _positions(flags, most: int = 20) -> str:
+    """The flagged positions as ranges (`3-5, 9`), the first `most` of them."""
+    from stages.view.tokens import runs
+
+    spans = [(a, b) for a, b, on in runs(flags) if on]
+    text = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in spans[:most])
+    return (text + (f", ... ({len(spans) - most} more)" if len(spans) > most else "")) or "none"
 
 
 def default_data() -> Path:

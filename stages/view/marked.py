@@ -40,7 +40,9 @@ class Marked:
 def mark(row: Row, text: TokenText, dataset: Dataset, max_tokens: int) -> Marked:
     shown = len(row.input_ids) if not max_tokens else min(len(row.input_ids), max_tokens)
     ids = row.input_ids[:shown]
-    pieces = text.pieces(ids)
+    # decoded run by run: a marked span's text is exactly the decode of its tokens, even
+    # where a character's bytes straddle the edge of supervision
+    pieces = [p for a, b, _ in runs(row.supervised[:shown]) for p in text.pieces(ids[a:b])]
     kinds = text.kinds(ids, pieces)
     control = np.fromiter((int(i) in text.control for i in ids.tolist()), bool, len(ids))
     return Marked(row, pieces, kinds, control, row.supervised[:shown], shown,

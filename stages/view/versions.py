@@ -46,8 +46,8 @@ def at_revision(folder: str | Path, rev: str) -> Iterator[Path]:
             raise StageError(f"--rev {rev}: cannot read {rel} at that revision "
                              f"({type(e).__name__}: {str(e)[:200]})") from None
         for entry in entries:
-            if entry.get("type") != "file":
-                continue
+            if entry.get("type") != "file" or entry["name"].rstrip("/") == rel:
+                continue  # a folder, or the out itself where the revision has no version
             name = Path(entry["name"]).name
             md5 = entry.get("md5") or (entry.get("dvc_info") or {}).get("md5")
             cached = cache.oid_to_path(md5) if md5 else None
@@ -60,7 +60,8 @@ def at_revision(folder: str | Path, rev: str) -> Iterator[Path]:
                     raise StageError(f"--rev {rev}: cannot fetch {entry['name']} "
                                      f"({type(e).__name__}: {str(e)[:200]})") from None
         if not any(tmp.iterdir()):
-            raise StageError(f"--rev {rev}: {rel} holds no files at that revision")
+            raise StageError(f"--rev {rev}: {rel} holds no files at that revision (a "
+                             "version is in git once dvc.lock is committed after dvc repro)")
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

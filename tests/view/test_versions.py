@@ -90,3 +90,4 @@ def test_rev_reads_the_committed_version_through_dvc_and_marks_what_changed(tmp_
     plain = run([sys.executable, "-m", "stages.show", "set", "--id", "a", "--rev", "HEAD",
                  "--color", "never"], repo, timeout=600)
     assert "differs from HEAD: 5 of 41 tokens here, 4 of 40 there" in plain
+    assert "differing positions: 5, 20-22, 30" in plain

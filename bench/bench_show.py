@@ -1,8 +1,8 @@
 """Finding a row by id at the seed's scale: `python -m stages.show --id` reads only the id
 column of each shard (memory-mapped), so its time follows rows, not tokens.
 
-  python bench/bench_show.py            2,000,000 rows (~1.2B tokens, ~6 GB in 40 shards)
-  BENCH_SHOW_ROWS=500000 ...            any row count (BENCH_QUICK=1: 200,000)
+  python bench/bench_show.py            1,090,000 rows, the seed's (~650M tokens, ~3 GB)
+  BENCH_SHOW_ROWS=2000000 ...           any row count (BENCH_QUICK=1: 200,000)
 
 Writes a synthetic set in the row contract (random ids, mean ~600 tokens a row) under
 bench/work/show, removed afterwards. Figures, `show_` + :
@@ -105,7 +105,7 @@ def timed(fn) -> tuple[float, object]:
 
 
 def main() -> dict:
-    rows = int(os.environ.get("BENCH_SHOW_ROWS") or (200_000 if harness.quick() else 2_000_000))
+    rows = int(os.environ.get("BENCH_SHOW_ROWS") or (200_000 if harness.quick() else 1_090_000))
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.view.rows import Dataset
 

@@ -152,6 +152,8 @@ def summary(ran: list[str] | None) -> str:
     )
     lines.append(f"export:   python -m stages.export --for trl --merged {merged} --out export/trl"
                  "   (or specforge, axolotl)")
+    lines.append(f"look:     python -m stages.show --row 0   (supervised tokens marked; --id ID, "
+                 f"--html rows.html; sample rows: {charts.samples(folder)})")
     return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ from stages.dataset.schema import (
     rows_pass,
 )
 from stages.process import cli
+from stages.view import page
 
 log = logging.getLogger("validate")
 
@@ -122,6 +123,7 @@ def run(cfg: params.Validate, paths) -> dict:
     budget, train_check = _training(cfg, findings, data)
 
     _write_plots(scan.stats, scan.width, paths.reports)
+    _write_samples(data, paths.reports)
     report = _report(cfg, findings, scan, shards, expected, used, budget, train_check)
     report["seconds"] = round(time.perf_counter() - start, 3)
     written = outputs.write_report(paths.reports, "validate", report)
@@ -502,6 +504,20 @@ def _write_svg(reports: Path, name: str, edges: list, counts: dict[str, list[int
     title, x_label = charts.PICTURES[name]
     with outputs.atomic_file(charts.picture(reports, name)) as f:
         f.write(charts.histogram_svg(title, x_label, edges, panels))
+
+
+def _write_samples(data: Path, reports: Path) -> None:
+    """reports/samples.html: seeded rows of every source, supervised tokens marked (a
+    view, not a check: when rows cannot be drawn the page says why)."""
+    target = charts.samples(reports)
+    try:
+        rows = page.write_samples(data, target)
+    except StageError as e:
+        log.warning("%s: no sample rows (%s)", target, e)
+        with outputs.atomic_file(target) as f:
+            f.write(page.page(f"Sample rows of {data}", [], f"No sample rows: {e}"))
+        return
+    log.info("%s: %d sample rows", target, rows)
 
 
 def _file_names(sources: list[str]) -> dict[str, str]:

@@ -2,7 +2,8 @@
 open in any browser, image viewer or Git host, offline. (`dvc plots show` writes HTML
 that loads vega from a CDN: blank on an air-gapped host.)
 
-validate writes one per plot (PICTURES) under plots(reports); the dataset card links them.
+validate writes one per plot (PICTURES) under plots(reports), and a page of sample rows
+(samples(reports), stages/view/page.py); the dataset card links them.
 One chart stacks panels that share the x axis: all rows first, then one per source.
 """
 
@@ -15,6 +16,8 @@ PICTURES = {  # name: (title, x label)
     "token_length": ("Token length per row", "tokens per row"),
     "supervised_fraction": ("Supervised fraction per row", "supervised tokens / tokens"),
 }
+
+SAMPLES = "samples.html"
 
 WIDTH = 720
 PANEL = 120  # plot height of one panel
@@ -81,3 +84,8 @@ def picture(reports: Path, name: str) -> Path:
 
 def _edge(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:g}"
+
+
+def samples(reports: Path) -> Path:
+    """validate's page of sample rows, supervised tokens marked."""
+    return Path(reports) / SAMPLES

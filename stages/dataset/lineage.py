@@ -567,6 +567,8 @@ def _training(paths) -> str:
         "memory, the longest batch) and the token budget of an epoch (batches, optimizer "
         "steps, padding padded vs packed, supervised tokens per step by source).\n\n"
         + "\n\n".join(pictures) + "\n\n"
+        f"Sample rows of every source, supervised tokens marked: [{charts.SAMPLES}]"
+        f"({link(charts.samples(paths.reports))}) (any row: `python -m stages.show --id ID`).\n\n"
         "Training batches (padded or packed, labels masked): "
         "`from stages.dataset.loader import batches`.\n"
     )

@@ -122,8 +122,11 @@ class ShardReader:
     """
 
     def __init__(self, path: Path, source: pa.BufferReader, mapped: mmap.mmap,
-                 drop_behind: bool):
+                 drop_behind: bool, check: Optional[tuple[str, ...]] = None):
         self.path = path
+        self._check = check
+        if check is not None:  # a few columns of each batch: no read-around of the rest
+            mapped.madvise(mmap.MADV_RANDOM)
         self._source = source
         self._mapped = mapped
         self._drop_behind = drop_behind
@@ -144,7 +147,11 @@ class ShardReader:
                 end = self._source.tell()
                 # offsets and lengths are checked against the buffers before any reader
                 # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
-                batch.validate(full=True)
+                if self._check is None:
+                    batch.validate(full=True)
+                else:  # only the columns this reader will touch: the others stay unread
+                    for name in self._check:
+                        batch.column(name).validate(full=True)
             except StopIteration:
                 if self._mapped[end : end + 9] != _END_MARKER:  # marker, then nothing
                     raise StageError(
@@ -164,8 +171,11 @@ class ShardReader:
 
 
 @contextlib.contextmanager
-def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardReader]:
-    """Open a shard read-only (never for writing: it may be a link into the DVC cache)."""
+def open_shard(path: str | Path, drop_behind: bool = False,
+               check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
+    """Open a shard read-only (never for writing: it may be a link into the DVC cache).
+    `check`: the only columns whose bytes are checked (and so read: the file is then
+    mapped for random access, with no read-around); default all."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -179,7 +189,7 @@ def open_shard(path: str | Path, drop_behind: bool = False) -> Iterator[ShardRea
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise StageError(f"{path}: cannot read ({e.strerror})") from None
-    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind)
+    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind, check)
 
 
 def read_schema(path: str | Path) -> pa.Schema:

@@ -161,7 +161,8 @@ def test_the_card_links_what_validate_writes(repo):
     text = (repo / "data/merged/README.md").read_text()
     targets = {(repo / "data/merged" / t).resolve() for t in re.findall(r"\]\(([^)]+)\)", text)}
     reports = MERGE_PATHS.reports
-    assert targets == {(repo / reports / "validate.json").resolve()} | {
+    assert targets == {(repo / reports / "validate.json").resolve(),
+                       (repo / charts.samples(reports)).resolve()} | {
         (repo / charts.picture(reports, name)).resolve() for name in charts.PICTURES}
 
 

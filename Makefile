@@ -18,7 +18,7 @@ ENGINE_STAMP := $(ENGINE_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(ENGINE_P
 # sglang-kernel holds CPU kernels; the one SGLang calls on a CPU without AMX is written in
 # torch in engines/sglang_cpu/, put ahead of the CUDA sgl_kernel on this venv's path by a
 # .pth, which also sets SGLANG_USE_CPU_ENGINE=1: this venv serves on the CPU only.
-SGLANG_VENV := .venv-sglang
+SGLANG_VENV := .venv-sglang-cpu
 SGLANG_PINS := sglang==0.5.23 sglang-router==0.3.2
 SGLANG_STAMP := $(SGLANG_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(SGLANG_PINS)))
 SGLANG_CPU := $(SGLANG_VENV)/sglang-cpu/sgl_kernel/__init__.py

@@ -115,7 +115,7 @@ password of Basic auth, or its user part when there is no password: a token-only
 optionally sliced like {key[:9]} or {key_url[3:]}.
 
 A request without `rid` is tracked under "sha:" + a hash of its messages; a retry's rid
-(`ID~N`, stages/serving/client.py) is counted as attempt N of ID.
+(`ID~N.RUN`, stages/serving/client.py) is counted as an attempt of ID.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "length", "unclosed_think", "abort",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
-RETRY_ID = re.compile(r"~\d+$")  # a retry's rid: the request's own, "~", the attempt
+RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(
     r"\{(key|auth)(_json|_ujson|_url|_pct|_b64)?(?:\[(-?\d*):(-?\d*)\])?\}")

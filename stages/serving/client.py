@@ -46,7 +46,6 @@ CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
     (re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages", re.S), 1, 2),
 )
 OOM_HINT = "out of memory even after retracting"
-RETRY_ID_MARK = "~"  # a retry's request id: the prompt id, this, the attempt number
 MAX_MESSAGE = 500
 MAX_BODY_READ = 1 << 20  # of an error body, this much is decoded for its message
 # a reply body longer than this (decompressed) is refused while it arrives: a million
@@ -327,17 +326,18 @@ def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
     return json.dumps(data, ensure_ascii=False).encode()
 
 
-def with_attempt_id(body: bytes, attempt: int) -> bytes:
-    """The request as try number `attempt` sends it: from the second on, under a request
-    id of its own (`rid` or `request_id` + "~N"). A try that timed out on our side may
-    still run on the engine, and SGLang refuses a rid it is running (400 "Duplicate
-    request ID detected"). The cache key never holds the id."""
+def with_attempt_id(body: bytes, attempt: int, run: str) -> bytes:
+    """The request as try number `attempt` of run `run` sends it: from the second on,
+    under a request id of its own (`rid` or `request_id` + "~N.RUN"). A try that timed
+    out on our side may still run on the engine, and SGLang refuses a rid it is running
+    (400 "Duplicate request ID detected"), an earlier run's retries included. The cache
+    key never holds the id."""
     if attempt == 1:
         return body
     data = json.loads(body)
     for name in ("rid", "request_id"):
         if isinstance(data.get(name), str):
-            data[name] = f"{data[name]}{RETRY_ID_MARK}{attempt}"
+            data[name] = f"{data[name]}~{attempt}.{run}"
     return json.dumps(data, ensure_ascii=False).encode()
 
 
@@ -413,6 +413,7 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
+        self.run_tag = os.urandom(4).hex()  # in a retry's request id (with_attempt_id)
         self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
 
@@ -474,7 +475,7 @@ class ChatClient:
             await self._wait_gate()
             i = self._pick()
             tries.attempts += 1
-            sent = await self._attempt(i, with_attempt_id(body, tries.attempts))
+            sent = await self._attempt(i, with_attempt_id(body, tries.attempts, self.run_tag))
             if isinstance(sent, _Attempt):  # no HTTP answer
                 if sent.kind == "down":
                     tries.attempts -= 1  # never reached the server: not an attempt

@@ -1,4 +1,4 @@
-"""A CPU stand-in for SGLang's `sgl_kernel`, for the test engine venv `.venv-sglang` only.
+"""A CPU stand-in for SGLang's `sgl_kernel`, for the test engine venv `.venv-sglang-cpu` only.
 
 SGLang 0.5.23 with SGLANG_USE_CPU_ENGINE=1 imports a few CPU kernels from `sgl_kernel` at
 load time, and no published `sglang-kernel` wheel holds CPU builds. On a CPU without AMX,

@@ -138,9 +138,18 @@ class RecordingProxy:
         self._thread.start()
 
     def replies(self) -> dict[str, dict]:
-        """rid -> the engine's parsed 200 reply to it."""
-        return {x["request"].get("rid"): json.loads(x["raw"])
-                for x in list(self.exchanges) if x["status"] == 200}
+        """Prompt id (the rid, a retry's `~N.RUN` cut off) -> the engine's last 200 reply
+        to it: the one the client kept (it asks again only after refusing one)."""
+        return {x["request"]["rid"].split("~")[0]: json.loads(x["raw"])
+                for x in list(self.exchanges)
+                if x["status"] == 200 and isinstance(x["request"].get("rid"), str)}
+
+    def retried(self) -> list[tuple]:
+        """(rid, status, the start of the answer) of every exchange that was not a first
+        try answered 200: what a test shows when its counts are off."""
+        return [(x["request"].get("rid"), x["status"], x["raw"][:300])
+                for x in list(self.exchanges)
+                if x["status"] != 200 or "~" in str(x["request"].get("rid"))]
 
     def close(self) -> None:
         self.server.shutdown()

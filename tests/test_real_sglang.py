@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,8 @@ GIB = 1 << 30
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.real_engine("SGLang 0.5.23 (CPU) and sglang-router 0.3.2"),
+    # a start is 1.5-4 min on 2 cores (more under load); the launch test starts two
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(
         not ENGINE_PYTHON.exists() and not os.environ.get("CI"),
         reason="no SGLang venv (.venv-sglang-cpu): run `make engine-venv` (make test does)",
@@ -80,6 +83,9 @@ def test_a_launched_sglang_killed_mid_run_is_restarted_and_nothing_cached_is_res
     answered before the kill was sent once: nothing cached was sent again."""
     before = sglang_pids()
     write_prompts(tmp_path, user_prompts(12))
+    engines.resolve_model(MODEL)  # built once in the project's .cache, linked in here
+    shutil.copytree(ROOT / ".cache/demo-model-vllm", tmp_path / ".cache/demo-model-vllm",
+                    copy_function=os.link)
     launch = sglang_launch(args=SGLANG_ARGS + ["--log-requests", "--log-requests-level", "0"])
     write_params(tmp_path, {"launch": launch, "watchdog_seconds": 60},
                  concurrency=2, max_tokens=32)
@@ -183,7 +189,7 @@ def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_pa
     raw = proxy.replies()
     src = tmp_path / "data/completions/completions.jsonl"
     served = rows(src)
-    assert len(served) == 12 == len(raw)
+    assert len(served) == 12 == len(raw), proxy.retried()
     for row in served:
         reply = raw[row["id"]]
         prompt_ids = reply["choices"][0].get("prompt_token_ids", reply.get("prompt_token_ids"))

@@ -173,10 +173,15 @@ def test_sglang_serves_from_its_own_venv(sglang):
 @pytest.mark.parametrize("thinking", [True, False])
 def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_path, thinking):
     """Every shape of prompt (multi-turn, tool calls and results, tools offered, look-alikes
-    of control tokens) through a recorder: each row's prompt equals our render by ids,
-    and `tokenize.ids: engine` rows are SGLang's raw prompt and answer ids, the loss
-    exactly on the answer; the reasoning parser splits at `</think>`, or, thinking off,
-    leaves everything in the answer."""
+    of control tokens) through a recorder: every row keeps SGLang's raw prompt and answer
+    ids, and `tokenize.ids: engine` rows are those ids, the loss exactly on the answer;
+    the reasoning parser splits at `</think>`, or, thinking off, leaves it all in the
+    answer. Rows without tools render here as SGLang served them, by ids. SGLang 0.5.23
+    renders each tool with `"defer_loading": null` added (its Tool model's dump), which a
+    request never holds: the serve check catches exactly those rows (docs/stages.md)."""
+    from stages.chat.encoder import ChatEncoder
+    from stages.models.tokenizer import load_tokenizer
+
     proxy = RecordingProxy(sglang.url)
     try:
         write_prompts(tmp_path, every_shape()[:12])
@@ -190,13 +195,18 @@ def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_pa
     src = tmp_path / "data/completions/completions.jsonl"
     served = rows(src)
     assert len(served) == 12 == len(raw), proxy.retried()
+    encoder = ChatEncoder(load_tokenizer("bundled:qwen3.6"), enable_thinking=thinking,
+                          name="bundled:qwen3.6")
+    with_tools = {r["id"] for r in served if r.get("tools")}
+    assert 0 < len(with_tools) < 12
     for row in served:
-        reply = raw[row["id"]]
-        prompt_ids = reply["choices"][0].get("prompt_token_ids", reply.get("prompt_token_ids"))
-        answer_ids = reply["choices"][0].get("response_token_ids",
-                                             reply.get("response_token_ids"))
+        choice = raw[row["id"]]["choices"][0]
+        prompt_ids, answer_ids = choice["prompt_token_ids"], choice["response_token_ids"]
         assert row["engine_tokens"] == {"prompt_ids": prompt_ids, "completion_ids": answer_ids}
         assert len(answer_ids) == row["usage"]["completion_tokens"]
+        tools = [{**t, "defer_loading": None} for t in row["tools"]] if row.get("tools") else None
+        ours = encoder.engine_prompt(row["messages"][:-1], tools)
+        assert encoder.engine_ids(ours) == prompt_ids, row["id"]
         message = row["messages"][-1]
         if not thinking:
             assert prompt_ids[-4:-1] == [248068, 271, THINK_END]  # <think>\n\n</think>
@@ -208,10 +218,14 @@ def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_pa
     if thinking:
         assert any(THINK_END in raw[r["id"]]["choices"][0]["response_token_ids"] for r in served)
 
-    report = tokenize.tokenize_file(src, tmp_path / "out", keep_truncated=True)
+    allow = len(with_tools)  # the rows with tools: see the docstring
+    report = tokenize.tokenize_file(src, tmp_path / "out", keep_truncated=True,
+                                    max_render_mismatch=allow)
     check = report["serve_check"]
-    assert check["mismatches"] == 0 and check["checked_by_ids"] == check["checked"] == 12
-    engine = tokenize.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine")
+    assert check["checked_by_ids"] == check["checked"] == 12
+    assert check["mismatches"] == len(with_tools)
+    engine = tokenize.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine",
+                                    max_render_mismatch=allow)
     assert engine["engine_rows"] == engine["rows"] == 12
     import datasets
 

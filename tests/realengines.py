@@ -138,9 +138,10 @@ class RecordingProxy:
         self._thread.start()
 
     def replies(self) -> dict[str, dict]:
-        """Prompt id (the rid, a retry's `~N.RUN` cut off) -> the engine's last 200 reply
-        to it: the one the client kept (it asks again only after refusing one)."""
-        return {x["request"]["rid"].split("~")[0]: json.loads(x["raw"])
+        """What a request asked (`asked(messages, tools)`) -> the engine's last 200 reply
+        to it: the one the client kept (it asks again only after refusing one). Prompts
+        that ask the same are sent once and share it."""
+        return {asked(x["request"]["messages"], x["request"].get("tools")): json.loads(x["raw"])
                 for x in list(self.exchanges)
                 if x["status"] == 200 and isinstance(x["request"].get("rid"), str)}
 
@@ -154,3 +155,8 @@ class RecordingProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def asked(messages: list, tools: list | None) -> str:
+    """A request's messages and tools as one key (`RecordingProxy.replies`)."""
+    return json.dumps([messages, tools or None], sort_keys=True)

@@ -59,3 +59,11 @@ def test_any_other_kernel_imports_and_fails_by_name_when_called(kernel):
         copy(1, 2)
     with pytest.raises(AttributeError):
         kernel.__wrapped__  # noqa: B018  (dunders are not kernels)
+
+
+def test_no_stage_module_imports_the_stand_in():
+    """It belongs to the test engine venv: the pipeline never loads it."""
+    users = [p.relative_to(ROOT).as_posix() for p in (ROOT / "stages").rglob("*.py")
+             if "sgl_kernel" in p.read_text(encoding="utf-8")
+             or "sglang_cpu" in p.read_text(encoding="utf-8")]
+    assert users == []

@@ -1,4 +1,5 @@
-"""Shared fixtures: the fake SGLang server (tests/fakeserver.py), in-process or as a process."""
+"""Shared fixtures: the fake SGLang server (tests/fakeserver.py), in-process or as a
+process; and the summary line of each real engine (`real_engine` marker): ran, or why not."""
 
 from __future__ import annotations
 
@@ -66,3 +67,41 @@ def fake_process(tmp_path):
     yield start
     for proc in started:
         proc.stop()
+
+
+# ------------------------------------------------------------- which real engines ran
+
+
+def pytest_collection_modifyitems(items) -> None:
+    # a user property travels with each report, from xdist workers too
+    for item in items:
+        marker = item.get_closest_marker("real_engine")
+        if marker is not None:
+            item.user_properties.append(("real_engine", marker.args[0]))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line per real engine whose tests were collected: how many passed, failed and
+    were skipped, and the first skip's reason."""
+    engines: dict[str, dict] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            name = dict(getattr(report, "user_properties", ())).get("real_engine")
+            if name is None or (outcome == "passed" and report.when != "call"):
+                continue
+            counts = engines.setdefault(name, {})
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome == "skipped" and "why" not in counts:
+                longrepr = report.longrepr
+                why = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+                counts["why"] = why.removeprefix("Skipped: ")
+    if not engines:
+        return
+    terminalreporter.section("real engines")
+    for name, counts in sorted(engines.items()):
+        ran = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("error", 0)
+        said = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped")
+                         if counts.get(k))
+        verdict = "RAN" if ran else "DID NOT RUN"
+        why = f" ({counts['why']})" if counts.get("why") else ""
+        terminalreporter.write_line(f"{name}: {verdict}: {said}{why}")

@@ -75,6 +75,9 @@ Fault spec: a JSON object, every key optional.
   startup_message   str     null   printed on stdout (the engine's log) at start, its
                                    {key...} refs rendered with `api_key`, and {env_keys}
                                    with the names of environment variables holding it
+  outlives_client   number  0      seconds a request whose client went away still runs
+                                   under its rid. As SGLang, a rid that is running is
+                                   refused: 400 "Duplicate request ID detected."
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -111,7 +114,8 @@ password of Basic auth, or its user part when there is no password: a token-only
 {auth} the whole Authorization header, {auth_b64} that header in base64; each
 optionally sliced like {key[:9]} or {key_url[3:]}.
 
-A request without `rid` is tracked under "sha:" + a hash of its messages.
+A request without `rid` is tracked under "sha:" + a hash of its messages; a retry's rid
+(`ID~N.RUN`, stages/serving/client.py) is counted as an attempt of ID.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "length", "unclosed_think", "abort",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
+RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(
     r"\{(key|auth)(_json|_ujson|_url|_pct|_b64)?(?:\[(-?\d*):(-?\d*)\])?\}")
@@ -194,6 +199,7 @@ DEFAULTS: dict[str, Any] = {
     "models": None,
     "endpoints": {},
     "startup_message": None,
+    "outlives_client": 0,
 }
 
 
@@ -254,12 +260,23 @@ class _State:
         self.faults: dict[str, int] = {}
         self.requests: dict[str, dict] = {}
         self.attempts: dict[str, int] = {}
+        self.running: set = set()  # rids being answered
+        self.abandoned: dict[str, float] = {}  # rid -> until when it runs without a client
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
         self.tokens_done = 0  # generation tokens of finished replies (for /metrics)
         self.decoding: dict[int, float] = {}  # request -> when its decode started
         self.frozen_tokens: int | None = None  # /metrics while stalled
+
+    def is_running(self, rid: str) -> bool:
+        """Whether a request under `rid` is still running (SGLang refuses a second one)."""
+        if rid in self.running:
+            return True
+        if self.abandoned:
+            now = time.monotonic()
+            self.abandoned = {r: t for r, t in self.abandoned.items() if t > now}
+        return rid in self.abandoned
 
     def fire_once(self) -> bool:
         """True when a one-shot fault (exit/stall) may fire now; records that it did."""
@@ -596,8 +613,11 @@ def build_app(spec: dict, die) -> web.Application:
             return _error(400, "BadRequestError", "Request body is not valid JSON.")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(400, "BadRequestError", "Field 'messages' must be a list.")
-        rid = body.get("rid")
-        if not isinstance(rid, str):
+        running = rid = body.get("rid")
+        if isinstance(rid, str):
+            rid = RETRY_ID.sub("", rid)
+        else:
+            running = None
             rid = "sha:" + hashlib.blake2b(
                 json.dumps(body["messages"], sort_keys=True).encode(), digest_size=8
             ).hexdigest()
@@ -611,12 +631,23 @@ def build_app(spec: dict, die) -> web.Application:
             if spec["record_bodies"]:
                 record["body"] = body
         state.last_body = body
+        if running is not None and state.is_running(running):
+            if record is not None:
+                record["outcomes"].append("duplicate_rid")
+            return _error(400, "BadRequestError", "Duplicate request ID detected.")
         state.in_flight += 1
+        if running is not None:
+            state.running.add(running)
         outcome = ["cancelled"]  # what a client that gave up saw, unless a fault says more
         try:
             response, outcome[0] = await _answer(request, body, rid, attempt, outcome)
             return response
+        except asyncio.CancelledError:  # the client went away: the request may run on
+            if running is not None and spec["outlives_client"] > 0:
+                state.abandoned[running] = time.monotonic() + spec["outlives_client"]
+            raise
         finally:
+            state.running.discard(running)
             state.in_flight -= 1
             state.faults[outcome[0]] = state.faults.get(outcome[0], 0) + 1
             if record is not None:

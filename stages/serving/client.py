@@ -294,7 +294,7 @@ def classify(status: int, message: str) -> tuple[str, str]:
         # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
-        return "duplicate_rid", "transient"  # our own retry raced the server's abort
+        return "duplicate_rid", "transient"  # still running from an earlier run of ours
     if status in (400, 413, 422) or (400 <= status < 500 and status not in (408, 429)):
         if any(h in low for h in CONTEXT_HINTS):
             return "context_overflow", "permanent"
@@ -323,6 +323,21 @@ def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
     """The same request asking for at most `max_tokens` (rare: only prompts near the context)."""
     data = json.loads(body)
     data["max_tokens"] = max_tokens
+    return json.dumps(data, ensure_ascii=False).encode()
+
+
+def with_attempt_id(body: bytes, attempt: int, run: str) -> bytes:
+    """The request as try number `attempt` of run `run` sends it: from the second on,
+    under a request id of its own (`rid` or `request_id` + "~N.RUN"). A try that timed
+    out on our side may still run on the engine, and SGLang refuses a rid it is running
+    (400 "Duplicate request ID detected"), an earlier run's retries included. The cache
+    key never holds the id."""
+    if attempt == 1:
+        return body
+    data = json.loads(body)
+    for name in ("rid", "request_id"):
+        if isinstance(data.get(name), str):
+            data[name] = f"{data[name]}~{attempt}.{run}"
     return json.dumps(data, ensure_ascii=False).encode()
 
 
@@ -398,6 +413,7 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
+        self.run_tag = os.urandom(4).hex()  # in a retry's request id (with_attempt_id)
         self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
 
@@ -459,7 +475,7 @@ class ChatClient:
             await self._wait_gate()
             i = self._pick()
             tries.attempts += 1
-            sent = await self._attempt(i, body)
+            sent = await self._attempt(i, with_attempt_id(body, tries.attempts, self.run_tag))
             if isinstance(sent, _Attempt):  # no HTTP answer
                 if sent.kind == "down":
                     tries.attempts -= 1  # never reached the server: not an attempt

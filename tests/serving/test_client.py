@@ -19,6 +19,7 @@ from stages.serving.client import (
     classify,
     context_numbers,
     split_think,
+    with_attempt_id,
 )
 from tests.fakeserver import FakeServer, free_port, secret_pieces
 
@@ -268,6 +269,24 @@ def test_a_hung_request_times_out_and_does_not_stall_the_others(fake):
     others, waiting, failure = run(go())
     assert len(others) == 39 and waiting
     assert failure.kind == "timeout" and not failure.permanent
+
+
+def test_a_retry_after_a_timeout_goes_under_a_rid_of_its_own(fake):
+    """A try that timed out on our side runs on in SGLang, which refuses its rid until it
+    ends (400 "Duplicate request ID detected"): each retry is sent as `<id>~<attempt>.<run>`,
+    the vLLM request_id alike. Real SGLang: tests/test_real_sglang.py."""
+    hang = {"fault": "hang", "match": "p1$", "first": 1, "seconds": 60}
+    s = fake({"outlives_client": 60, "record_bodies": True, "rules": [hang]})
+    c = client(s.url, request_timeout=1.0, retry=RetryPolicy(1, 0, 0.01, 0.01))
+    (reply,) = run(send(c, body(1)))
+    assert reply.attempts == 2 == s.attempts("p1") and reply.content
+    assert s.stats()["requests"]["p1"]["body"]["rid"] == f"p1~2.{c.run_tag}"
+    assert json.loads(with_attempt_id(body(2, engine="vllm"), 3, "ab"))["request_id"] == "p2~3.ab"
+    assert with_attempt_id(body(2), 1, "ab") == body(2)  # a first try is sent as encoded
+    # what the first try's rid meets while it runs on
+    (dup,) = run(send(client(s.url, retry=RetryPolicy(0, 0, 0.01, 0.01)), body(1)))
+    assert (dup.kind, dup.status, dup.permanent) == ("duplicate_rid", 400, False)
+    assert "Duplicate request ID" in dup.message
 
 
 def test_api_key_is_sent_and_a_wrong_one_stops_the_run(fake):

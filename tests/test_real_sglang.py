@@ -1,0 +1,347 @@
+"""The generate and tokenize stages against real SGLang (0.5.23) on this CPU, from its own
+venv (`make engine-venv`: `.venv-sglang-cpu`, with the CPU stand-in of engines/sglang_cpu),
+serving the tiny demo model built for CPU attention (head_dim 64).
+
+SGLang takes 1-2 min to start on 2 cores and holds ~5 GB, so one module-wide server,
+started through the stage's own launcher, answers every test that does not need a launch
+of its own; the launch test runs first, before that server starts, so that no two
+SGLang servers run at once except in the router test (two workers). Every exchange of
+the ids test passes a recording proxy, so rows are compared with SGLang's raw replies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stages import tokenize
+from stages.common import params, reports
+from stages.serving import engines, probes
+from tests import stagecli
+from tests.chat.test_servecheck import prompts as every_shape
+from tests.realengines import (RecordingProxy, asked, env, progress, rows, stage,
+                               user_prompts, write_params, write_prompts)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = ROOT / ".venv-sglang-cpu" / "bin" / "python"
+MODEL = "demo:tiny-qwen3-vllm"  # head_dim 64: the shape CPU attention kernels take
+CONTEXT = 4096
+THINK_END = 248069  # `</think>` in the Qwen3.6 vocabulary
+# the flags docs/gpu-host.md gives for SGLang on a CPU (x86 would pick intel_amx
+# attention; --mem-fraction-static is a fraction of free RAM); Qwen3.6's tool-call parser
+SGLANG_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
+               "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
+               "--max-total-tokens", "8192", "--reasoning-parser", "qwen3",
+               "--tool-call-parser", "qwen3_coder"]
+GIB = 1 << 30
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.real_engine("SGLang 0.5.23 (CPU) and sglang-router 0.3.2"),
+    # a start is 1.5-4 min on 2 cores (more under load); the launch test starts two
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(
+        not ENGINE_PYTHON.exists() and not os.environ.get("CI"),
+        reason="no SGLang venv (.venv-sglang-cpu): run `make engine-venv` (make test does)",
+    ),
+]
+
+
+def sglang_launch(**kw) -> dict:
+    return {"engine": "sglang", "model": MODEL, "python": str(ENGINE_PYTHON),
+            "args": SGLANG_ARGS, "startup_timeout": 600, "stop_timeout": 20, **kw}
+
+
+def sglang_pids() -> set[int]:
+    """SGLang processes of this venv now running (any test's)."""
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0] == str(ENGINE_PYTHON):
+            found.add(p.pid)
+    return found
+
+
+# ---------------------------------------------------- the stage's own launch, SIGKILL
+
+
+def test_a_launched_sglang_killed_mid_run_is_restarted_and_nothing_cached_is_resent(tmp_path):
+    """`server.launch: {engine: sglang}`: the stage starts SGLang from its venv, waits for
+    a generated token, sends; SGLang is SIGKILLed part way; the watchdog restarts it and
+    the run completes. SGLang's own request log (both lives, one file) shows every prompt
+    answered before the kill was sent once: nothing cached was sent again."""
+    before = sglang_pids()
+    write_prompts(tmp_path, user_prompts(12))
+    engines.resolve_model(MODEL)  # built once in the project's .cache, linked in here
+    shutil.copytree(ROOT / ".cache/demo-model-vllm", tmp_path / ".cache/demo-model-vllm",
+                    copy_function=os.link)
+    launch = sglang_launch(args=SGLANG_ARGS + ["--log-requests", "--log-requests-level", "0"])
+    write_params(tmp_path, {"launch": launch, "watchdog_seconds": 60},
+                 concurrency=2, max_tokens=32)
+    proc = subprocess.Popen(stagecli.command("generate"), cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    killed = None
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None and progress(lines) < 4:
+            time.sleep(0.2)
+        for child in psutil.Process(proc.pid).children():
+            if "sglang.launch_server" in " ".join(child.cmdline()):
+                killed = child.pid
+        assert killed, "".join(lines)[-3000:]
+        answered = _cached_rids(tmp_path)  # what the cache holds at the kill
+        os.kill(killed, signal.SIGKILL)
+        proc.wait(900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:]
+    report = reports.read(tmp_path / "reports", "generate")
+    assert report["completed"] == 12 and report["failed"] == 0, report
+    assert report["server"]["restarts"] == 1, report["server"]
+    assert "exited" in report["server"]["restart_reasons"][0]
+    assert report["server"]["version"] == "0.5.23"
+    assert report["server"]["python"] == str(ENGINE_PYTHON)
+    received = _received_rids(tmp_path / ".cache/logs/generate-server.log")
+    assert len(answered) >= 4 and set(answered) <= set(received)
+    assert {rid: received.count(rid) for rid in answered} == {rid: 1 for rid in answered}
+    ours = {r.split("~")[0] for r in received if r.startswith("q")}  # not the probes'
+    assert ours == {f"q{i:03d}" for i in range(12)}
+    # stopped with the stage: no SGLang process of this test is left
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sglang_pids() - before:
+        time.sleep(0.5)
+    assert not sglang_pids() - before
+
+
+def _cached_rids(wd: Path) -> list[str]:
+    """The rids of the replies in the request cache (SGLang's reply `id` is the rid)."""
+    found = []
+    for seg in (wd / ".cache/requests").rglob("seg-*.log"):
+        for line in seg.read_bytes().splitlines():
+            try:
+                found.append(json.loads(line[65:])["reply"]["id"])
+            except (ValueError, KeyError):
+                continue  # a torn last line
+    return found
+
+
+def _received_rids(log: Path) -> list[str]:
+    """Every chat request SGLang's --log-requests recorded, by rid."""
+    text = log.read_text(errors="replace")
+    return re.findall(r"Receive: obj=GenerateReqInput\(.*?rid='([^']+)'", text)
+
+
+# ---------------------------------------------------------- one shared SGLang server
+
+
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory):
+    """One real SGLang server for the module, started through our own launcher."""
+    launch = params.build(params.Launch, sglang_launch(), "test")
+    log = tmp_path_factory.mktemp("sglang") / "sglang.log"
+    t0 = time.monotonic()
+    with engines.EngineProcess(launch, log) as server:
+        print(f"SGLang ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        yield server
+
+
+def test_sglang_serves_from_its_own_venv(sglang):
+    info = sglang.info()
+    assert info["python"] == str(ENGINE_PYTHON) and info["version"] == "0.5.23"
+    models = json.loads(probes.ask(f"{sglang.url}/v1/models").body)
+    assert models["data"][0]["max_model_len"] == CONTEXT
+    assert models["data"][0]["id"] == sglang.model_name
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_path, thinking):
+    """Every shape of prompt (multi-turn, tool calls and results, tools offered, look-alikes
+    of control tokens) through a recorder: every row keeps SGLang's raw prompt and answer
+    ids, and `tokenize.ids: engine` rows are those ids, the loss exactly on the answer;
+    the reasoning parser splits at `</think>`, or, thinking off, leaves it all in the
+    answer. Rows without tools render here as SGLang served them, by ids. SGLang 0.5.23
+    renders each tool with `"defer_loading": null` added (its Tool model's dump), which a
+    request never holds: the serve check catches exactly those rows (docs/stages.md)."""
+    from stages.chat.encoder import ChatEncoder
+    from stages.models.tokenizer import load_tokenizer
+
+    proxy = RecordingProxy(sglang.url)
+    try:
+        write_prompts(tmp_path, every_shape()[:12])
+        write_params(tmp_path, {"url": proxy.url, "engine": "sglang"}, max_tokens=24,
+                     enable_thinking=thinking)
+        done = stage(tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        proxy.close()
+    replies = proxy.replies()
+    src = tmp_path / "data/completions/completions.jsonl"
+    served = rows(src)
+    # p004 and p010 ask the same (one request, as the cache key says): 11 requests
+    keys = {r["id"]: asked(r["messages"][:-1], r.get("tools")) for r in served}
+    assert len(served) == 12 and set(replies) == set(keys.values()), proxy.retried()
+    raw = {rid: replies[key] for rid, key in keys.items()}
+    encoder = ChatEncoder(load_tokenizer("bundled:qwen3.6"), enable_thinking=thinking,
+                          name="bundled:qwen3.6")
+    with_tools = {r["id"] for r in served if r.get("tools")}
+    assert 0 < len(with_tools) < 12
+    for row in served:
+        choice = raw[row["id"]]["choices"][0]
+        prompt_ids, answer_ids = choice["prompt_token_ids"], choice["response_token_ids"]
+        assert row["engine_tokens"] == {"prompt_ids": prompt_ids, "completion_ids": answer_ids}
+        assert len(answer_ids) == row["usage"]["completion_tokens"]
+        tools = [{**t, "defer_loading": None} for t in row["tools"]] if row.get("tools") else None
+        ours = encoder.engine_prompt(row["messages"][:-1], tools)
+        assert encoder.engine_ids(ours) == prompt_ids, row["id"]
+        message = row["messages"][-1]
+        if not thinking:
+            assert prompt_ids[-4:-1] == [248068, 271, THINK_END]  # <think>\n\n</think>
+            assert message["reasoning_content"] is None
+        elif THINK_END in answer_ids:
+            assert message["reasoning_content"] is not None
+        else:  # never closed: all reasoning, no answer
+            assert message["content"] is None and row["truncated"]
+    if thinking:
+        assert any(THINK_END in raw[r["id"]]["choices"][0]["response_token_ids"] for r in served)
+
+    allow = len(with_tools)  # the rows with tools: see the docstring
+    report = tokenize.tokenize_file(src, tmp_path / "out", keep_truncated=True,
+                                    max_render_mismatch=allow)
+    check = report["serve_check"]
+    assert check["checked_by_ids"] == check["checked"] == 12
+    assert check["mismatches"] == len(with_tools)
+    engine = tokenize.tokenize_file(src, tmp_path / "engine", keep_truncated=True, ids="engine",
+                                    max_render_mismatch=allow)
+    assert engine["engine_rows"] == engine["rows"] == 12
+    import datasets
+
+    ds = datasets.load_from_disk(str(tmp_path / "engine"))
+    for rid, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        choice = raw[rid]["choices"][0]
+        prompt_ids, answer_ids = choice["prompt_token_ids"], choice["response_token_ids"]
+        assert ids[:len(prompt_ids) + len(answer_ids)] == prompt_ids + answer_ids
+        assert mask[:len(prompt_ids)] == [0] * len(prompt_ids)
+        assert mask[len(prompt_ids):len(prompt_ids) + len(answer_ids)] == [1] * len(answer_ids)
+        assert sum(mask) == len(answer_ids)
+
+
+def test_a_try_that_times_out_runs_on_in_sglang_and_its_retry_is_not_refused(sglang, tmp_path):
+    """A request that times out on our side keeps running in SGLang (it checks for a gone
+    client only while no output arrives), and SGLang refuses its rid until it ends
+    (400 "Duplicate request ID detected"). Each retry goes under `<id>~N`: with a
+    timeout shorter than a generation every try reaches the engine and times out; a
+    re-run at once meets the first run's tries still running, and completes."""
+    # answers that take ~12 s on this machine, whatever its speed
+    probe = {"model": sglang.model_name, "max_tokens": 16, "ignore_eos": True,
+             "messages": [{"role": "user", "content": "x"}]}
+    t0 = time.monotonic()
+    assert probes.ask(f"{sglang.url}/v1/chat/completions", probe, timeout=120).status == 200
+    n_tokens = min(4000, max(64, int(16 / (time.monotonic() - t0) * 12)))
+    write_prompts(tmp_path, user_prompts(2, prefix="slow"))
+    slow = dict(max_tokens=n_tokens, ignore_eos=True, concurrency=2, backoff_base=0.1,
+                backoff_max=0.2, max_retries=1, max_transient_failures=0)
+    write_params(tmp_path, {"url": sglang.url, "engine": "sglang"}, request_timeout=1, **slow)
+    done = stage(tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "still failing after retries" in done.stderr and "timeout" in done.stderr
+    assert "duplicate" not in done.stderr.lower(), done.stderr[-3000:]
+    # the first try's rid, still running: what a retry under it would have met
+    body = {"model": sglang.model_name, "rid": "slow000", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x"}]}
+    status, raw = probes.ask(f"{sglang.url}/v1/chat/completions", body)
+    assert status == 400 and b"Duplicate request ID" in raw, raw[:300]
+
+    write_params(tmp_path, {"url": sglang.url, "engine": "sglang"}, request_timeout=600, **slow)
+    done = stage(tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = reports.read(tmp_path / "reports", "generate")
+    assert report["completed"] == 2 and report["failed"] == 0
+    assert all(r["usage"]["completion_tokens"] == n_tokens
+               for r in rows(tmp_path / "data/completions/completions.jsonl"))
+
+
+# ----------------------------------------------------------------------- router
+
+ROUTER_TIMEOUT = 600
+WORKER_GIB = 6  # what a second SGLang worker needs free (~5 GB RSS measured)
+
+
+def test_the_router_in_front_of_two_sglang_workers_loses_nothing_when_one_is_killed(
+        sglang, tmp_path):
+    """sglang-router (0.3.2, from the same venv) in front of the module's SGLang and a
+    second one; the second is SIGKILLed mid-run; every prompt is answered once."""
+    free = psutil.virtual_memory().available
+    if free < WORKER_GIB * GIB:
+        pytest.skip(f"a second SGLang worker needs ~{WORKER_GIB} GiB free, "
+                    f"{free / GIB:.1f} GiB is: router test not run")
+    launch = params.build(params.Launch, sglang_launch(), "test")
+    worker = engines.EngineProcess(launch, tmp_path / "worker.log")
+    worker.start()
+    port = engines.free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--policy", "round_robin",
+            "--request-timeout-secs", str(ROUTER_TIMEOUT),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(engines.free_port()),
+            "--worker-urls", sglang.url, worker.url]
+    with open(tmp_path / "router.log", "ab") as log:
+        router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while probes_status(f"{url}/v1/models") != 200:
+            assert time.monotonic() < end, (tmp_path / "router.log").read_text()[-2000:]
+            time.sleep(0.5)
+        write_prompts(tmp_path, user_prompts(16))
+        write_params(tmp_path, {"url": url, "unreachable_deadline": 300,
+                                "router_timeout": ROUTER_TIMEOUT},
+                     concurrency=4, max_tokens=24, request_timeout=ROUTER_TIMEOUT - 10)
+        proc = subprocess.Popen(stagecli.command("generate"), cwd=tmp_path, env=env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            end = time.monotonic() + 300
+            while time.monotonic() < end and proc.poll() is None and progress(lines) < 4:
+                time.sleep(0.1)
+            os.killpg(worker.pid, signal.SIGKILL)  # requests in flight on it come back
+            proc.wait(600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        reader.join(10)
+        out = "".join(lines)
+        assert proc.returncode == 0, out[-3000:]
+        report = reports.read(tmp_path / "reports", "generate")
+        assert report["completed"] == 16 and report["failed"] == 0, report
+        completions = rows(tmp_path / "data/completions/completions.jsonl")
+        assert sorted(r["id"] for r in completions) == [f"q{i:03d}" for i in range(16)]
+    finally:
+        os.killpg(router.pid, signal.SIGTERM)
+        router.wait(20)
+        worker.stop()
+
+
+def probes_status(url: str) -> int | None:
+    try:
+        return probes.ask(url, timeout=5).status
+    except OSError:
+        return None

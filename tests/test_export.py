@@ -317,6 +317,45 @@ def test_what_each_trainer_cuts_or_drops_is_named(tmp_path):
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == L
 
 
+def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
+    """--drop-refused: the rows left out are the ones named as dropped without it, each by
+    id, and the trainer's own code then drops nothing (TRL's SFTTrainer, SpecForge's prompt
+    builder for DFlash and EAGLE-3)."""
+    merged = write_merged(tmp_path / "merged", [EDGE_ROWS[:3], EDGE_ROWS[3:]])
+    for trainer in export.TRAINERS:
+        whole, _ = run_export(trainer, merged, tmp_path / f"{trainer}-whole", "--max-length", L)
+        report, stdout = run_export(trainer, merged, tmp_path / trainer, "--max-length", L,
+                                    "--drop-refused")
+        dropped = {i for effect in whole["trainer_will"].values()
+                   if effect["action"].startswith("dropped") for i in effect["ids"]}
+        left = [i for effect in report["left_out"].values() for i in effect["ids"]]
+        assert sorted(left) == sorted(dropped) and len(left) == len(set(left)), trainer
+        assert report["rows"] == len(EDGE_ROWS) - len(dropped)
+        assert all(not effect["rows"] for effect in report["trainer_will"].values()
+                   if effect["action"].startswith("dropped")), report["trainer_will"]
+        assert "left out (--drop-refused)" in stdout
+    kept = [r for r in EDGE_ROWS if r["id"] not in ("late", "lonely", "silent", "one")]
+    jsonl = tmp_path / "specforge" / export.JSONL
+    assert [json.loads(line)["id"] for line in jsonl.open()] == [r["id"] for r in kept]
+    for dflash in (False, True):
+        assert [p["input_ids"] for p in specforge_prompts(jsonl, L, dflash)] == [
+            r["input_ids"][:L] for r in kept]
+    trainer = sft_trainer(tmp_path / "trl", L, tmp_path)
+    assert trainer.train_dataset["id"] == [
+        r["id"] for r in EDGE_ROWS if r["id"] not in ("late", "silent", "one")]
+    axolotl = datasets.load_from_disk(str(tmp_path / "axolotl"))
+    assert axolotl["input_ids"] == [r["input_ids"] for r in EDGE_ROWS
+                                    if r["id"] in ("fine", "lonely")]
+
+
+def test_drop_refused_of_every_row_is_a_one_line_error(tmp_path):
+    merged = write_merged(tmp_path / "merged", [[row("silent", [0, 0, 0])]])
+    message = fails("--for", "trl", "--merged", "merged", "--out", "x", "--drop-refused",
+                    cwd=tmp_path)
+    assert "no rows to export (1 left out by --drop-refused)" in message
+    assert not (tmp_path / "x").exists()
+
+
 def test_named_ids_are_capped_and_counts_whole(tmp_path):
     rows = [row(f"r{k}", [0, 0]) for k in range(export.MAX_NAMED + 7)]
     merged = write_merged(tmp_path / "merged", [rows[:11], rows[11:]], batch_rows=4)

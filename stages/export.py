@@ -439,7 +439,8 @@ TRAINERS = {
         Effect("shorter_than_min_sample_len", "dropped", "fewer than 2 tokens (min_sample_len)",
                _shorter_than_two),
         Effect("no_supervised_token", "dropped",
-               "no supervised token in the first {L}: all labels -100", _none_supervised),
+               "no supervised token in the first {L}: all labels -100 (axolotl 0.19 drops "
+               "these in preprocessing with sample_packing on)", _none_supervised),
     ), lambda folder, vocab: ArrowFolder(folder, AXOLOTL_FEATURES, _axolotl_columns),
         _axolotl_settings),
 }

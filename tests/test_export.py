@@ -317,6 +317,7 @@ def test_what_each_trainer_cuts_or_drops_is_named(tmp_path):
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == L
 
 
+@pytest.mark.slow  # six exports and an SFTTrainer: ~40 s
 def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
     """--drop-refused: the rows left out are the ones named as dropped without it, each by
     id, and the trainer's own code then drops nothing (TRL's SFTTrainer, SpecForge's prompt
@@ -553,6 +554,8 @@ def trained_steps(output: str, config: Path) -> list[dict]:
     assert all(math.isfinite(logged["loss"]) for _, logged in steps), steps
     run = Path(yaml.safe_load(config.read_text())["output_dir"])
     assert list(run.glob(f"*-step{len(steps)}/training_state*.pt")), sorted(run.rglob("*"))
+    print(f"{config.stem}: {len(steps)} steps, losses "  # seen with pytest -s
+          f"{[round(logged['loss'], 3) for _, logged in steps]}")
     return [logged for _, logged in steps]
 
 

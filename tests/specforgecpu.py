@@ -33,7 +33,7 @@ def write_features(config: Path, prompts: Path) -> int:
 
     cfg = load_config(str(config))
     capture = resolve_offline_capture(cfg)
-    minimum = 2 if capture.loss_mask_filter is not None else 1  # DFlash's two, EAGLE-3's one
+    minimum = capture.run.algorithm.providers.model.minimum_loss_tokens(cfg, capture.draft_config)
     tasks = prepare_prompt_tasks(
         prompts, None, chat_template=None, max_length=cfg.data.max_length,
         is_preformatted=False, train_only_last_turn=False, cache_dir=None, cache_key=None,

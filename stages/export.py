@@ -100,21 +100,34 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
         bad = _first(lengths != np.diff(mask_offsets))
         raise StageError(f"{path}: row {_row_id(id_col, bad)}: "
                          "input_ids and loss_mask lengths differ (run validate)")
-    row_of = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    for what, wrong in (("a loss_mask value other than 0 and 1", (mask < 0) | (mask > 1)),
-                        ("a negative token id", ids < 0)):
-        if wrong.any():
-            raise StageError(f"{path}: row {_row_id(id_col, int(row_of[_first(wrong)]))} "
-                             f"holds {what} (run validate)")
-    trained = mask == 1
-    if max_length is not None:
-        trained &= np.arange(len(ids)) - np.repeat(offsets[:-1], lengths) < max_length
-    pairs = trained[:-1] & trained[1:] & (row_of[:-1] == row_of[1:])
+    # one pass per check; which row is bad is looked up only when one is
+    as_bytes = mask.view(np.uint8)  # -1 reads as 255
+    for what, wrong, bad in (
+            ("a loss_mask value other than 0 and 1", lambda: as_bytes.max() > 1,
+             lambda: as_bytes > 1),
+            ("a negative token id", lambda: ids.min() < 0, lambda: ids < 0)):
+        if len(ids) and wrong():
+            row = int(np.searchsorted(offsets, _first(bad()), side="right")) - 1
+            raise StageError(f"{path}: row {_row_id(id_col, row)} holds {what} (run validate)")
+    trained = mask.view(np.bool_)  # 0 and 1 only, checked above
+    if max_length is not None and (lengths > max_length).any():
+        trained = trained.copy()
+        for row in np.flatnonzero(lengths > max_length):
+            trained[offsets[row] + max_length:offsets[row + 1]] = False
+    pairs = np.zeros(len(ids), bool)  # pairs[i]: tokens i and i + 1 trained, in one row
+    if len(ids) > 1:
+        np.logical_and(trained[:-1], trained[1:], out=pairs[:-1])
+        pairs[offsets[1:-1] - 1] = False  # across a row boundary (pairs[-1] stays False)
     return Part(
         id_col, ids_col, mask_col, offsets, ids, mask, lengths, trained,
-        np.bincount(row_of[trained], minlength=len(lengths)),
-        np.bincount(row_of[1:][pairs], minlength=len(lengths)) > 0,
+        _per_row(trained, offsets), _per_row(pairs, offsets) > 0,
     )
+
+
+def _per_row(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """How many flags are set in each row."""
+    at = np.flatnonzero(flags)  # sorted: each row's flags lie between two of its offsets
+    return np.searchsorted(at, offsets[1:]) - np.searchsorted(at, offsets[:-1])
 
 
 def _first(flags) -> int:

@@ -32,9 +32,10 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
 install: $(STAMP)
 
-# SpecForge (its prompt builder and vocabulary mapping, for the export tests) comes without
-# its dependencies (sglang, a CUDA torch), which those do not need; pyproject cannot say
-# --no-deps.
+# SpecForge (its prompt builder, vocabulary mapping and its own trainer, for the export
+# tests) comes without its dependencies (sglang, a CUDA torch), which those do not need: its
+# offline CPU training runs on the dev extra's torch, transformers, accelerate and pydantic.
+# pyproject cannot say --no-deps.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24,<27"

@@ -3,9 +3,12 @@
   .venv/bin/python bench/bench_export.py [--quick]      (or BENCH_QUICK=1)
 
 Figures (each export in a process of its own; peak RSS is its VmHWM, bench/peak.py):
-  export_<trainer>_vs_copy       seconds of `python -m stages.export --for <trainer>` over
-                                 the set / seconds of copying its shard files (the floor
-                                 of any rewrite of the set) - goal <= 5
+  export_<trainer>_vs_writer     seconds of the fastest writer of the same output found
+                                 (pyarrow's IPC writer of the export's own columns for trl
+                                 and axolotl; polars' write_ndjson of the same three
+                                 columns for specforge), in the same run / seconds of
+                                 `python -m stages.export --for <trainer>` - goal >= 0.8
+  export_<trainer>_vs_copy       export seconds / seconds of copying the set's shard files
   export_<trainer>_peak_rss_mb   peak RSS of that export
   export_<trainer>_peak_rss_half_mb  the same over a set half the size: flat means these match
   export_<trainer>_out_vs_set    bytes written / bytes of the set
@@ -50,12 +53,42 @@ for shard in sorted(src.glob("*.arrow")):
     shutil.copyfile(shard, dst / shard.name)
 print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start}))
 """
+# The same output written by the libraries' own writers, from memory-mapped inputs: for the
+# Arrow exports their columns as the export wrote them (read zero-copy, written again); for
+# specforge the merged set's three columns through polars' NDJSON writer.
+WRITER = """
+import json, sys, time
+from pathlib import Path
+import pyarrow as pa
+kind, src, dst = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+dst.mkdir()
+tables = []
+for shard in sorted(src.glob("*.arrow")):
+    with pa.memory_map(str(shard)) as source:
+        tables.append((shard.name, pa.ipc.open_stream(source).read_all()))
+start = time.perf_counter()
+if kind == "arrow":
+    for name, table in tables:
+        with pa.OSFile(str(dst / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+else:
+    import polars as pl
+    with open(dst / "train.jsonl", "wb") as f:
+        for _, table in tables:
+            pl.from_arrow(table.select(["input_ids", "loss_mask", "id"])).write_ndjson(f)
+print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start}))
+"""
 
 
-def _export(trainer: str, merged: Path, out: Path) -> dict:
+def _export(trainer: str, merged: Path, out: Path, writer: bool = False) -> dict:
     result = harness.python_json(EXPORT, "--for", trainer, "--merged", str(merged),
                                  "--out", str(out))
     result["bytes"] = sum(p.stat().st_size for p in out.iterdir())
+    if writer:
+        kind, src = ("ndjson", merged) if trainer == "specforge" else ("arrow", out)
+        done = harness.python_json(WRITER, kind, str(src), str(out.with_name("writer")))
+        result["writer_seconds"] = done["seconds"]
+        shutil.rmtree(out.with_name("writer"))
     shutil.rmtree(out)  # one export on disk at a time
     return result
 
@@ -73,8 +106,11 @@ def main(quick: bool | None = None) -> dict:
         shutil.rmtree(WORK / "copy")
         figures = {}
         for trainer in TRAINERS:
-            done = _export(trainer, full, WORK / trainer)
+            done = _export(trainer, full, WORK / trainer, writer=True)
             done_half = _export(trainer, half, WORK / trainer)
+            figures[f"export_{trainer}_vs_writer"] = round(done["writer_seconds"]
+                                                           / done["seconds"], 2)
+            figures[f"export_{trainer}_writer_seconds"] = round(done["writer_seconds"], 2)
             figures[f"export_{trainer}_vs_copy"] = round(done["seconds"] / copy["seconds"], 2)
             figures[f"export_{trainer}_peak_rss_mb"] = round(done["peak_mb"], 1)
             figures[f"export_{trainer}_peak_rss_half_mb"] = round(done_half["peak_mb"], 1)

@@ -8,7 +8,8 @@ trl: a save_to_disk folder of `id`, `input_ids`, `assistant_masks`; specforge:
 `train.jsonl` (and `vocab_mapping.pt` with `--draft-vocab-size`); axolotl: a save_to_disk
 folder of exactly `input_ids`, `attention_mask`, `labels`. Every row is exported, in
 dataset order, unchanged; what the trainer then cuts or drops at `--max-length` is
-counted and named in OUT/export.json and on stdout. Streamed from the merged shards'
+counted and named in OUT/export.json and on stdout. `--drop-refused` leaves out the rows
+the trainer would drop, each named in export.json (`left_out`). Streamed from the merged shards'
 memory maps, written beside --out and renamed over it; nothing under --merged is opened
 for writing. Why each layout, and each trainer's settings: docs/stages.md, "Hand it to a
 trainer".
@@ -99,21 +100,34 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
         bad = _first(lengths != np.diff(mask_offsets))
         raise StageError(f"{path}: row {_row_id(id_col, bad)}: "
                          "input_ids and loss_mask lengths differ (run validate)")
-    row_of = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    for what, wrong in (("a loss_mask value other than 0 and 1", (mask < 0) | (mask > 1)),
-                        ("a negative token id", ids < 0)):
-        if wrong.any():
-            raise StageError(f"{path}: row {_row_id(id_col, int(row_of[_first(wrong)]))} "
-                             f"holds {what} (run validate)")
-    trained = mask == 1
-    if max_length is not None:
-        trained &= np.arange(len(ids)) - np.repeat(offsets[:-1], lengths) < max_length
-    pairs = trained[:-1] & trained[1:] & (row_of[:-1] == row_of[1:])
+    # one pass per check; which row is bad is looked up only when one is
+    as_bytes = mask.view(np.uint8)  # -1 reads as 255
+    for what, wrong, bad in (
+            ("a loss_mask value other than 0 and 1", lambda: as_bytes.max() > 1,
+             lambda: as_bytes > 1),
+            ("a negative token id", lambda: ids.min() < 0, lambda: ids < 0)):
+        if len(ids) and wrong():
+            row = int(np.searchsorted(offsets, _first(bad()), side="right")) - 1
+            raise StageError(f"{path}: row {_row_id(id_col, row)} holds {what} (run validate)")
+    trained = mask.view(np.bool_)  # 0 and 1 only, checked above
+    if max_length is not None and (lengths > max_length).any():
+        trained = trained.copy()
+        for row in np.flatnonzero(lengths > max_length):
+            trained[offsets[row] + max_length:offsets[row + 1]] = False
+    pairs = np.zeros(len(ids), bool)  # pairs[i]: tokens i and i + 1 trained, in one row
+    if len(ids) > 1:
+        np.logical_and(trained[:-1], trained[1:], out=pairs[:-1])
+        pairs[offsets[1:-1] - 1] = False  # across a row boundary (pairs[-1] stays False)
     return Part(
         id_col, ids_col, mask_col, offsets, ids, mask, lengths, trained,
-        np.bincount(row_of[trained], minlength=len(lengths)),
-        np.bincount(row_of[1:][pairs], minlength=len(lengths)) > 0,
+        _per_row(trained, offsets), _per_row(pairs, offsets) > 0,
     )
+
+
+def _per_row(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """How many flags are set in each row."""
+    at = np.flatnonzero(flags)  # sorted: each row's flags lie between two of its offsets
+    return np.searchsorted(at, offsets[1:]) - np.searchsorted(at, offsets[:-1])
 
 
 def _first(flags) -> int:
@@ -143,6 +157,11 @@ class Effect:
     action: str
     rule: str  # how the trainer decides, {L} standing for max_length
     rows: Callable[[Part, int], np.ndarray]  # per row of a part: affected (max_length)
+
+    @property
+    def refused(self) -> bool:
+        """The trainer drops the row (rather than cutting it)."""
+        return self.action.startswith("dropped")
 
 
 def _longer(part: Part, max_length: int) -> np.ndarray:
@@ -174,6 +193,22 @@ class Tally:
         self.affected = 0  # rows named by at least one effect
         self.named: dict[str, list[str]] = {e.key: [] for e in effects}
         self.counts: dict[str, int] = {e.key: 0 for e in effects}
+        self.left_out: dict[str, list[str]] = {}  # --drop-refused: every id, by first rule
+
+    def _limit(self) -> int:
+        # no cut: every row fits max_length, which is then the longest row
+        return self.max_length if self.max_length is not None else np.iinfo(np.int64).max
+
+    def refuse(self, part: Part) -> np.ndarray:
+        """Per row of `part`: one the trainer drops; each such id is named in left_out."""
+        refused = np.zeros(len(part.lengths), bool)
+        for effect in (e for e in self.effects if e.refused):
+            hit = effect.rows(part, self._limit()) & ~refused
+            if hit.any():
+                self.left_out.setdefault(effect.key, []).extend(
+                    part.id.take(np.flatnonzero(hit)).to_pylist())
+            refused |= hit
+        return refused
 
     def add(self, part: Part) -> None:
         self.rows += len(part.lengths)
@@ -181,8 +216,7 @@ class Tally:
         self.supervised += int(np.count_nonzero(part.mask == 1))
         self.longest = max(self.longest, int(part.lengths.max(initial=0)))
         self.over_default += int(np.count_nonzero(part.lengths > self.default_max_length))
-        # no cut: every row fits max_length, which is then the longest row
-        limit = self.max_length if self.max_length is not None else np.iinfo(np.int64).max
+        limit = self._limit()
         any_effect = np.zeros(len(part.lengths), bool)
         for effect in self.effects:
             hit = effect.rows(part, limit)
@@ -418,7 +452,8 @@ TRAINERS = {
         Effect("shorter_than_min_sample_len", "dropped", "fewer than 2 tokens (min_sample_len)",
                _shorter_than_two),
         Effect("no_supervised_token", "dropped",
-               "no supervised token in the first {L}: all labels -100", _none_supervised),
+               "no supervised token in the first {L}: all labels -100 (axolotl 0.19 drops "
+               "these in preprocessing with sample_packing on)", _none_supervised),
     ), lambda folder, vocab: ArrowFolder(folder, AXOLOTL_FEATURES, _axolotl_columns),
         _axolotl_settings),
 }
@@ -428,7 +463,7 @@ TRAINERS = {
 
 
 def export(trainer: Trainer, merged: Path, out: Path, max_length: Optional[int] = None,
-           vocab: Optional[VocabCounts] = None) -> dict:
+           vocab: Optional[VocabCounts] = None, drop_refused: bool = False) -> dict:
     """Write the export of `merged` for `trainer` to `out`; return its report."""
     start = time.perf_counter()
     check_paths(merged, out)
@@ -444,11 +479,19 @@ def export(trainer: Trainer, merged: Path, out: Path, max_length: Optional[int] 
                 sink.begin(index, len(shards))
                 for batch in (b for b in reader if b.num_rows):
                     part = read_part(batch, path, max_length)
+                    if drop_refused:
+                        refused = tally.refuse(part)
+                        if refused.any():
+                            part = read_part(batch.filter(pa.array(~refused)), path, max_length)
+                        if not len(part.lengths):
+                            continue
                     sink.write(part)
                     tally.add(part)
                 sink.end()
         if not tally.rows:
-            raise StageError(f"{merged}: no rows to export")
+            left = sum(map(len, tally.left_out.values()))
+            raise StageError(f"{merged}: no rows to export"
+                             + (f" ({left} left out by --drop-refused)" if left else ""))
         written = sink.finish()
         report = _report(trainer, merged, out, tally, written)
         report["seconds"] = round(time.perf_counter() - start, 3)
@@ -470,7 +513,9 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
         "longest_row": tally.longest,
         "max_length": tally.max_length_used(),
         "max_length_from": "--max-length" if tally.max_length is not None else "the longest row",
-        "exported": "every row, in dataset order, ids and token values unchanged",
+        "exported": ("every row not left out" if tally.left_out else "every row")
+        + ", in dataset order, ids and token values unchanged",
+        "left_out": {key: {"rows": len(ids), "ids": ids} for key, ids in tally.left_out.items()},
         "rows_the_trainer_does_not_take_whole": tally.affected,
         "trainer_will": tally.section(),
         "trainer_default_max_length": {"key": trainer.max_length_key,
@@ -537,6 +582,9 @@ def parser() -> argparse.ArgumentParser:
                    help="specforge: write EAGLE-3's vocab_mapping.pt for this draft vocabulary")
     p.add_argument("--target-vocab-size", type=int, metavar="N",
                    help="specforge: the target model's vocab_size (its config's)")
+    p.add_argument("--drop-refused", action="store_true",
+                   help="leave out the rows the trainer would drop (named in export.json); "
+                        "specforge: DFlash's rule, which covers EAGLE-3's")
     return p
 
 
@@ -565,12 +613,18 @@ def summary(report: dict) -> list[str]:
         f"({report['supervised_tokens']} supervised) -> {report['out']} ({what})",
     ]
     where = f"at max_length {report['max_length']} ({report['max_length_from']})"
+    exported = ("every row not left out is exported, in dataset order" if report["left_out"]
+                else "every row is exported, in dataset order")
+    for key, left in report["left_out"].items():
+        more = " ..." if left["rows"] > 3 else ""
+        lines.append(f"left out (--drop-refused) {left['rows']} rows the trainer would drop "
+                     f"({key}): {', '.join(left['ids'][:3])}{more}")
     affected = report["rows_the_trainer_does_not_take_whole"]
     if not affected:
-        lines.append(f"every row is exported, in dataset order; {where} the trainer takes "
+        lines.append(f"{exported}; {where} the trainer takes "
                      "every one whole")
     else:
-        lines.append(f"every row is exported, in dataset order; {where} the trainer does not "
+        lines.append(f"{exported}; {where} the trainer does not "
                      f"take {affected} whole (ids in {Path(report['out']) / REPORT}):")
     for effect in report["trainer_will"].values():
         if effect["rows"]:
@@ -592,7 +646,7 @@ def main(argv=None) -> int:
         if args.max_length is not None and args.max_length < 1:
             raise StageError(f"--max-length {args.max_length}: must be >= 1")
         report = export(TRAINERS[args.trainer], args.merged, args.out, args.max_length,
-                        _vocab(args))
+                        _vocab(args), args.drop_refused)
         print("\n".join(summary(report)))
 
     return cli.reported("export", work)

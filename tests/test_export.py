@@ -5,11 +5,13 @@ untouched, one-line errors."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -315,6 +317,46 @@ def test_what_each_trainer_cuts_or_drops_is_named(tmp_path):
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == L
 
 
+@pytest.mark.slow  # six exports and an SFTTrainer: ~40 s
+def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
+    """--drop-refused: the rows left out are the ones named as dropped without it, each by
+    id, and the trainer's own code then drops nothing (TRL's SFTTrainer, SpecForge's prompt
+    builder for DFlash and EAGLE-3)."""
+    merged = write_merged(tmp_path / "merged", [EDGE_ROWS[:3], EDGE_ROWS[3:]])
+    for trainer in export.TRAINERS:
+        whole, _ = run_export(trainer, merged, tmp_path / f"{trainer}-whole", "--max-length", L)
+        report, stdout = run_export(trainer, merged, tmp_path / trainer, "--max-length", L,
+                                    "--drop-refused")
+        dropped = {i for effect in whole["trainer_will"].values()
+                   if effect["action"].startswith("dropped") for i in effect["ids"]}
+        left = [i for effect in report["left_out"].values() for i in effect["ids"]]
+        assert sorted(left) == sorted(dropped) and len(left) == len(set(left)), trainer
+        assert report["rows"] == len(EDGE_ROWS) - len(dropped)
+        assert all(not effect["rows"] for effect in report["trainer_will"].values()
+                   if effect["action"].startswith("dropped")), report["trainer_will"]
+        assert "left out (--drop-refused)" in stdout
+    kept = [r for r in EDGE_ROWS if r["id"] not in ("late", "lonely", "silent", "one")]
+    jsonl = tmp_path / "specforge" / export.JSONL
+    assert [json.loads(line)["id"] for line in jsonl.open()] == [r["id"] for r in kept]
+    for dflash in (False, True):
+        assert [p["input_ids"] for p in specforge_prompts(jsonl, L, dflash)] == [
+            r["input_ids"][:L] for r in kept]
+    trainer = sft_trainer(tmp_path / "trl", L, tmp_path)
+    assert trainer.train_dataset["id"] == [
+        r["id"] for r in EDGE_ROWS if r["id"] not in ("late", "silent", "one")]
+    axolotl = datasets.load_from_disk(str(tmp_path / "axolotl"))
+    assert axolotl["input_ids"] == [r["input_ids"] for r in EDGE_ROWS
+                                    if r["id"] in ("fine", "lonely")]
+
+
+def test_drop_refused_of_every_row_is_a_one_line_error(tmp_path):
+    merged = write_merged(tmp_path / "merged", [[row("silent", [0, 0, 0])]])
+    message = fails("--for", "trl", "--merged", "merged", "--out", "x", "--drop-refused",
+                    cwd=tmp_path)
+    assert "no rows to export (1 left out by --drop-refused)" in message
+    assert not (tmp_path / "x").exists()
+
+
 def test_named_ids_are_capped_and_counts_whole(tmp_path):
     rows = [row(f"r{k}", [0, 0]) for k in range(export.MAX_NAMED + 7)]
     merged = write_merged(tmp_path / "merged", [rows[:11], rows[11:]], batch_rows=4)
@@ -437,3 +479,134 @@ def test_a_row_no_trainer_can_take_is_refused_by_id(tmp_path, damage, words):
     message = fails("--for", "trl", "--merged", "damaged", "--out", "out", cwd=tmp_path)
     assert words in message and "'silent'" in message and "damaged/data-00001" in message
     assert digest(tmp_path / "out") == before  # the earlier export stays as it was
+
+
+# ------------------------------------------- SpecForge's own trainer on the export
+
+
+SF_LENGTH = 64  # data.max_length: the demo rows run 36-169 tokens, EDGE_ROWS up to 11
+TARGET_VOCAB = 248077  # the demo model's
+SF_DRAFT_VOCAB = 32000  # what SpecForge's generated EAGLE-3 draft config holds
+STEP = re.compile(r"^step (\d+): (\{.*\})$", re.M)
+
+
+@pytest.fixture(scope="module")
+def specforge_target(tmp_path_factory):
+    """The demo model's shape and vocabulary with 4 layers (EAGLE-3 captures 3 distinct
+    layers; the demo model has 2), saved as SpecForge loads a target: bf16, sharded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("specforge-target")
+    demo_model = ROOT / ".cache/demo-model"
+    config = AutoConfig.from_pretrained(demo_model)
+    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
+        folder, max_shard_size="20MB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def batch_size(rows: int) -> int:
+    """A batch size that divides `rows`: SpecForge drops an epoch's last incomplete batch
+    (drop_last), which no export can name (it depends on the batch size and ranks)."""
+    return max(size for size in range(1, 6) if rows % size == 0)
+
+
+def specforge_config(tmp: Path, strategy: str, target: Path, batch: int, **model) -> Path:
+    """A `specforge train` config for a CPU: offline features, no sharding, sdpa."""
+    config = {
+        "model": {"target_model_path": str(target), "torch_dtype": "bfloat16",
+                  # the demo model ties its embeddings: its checkpoint has no lm_head.weight
+                  "lm_head_key": "model.embed_tokens.weight", **model},
+        "data": {"hidden_states_path": str(tmp / f"features-{strategy}"),
+                 "max_length": SF_LENGTH, "dataloader_num_workers": 0,
+                 "cache_dir": str(tmp / "sf-cache")},
+        "training": {"strategy": strategy, "fsdp_sharding": "NO_SHARD",
+                     "attention_backend": "sdpa", "batch_size": batch, "num_epochs": 1,
+                     "learning_rate": 1e-3, "log_interval": 1},
+        "output_dir": str(tmp / f"run-{strategy}"),
+    }
+    path = tmp / f"{strategy}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def specforge(*argv, tmp: Path) -> str:
+    """A SpecForge command on the CPU; its output."""
+    proc = subprocess.run([*map(str, argv)], cwd=tmp, capture_output=True, text=True,
+                          timeout=900, env=dict(env(), SPECFORGE_DEVICE="cpu"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def features_of(folder: Path) -> list[list[int]]:
+    import torch
+
+    return [torch.load(p)["input_ids"].tolist() for p in sorted(folder.glob("*.ckpt"))]
+
+
+def trained_steps(output: str, config: Path) -> list[dict]:
+    """The steps the run logged, each with a finite loss, and the checkpoint it wrote."""
+    steps = [(int(n), ast.literal_eval(logged)) for n, logged in STEP.findall(output)]
+    assert [n for n, _ in steps] == list(range(1, len(steps) + 1)) and steps, output[-3000:]
+    assert all(math.isfinite(logged["loss"]) for _, logged in steps), steps
+    run = Path(yaml.safe_load(config.read_text())["output_dir"])
+    assert list(run.glob(f"*-step{len(steps)}/training_state*.pt")), sorted(run.rglob("*"))
+    print(f"{config.stem}: {len(steps)} steps, losses "  # seen with pytest -s
+          f"{[round(logged['loss'], 3) for _, logged in steps]}")
+    return [logged for _, logged in steps]
+
+
+@pytest.mark.slow
+def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforge_target,
+                                                          tmp_path):
+    """SpecForge's own trainer, offline on a CPU, on the specforge export of a set with
+    multi-turn, long, short and refused rows: every row trained or named by the export."""
+    _, rows = pipeline_set
+    merged = write_merged(tmp_path / "merged", [rows, EDGE_ROWS])
+    every = rows + EDGE_ROWS
+    cut = [r["input_ids"][:SF_LENGTH] for r in every]
+    features = [sys.executable, "-m", "tests.specforgecpu", "features", "--prompts"]
+
+    # DFlash, as shipped, on the export that leaves out what DFlash refuses
+    full, _ = run_export("specforge", merged, tmp_path / "sf-full", "--max-length", SF_LENGTH)
+    out = tmp_path / "sf"
+    report, _ = run_export("specforge", merged, out, "--max-length", SF_LENGTH,
+                           "--drop-refused", "--draft-vocab-size", SF_DRAFT_VOCAB,
+                           "--target-vocab-size", TARGET_VOCAB)
+    refused = full["trainer_will"]["dflash_no_two_adjacent_supervised"]
+    left_out = [i for left in report["left_out"].values() for i in left["ids"]]
+    assert refused["rows"] == len(refused["ids"]) > 0 and sorted(left_out) == sorted(refused["ids"])
+    # SpecForge's own reading of the whole export drops exactly those rows
+    assert [p["input_ids"] for p in specforge_prompts(tmp_path / "sf-full" / export.JSONL,
+                                                      SF_LENGTH, dflash=True)] == [
+        ids for ids, r in zip(cut, every) if r["id"] not in left_out]
+    dflash = specforge_config(tmp_path, "dflash", specforge_target, batch_size(report["rows"]))
+    specforge(*features, out / export.JSONL, "--config", dflash, tmp=tmp_path)
+    assert features_of(tmp_path / "features-dflash") == [  # every exported row, none dropped
+        ids for ids, r in zip(cut, every) if r["id"] not in left_out]
+    assert report["rows"] == len(every) - len(left_out)
+    steps = trained_steps(specforge(Path(sys.executable).parent / "specforge", "train",
+                                    "--config", dflash, tmp=tmp_path), dflash)
+    assert len(steps) == report["rows"] // batch_size(report["rows"])
+
+    # EAGLE-3 on the whole export, with the vocabulary mapping it wrote; its loss is
+    # SpecForge's reference implementation instead of the Triton kernel (tests/specforgecpu.py)
+    out = tmp_path / "sf-eagle"
+    report, _ = run_export("specforge", merged, out, "--max-length", SF_LENGTH,
+                           "--draft-vocab-size", SF_DRAFT_VOCAB, "--target-vocab-size",
+                           TARGET_VOCAB)
+    dropped = report["trainer_will"]["eagle3_no_supervised_token"]["ids"]
+    kept = [ids for ids, r in zip(cut, every) if r["id"] not in dropped]
+    eagle3 = specforge_config(tmp_path, "eagle3", specforge_target, batch_size(len(kept)),
+                              aux_hidden_state_layer_ids=[0, 1, 2],
+                              vocab_mapping_path=str(out / export.VOCAB_MAPPING))
+    specforge(*features, out / export.JSONL, "--config", eagle3, tmp=tmp_path)
+    assert features_of(tmp_path / "features-eagle3") == kept and len(kept) < len(every)
+    output = specforge(sys.executable, "-m", "tests.specforgecpu", "train", "--config", eagle3,
+                       tmp=tmp_path)
+    assert "Added missing tokens" not in output  # the export's mapping, not one of its own
+    steps = trained_steps(output, eagle3)
+    assert len(steps) == len(kept) // batch_size(len(kept))

@@ -34,7 +34,7 @@ from stages.common import outputs, params
 from stages.common.errors import StageError
 from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
-from stages.serving import fitting, records, servesetup
+from stages.serving import fitting, records, servesetup, turns
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import (
     BodyEncoder,
@@ -131,6 +131,9 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
     plan = PromptLocations(paths.prompts / conversation.PROMPTS_FILE, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
+    if turns.wanted(cfg, plan):  # turns and samples: stages/serving/turns.py
+        meta["seed_used"] = seed_used
+        return await _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0)
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -166,6 +169,45 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     }
     outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
     _conclude(counts, plan.n, cfg, transient, paths.out)
+    return report
+
+
+async def _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0) -> dict:
+    """_run for conversations regenerated turn by turn or several samples per prompt."""
+    seed_used = meta.pop("seed_used")
+    with RequestCache(cfg.cache_dir, namespace, meta) as cache:
+        regen = turns.Regeneration(cfg, plan, cache, namespace, meta, lambda prompt, reply:
+                                   completion_row(prompt, reply, meta["model"],
+                                                  meta["sampling_hash"],
+                                                  meta["sampling"]["enable_thinking"]))
+        log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
+                 cfg.samples_per_prompt, regen.total_turns, cache.dir)
+        async with server.running(plan.tools) as urls:
+            budget = await server.budget()
+            watchdog = server.watchdog()
+            async with ChatClient(
+                urls, api_key=key, concurrency=cfg.concurrency,
+                request_timeout=cfg.request_timeout, retry=RetryPolicy.of(cfg),
+                enable_thinking=cfg.enable_thinking,
+                unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
+                min_new_tokens=cfg.min_new_tokens,
+            ) as client:  # fmt: skip
+                await regen.run(client, server, budget, watchdog)
+        counts, transient = await regen.write(
+            engineids.why_without(server.engine, router), paths.out, failure_row)
+    report = {
+        "requests": regen.n_jobs, **counts, "from_cache": regen.cached, "sent": regen.sent,
+        "retries": client.retries, "clamped": client.clamped,
+        "context": budget.report() if budget else None,
+        "wall_time_s": round(time.monotonic() - t0, 3), **regen.metrics(),
+        "model": meta["model"], "sampling": meta["sampling_hash"],
+        "sampling_params": meta["sampling"], "samples_per_prompt": cfg.samples_per_prompt,
+        "seed_honoured": seed_used, "server": server.info(),
+        "cache_dir": str(cache.dir), "cache_damaged": regen.index.damaged,
+    }
+    outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
+    # every failed turn counts against the tolerances, kept conversations cut by one too
+    _conclude(dict(counts, **counts["turns"]["verdict"]), regen.n_jobs, cfg, transient, paths.out)
     return report
 
 

@@ -52,6 +52,9 @@ Fault spec: a JSON object, every key optional.
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
   record_bodies     bool    false  keep each request id's last body in /stats
+  record_log        bool    false  keep every answered request in arrival order in /stats
+                                   `log`: {"rid", "messages", "seed", "reply": the message
+                                   sent} (a recorder between a stage and the server)
   tokenizer         str     null   a tokenizer folder: the server then renders each
                                    request with its chat template (and the request's
                                    chat_template_kwargs) and counts real tokens, like an
@@ -188,6 +191,7 @@ DEFAULTS: dict[str, Any] = {
     "once_file": None,
     "record": True,
     "record_bodies": False,
+    "record_log": False,
     "tokenizer": None,
     "answer_by_characters": False,
     "rules": [],
@@ -257,6 +261,7 @@ class _State:
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
+        self.log: list[dict] = []  # record_log: answered requests in order
         self.tokens_done = 0  # generation tokens of finished replies (for /metrics)
         self.decoding: dict[int, float] = {}  # request -> when its decode started
         self.frozen_tokens: int | None = None  # /metrics while stalled
@@ -693,6 +698,9 @@ def build_app(spec: dict, die) -> web.Application:
             return web.json_response({"object": "chat.completion", "id": rid}), fault
         reply = reply_for(body, spec, fault)
         state.completed += 1
+        if spec["record_log"]:
+            state.log.append({"rid": rid, "messages": body["messages"], "seed": body.get("seed"),
+                              "reply": reply["choices"][0]["message"]})
         state.tokens_done += reply["usage"]["completion_tokens"]
         response = web.json_response(reply)
         done = state.completed
@@ -781,6 +789,7 @@ def build_app(spec: dict, die) -> web.Application:
             "stalled": state.stalled,
             "outcomes": state.faults,
             "last_body": state.last_body,
+            "log": state.log,
         }
         if request.query.get("requests", "1") != "0":
             out["requests"] = state.requests

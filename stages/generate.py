@@ -182,22 +182,25 @@ async def _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0)
                                                   meta["sampling"]["enable_thinking"]))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
-        async with server.running(plan.tools) as urls:
-            budget = await server.budget()
-            watchdog = server.watchdog()
-            async with ChatClient(
-                urls, api_key=key, concurrency=cfg.concurrency,
-                request_timeout=cfg.request_timeout, retry=RetryPolicy.of(cfg),
-                enable_thinking=cfg.enable_thinking,
-                unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
-                min_new_tokens=cfg.min_new_tokens,
-            ) as client:  # fmt: skip
-                await regen.run(client, server, budget, watchdog)
+        client = budget = None
+        if not await regen.answered():
+            async with server.running(plan.tools) as urls:
+                budget = await server.budget()
+                watchdog = server.watchdog()
+                async with ChatClient(
+                    urls, api_key=key, concurrency=cfg.concurrency,
+                    request_timeout=cfg.request_timeout, retry=RetryPolicy.of(cfg),
+                    enable_thinking=cfg.enable_thinking,
+                    unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
+                    min_new_tokens=cfg.min_new_tokens,
+                ) as client:  # fmt: skip
+                    await regen.run(client, server, budget, watchdog)
         counts, transient = await regen.write(
             engineids.why_without(server.engine, router), paths.out, failure_row)
     report = {
-        "requests": regen.n_jobs, **counts, "from_cache": regen.cached, "sent": regen.sent,
-        "retries": client.retries, "clamped": client.clamped,
+        "requests": regen.n_jobs, **counts,
+        "from_cache": counts["turns"]["asked"] - regen.finished, "sent": regen.sent,
+        "retries": client.retries if client else 0, "clamped": client.clamped if client else 0,
         "context": budget.report() if budget else None,
         "wall_time_s": round(time.monotonic() - t0, 3), **regen.metrics(),
         "model": meta["model"], "sampling": meta["sampling_hash"],

@@ -89,8 +89,9 @@ def _turn_problem(prompt: dict, where: str) -> None:
 
 
 class CacheIndex:
-    """Every record of the key space by key: what the run found on disk (arrays) and what
-    it appended (a dict of this run's turns)."""
+    """Every record of the key space on disk by key, in arrays (~65 bytes a record, never
+    a dict of replies). A run reads it again after sending: while sending, a job needs
+    only the replies it got itself."""
 
     def __init__(self, cache: RequestCache, retry_failed: bool):
         self.cache, self.retry_failed = cache, retry_failed
@@ -102,18 +103,14 @@ class CacheIndex:
             off.append(o)
         self.index = KeyIndex(bytes(keys))
         self.seg, self.off = seg, off
-        self.new: dict[bytes, tuple[int, int]] = {}
         self.damaged = cache.damaged
 
     def lookup(self, key: bytes) -> Optional[dict]:
         """The record for `key`: the first intact success, else the first failure (unless
         `retry_failed`); None when there is none."""
-        where = [(self.seg[j], self.off[j]) for j in self.index.find(key)]
-        if key in self.new:
-            where.append(self.new[key])
         failed = None
-        for s, o in where:
-            rec = records.cached_record(self.cache.read_json(s, o))
+        for j in self.index.find(key):
+            rec = records.cached_record(self.cache.read_json(self.seg[j], self.off[j]))
             if rec is None:
                 continue
             if rec["ok"]:
@@ -125,12 +122,15 @@ class CacheIndex:
     def add(self, key: bytes, record: dict | bytes) -> None:
         try:
             if isinstance(record, bytes):
-                where = self.cache.append_json(key, record)
+                self.cache.append_json(key, record)
             else:
-                where = self.cache.append(key, record)
+                self.cache.append(key, record)
         except OSError as e:
             raise StageError(f"{self.cache.dir}: cannot append to the request cache: {e}") from None
-        self.new.setdefault(key, where)
+
+
+class _Missing(Exception):
+    """A turn with no record, found while reading the cache only."""
 
 
 @dataclasses.dataclass
@@ -193,8 +193,7 @@ class Regeneration:
             rec = self.index.lookup(key) or self.transient.get(key)
             if rec is None:
                 if not send:
-                    raise StageError(f"{self.cache.dir}: changed while generate was running; "
-                                     "run it again")
+                    raise _Missing
                 rec = await self._send(key, prompt, request, k, sample)
             elif send:
                 self.cached += 1
@@ -276,6 +275,19 @@ class Regeneration:
 
     # --------------------------------------------------------------------- sending
 
+    async def answered(self) -> bool:
+        """Whether the cache already answers every turn of every job (then no server is
+        needed)."""
+        with open(self.plan.path, "rb") as f:
+            for i in range(self.plan.n):
+                prompt = json.loads(f.readline())
+                for s in range(self.k):
+                    try:
+                        await self.walk(prompt, s, send=False)
+                    except _Missing:
+                        return False
+        return True
+
     async def run(self, client: ChatClient, server, budget, watchdog) -> None:
         self.client, self.budget = client, budget
         self.breaker = BadBodyBreaker(client.urls)
@@ -347,6 +359,11 @@ class Regeneration:
         """completions.jsonl + failures.jsonl in prompt then sample order, from the cache
         (and this run's uncached failures) only, and generation.json. Returns the counts
         and the transient failures by job (for generate's verdict)."""
+        self.cache.sync()
+        damaged = self.index.damaged
+        # what this run appended, and every failure (retry_failed chose what to resend)
+        self.index = CacheIndex(self.cache, retry_failed=False)
+        self.index.damaged = damaged
         counts = {
             "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
             "prompt_tokens": 0, "output_tokens": 0,

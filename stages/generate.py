@@ -176,32 +176,22 @@ async def _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0)
     """_run for conversations regenerated turn by turn or several samples per prompt."""
     seed_used = meta.pop("seed_used")
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
-        regen = turns.Regeneration(cfg, plan, cache, namespace, meta, lambda prompt, reply:
+        regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
                                    completion_row(prompt, reply, meta["model"],
                                                   meta["sampling_hash"],
                                                   meta["sampling"]["enable_thinking"]))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
-        client = budget = None
         if not await regen.answered():
-            async with server.running(plan.tools) as urls:
-                budget = await server.budget()
-                watchdog = server.watchdog()
-                async with ChatClient(
-                    urls, api_key=key, concurrency=cfg.concurrency,
-                    request_timeout=cfg.request_timeout, retry=RetryPolicy.of(cfg),
-                    enable_thinking=cfg.enable_thinking,
-                    unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
-                    min_new_tokens=cfg.min_new_tokens,
-                ) as client:  # fmt: skip
-                    await regen.run(client, server, budget, watchdog)
+            await _serving(cfg, plan, server, key, regen.run)
         counts, transient = await regen.write(
             engineids.why_without(server.engine, router), paths.out, failure_row)
     report = {
         "requests": regen.n_jobs, **counts,
         "from_cache": counts["turns"]["asked"] - regen.finished, "sent": regen.sent,
-        "retries": client.retries if client else 0, "clamped": client.clamped if client else 0,
-        "context": budget.report() if budget else None,
+        "retries": regen.client.retries if regen.client else 0,
+        "clamped": regen.client.clamped if regen.client else 0,
+        "context": regen.budget.report() if regen.budget else None,
         "wall_time_s": round(time.monotonic() - t0, 3), **regen.metrics(),
         "model": meta["model"], "sampling": meta["sampling_hash"],
         "sampling_params": meta["sampling"], "samples_per_prompt": cfg.samples_per_prompt,
@@ -225,6 +215,17 @@ async def _send(
     key: Optional[str],
     pending: array,
 ) -> Generation:
+    async def work(client: ChatClient, budget, watchdog) -> Generation:
+        gen = Generation(cfg, plan, cache, server, client, budget)
+        await gen.run(pending, watchdog)
+        return gen
+
+    return await _serving(cfg, plan, server, key, work)
+
+
+async def _serving(cfg: params.Generate, plan: PromptLocations, server: ServerHandle,
+                   key: Optional[str], work):
+    """`work(client, budget, watchdog)` with the server up and a client open to it."""
     async with server.running(plan.tools) as urls:
         budget = await server.budget()
         watchdog = server.watchdog()
@@ -235,9 +236,7 @@ async def _send(
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
-            gen = Generation(cfg, plan, cache, server, client, budget)
-            await gen.run(pending, watchdog)
-            return gen
+            return await work(client, budget, watchdog)
 
 
 def _print_first_request(

@@ -147,8 +147,9 @@ class Regeneration:
     """One run over every job: send what the cache lacks, then write from the cache."""
 
     def __init__(self, cfg: params.Generate, plan: PromptLocations, cache: RequestCache,
-                 namespace: str, meta: dict, row_of: Callable[..., dict]):
+                 server, namespace: str, meta: dict, row_of: Callable[..., dict]):
         self.cfg, self.plan, self.cache, self.namespace = cfg, plan, cache, namespace
+        self.server = server  # serving/handle.py's ServerHandle: the model name and dialect
         self.meta, self.row_of = meta, row_of
         self.k = cfg.samples_per_prompt
         self.index = CacheIndex(cache, cfg.retry_failed)
@@ -164,6 +165,7 @@ class Regeneration:
         self.first_send: Optional[float] = None
         self.last_done: Optional[float] = None
         self.client: Optional[ChatClient] = None
+        self.budget: Optional[fitting.ContextBudget] = None
 
     def _count_turns(self) -> int:
         total = 0
@@ -288,8 +290,11 @@ class Regeneration:
                         return False
         return True
 
-    async def run(self, client: ChatClient, server, budget, watchdog) -> None:
+    async def run(self, client: ChatClient, budget: Optional[fitting.ContextBudget],
+                  watchdog) -> None:
+        """Send every turn the cache lacks (generate's `_serving` gives the client)."""
         self.client, self.budget = client, budget
+        server = self.server
         self.breaker = BadBodyBreaker(client.urls)
         sampling = Sampling.of(self.cfg)
         self.encoders = [

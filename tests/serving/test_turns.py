@@ -66,6 +66,11 @@ def check_history(log: list[dict], rows: list[dict]) -> dict[str, list[dict]]:
     prompts = {r["id"]: r for r in rows}
     for conv, entries in by_conv.items():
         entries.sort(key=lambda e: e["turn"])
+        once = {}
+        for e in entries:  # a turn answered as its run was killed, before the stage kept
+            first = once.setdefault(e["turn"], e)  # it, is sent again: the same request
+            assert e["messages"] == first["messages"], (conv, e["turn"])
+        entries[:] = list(once.values())
         assert [e["turn"] for e in entries] == list(range(1, len(entries) + 1)), conv
         expected = list(prompts[conv]["messages"])
         for k, e in enumerate(entries, 1):

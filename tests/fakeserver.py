@@ -90,7 +90,8 @@ answer), slow (answer after "seconds"), malformed (200 with a cut JSON body),
 no_choices (200, valid JSON without choices), drop (connection closed, no response),
 exit (the process exits at once), stall (stall from now on), length (finish_reason
 "length", content cut short), unclosed_think (reasoning only, content null,
-"length"), abort (finish_reason "abort").
+"length"), abort (finish_reason "abort"), tool_call (a well-formed call of the request's
+first tool, arguments "{}", content "", finish_reason "tool_calls").
 
 Hostile replies (a 200 that must never be cached): content_dict, content_number,
 reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
@@ -163,7 +164,7 @@ HOSTILE = {
 TRANSPORT = {"patch", "raw", "huge", "endless", "gzip_bomb", "redirect"}
 KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
-    "length", "unclosed_think", "abort",
+    "length", "unclosed_think", "abort", "tool_call",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
@@ -497,6 +498,12 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning_content"] = reasoning_text
     if field in ("reasoning", "both"):
         message["reasoning"] = reasoning_text
+    if fault == "tool_call":
+        tools = body.get("tools") or [{"function": {"name": "lookup"}}]
+        message["content"], finish = None, "tool_calls"
+        message["tool_calls"] = [{"id": "call_" + digest[:4].hex(), "type": "function", "function": {
+            "name": tools[0]["function"]["name"], "arguments": "{}"}}]
+        content = []
     if sglang and message["content"] is None:
         message["content"] = ""  # serving_chat.py: `content=text if text else ""`
     prompt_tokens = _count(messages)

@@ -253,3 +253,27 @@ def test_expand_gives_one_row_per_turn_equal_to_its_request_and_reply(tmp_path, 
             assert input_ids[mask == 1].tolist() == served["completion_ids"]
             assert log[f"{row['id']}-t{k}"]["reply"]["content"] in \
                 json.dumps(row["messages"][2 * k])
+
+
+def test_a_turn_where_the_target_calls_a_tool_ends_its_conversation_kept(tmp_path):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    rows = write_prompts(tmp_path, [conversation(i, 4) for i in range(3)])
+    for row in rows:
+        row["tools"] = tools
+    (tmp_path / "data/prompts/prompts.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    spec = {"record_log": True, "rules": [{"fault": "tool_call", "match": r"^c0001-t2$"}]}
+    with spawn(spec) as server:
+        write_params(tmp_path, server=url_server(server.url))
+        here(tmp_path)
+        log = log_of(server)
+    check_history(log, rows)
+    assert len(log) == 4 + 2 + 4  # nothing asked after the call: its result would be ours
+    done, failed = outputs(tmp_path)
+    assert not failed and [len(r["turns"]) for r in done] == [4, 2, 4]
+    call = done[1]["messages"][-1]
+    assert call["tool_calls"][0]["function"]["name"] == "lookup"
+    assert done[1]["finish_reason"] == "tool_calls" and not done[1]["truncated"]
+    rep = report(tmp_path)
+    assert rep["turns"]["ended_by_tool_call"] == 1
+    assert rep["sources"]["multi"]["ended_by_tool_call"] == 1

@@ -182,6 +182,8 @@ async def _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0)
                                                   meta["sampling"]["enable_thinking"]))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
+        if cfg.limit is not None and plan.n:  # the dry run's view: the first turn's request
+            _print_first_request(plan.first_prompt(), server, Sampling.of(cfg), cfg)
         if not await regen.answered():
             await _serving(cfg, plan, server, key, regen.run)
         counts, transient = await regen.write(

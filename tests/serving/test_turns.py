@@ -277,3 +277,16 @@ def test_a_turn_where_the_target_calls_a_tool_ends_its_conversation_kept(tmp_pat
     rep = report(tmp_path)
     assert rep["turns"]["ended_by_tool_call"] == 1
     assert rep["sources"]["multi"]["ended_by_tool_call"] == 1
+
+
+def test_limit_walks_the_first_conversations_and_prints_the_first_request(tmp_path, capsys):
+    rows = write_prompts(tmp_path, [conversation(i, 3) for i in range(5)])
+    with spawn({"record_log": True}) as server:
+        write_params(tmp_path, server=url_server(server.url), limit=2)
+        here(tmp_path)
+        assert len(log_of(server)) == 6
+    out = capsys.readouterr().out
+    body = json.loads(out[out.index("{"):])
+    assert body["messages"] == rows[0]["messages"] and "turns" not in body
+    done, _ = outputs(tmp_path)
+    assert [r["id"] for r in done] == ["c0000", "c0001"]

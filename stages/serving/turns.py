@@ -155,6 +155,9 @@ class Regeneration:
         self.index = CacheIndex(cache, cfg.retry_failed)
         self.transient: dict[bytes, dict] = {}  # failures of this run not cached
         self.held: list[tuple[bytes, dict]] = []  # permanent, before any success
+        # twin prompts (the same first request): their turns in flight, and answered
+        self.inflight: dict[bytes, asyncio.Future] = {}
+        self.twins: dict[bytes, dict] = {}
         self.any_success = False
         self.n_jobs = plan.n * self.k
         self.total_turns = self._count_turns()
@@ -183,8 +186,9 @@ class Regeneration:
 
     # ------------------------------------------------------------------- walking
 
-    async def walk(self, prompt: dict, sample: int, send: bool) -> Walk:
-        """Ask (or, with `send` false, read back) the turns of one job in order."""
+    async def walk(self, prompt: dict, sample: int, send: bool, shared: bool = False) -> Walk:
+        """Ask (or, with `send` false, read back) the turns of one job in order. `shared`:
+        another prompt has the same first request (so maybe later ones too)."""
         tools = prompt.get("tools")
         request = prompt["messages"]
         walk = Walk([])
@@ -193,10 +197,15 @@ class Regeneration:
         for k in range(1, last + 1):
             key = turn_key(self.namespace, sample, request, tools)
             rec = self.index.lookup(key) or self.transient.get(key)
+            if rec is None and shared:
+                rec = self.twins.get(key)
             if rec is None:
                 if not send:
                     raise _Missing
-                rec = await self._send(key, prompt, request, k, sample)
+                if shared:
+                    rec = await self._send_once(key, prompt, request, k, sample)
+                else:
+                    rec = await self._send(key, prompt, request, k, sample)
             elif send:
                 self.cached += 1
                 self.done += 1
@@ -220,6 +229,26 @@ class Regeneration:
         if send:
             self.done += last - len(walk.rows) - (walk.failure is not None)  # never asked
         return walk
+
+    async def _send_once(self, key: bytes, prompt: dict, request: list, k: int,
+                         sample: int) -> dict:
+        """_send for a request that twin prompts may ask too: one request per key in a
+        run, so twins build on the same answer (the one the writer reads back)."""
+        waiting = self.inflight.get(key)
+        if waiting is not None:
+            self.done += 1
+            return await asyncio.shield(waiting)
+        fut = self.inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            rec = await self._send(key, prompt, request, k, sample)
+        except BaseException:
+            fut.cancel()
+            raise
+        finally:
+            del self.inflight[key]
+        self.twins[key] = rec
+        fut.set_result(rec)
+        return rec
 
     async def _send(self, key: bytes, prompt: dict, request: list, k: int, sample: int) -> dict:
         body_prompt = {"id": f"{sample_id(prompt['id'], sample)}-t{k}", "messages": request}
@@ -310,7 +339,8 @@ class Regeneration:
         async def worker() -> None:
             for job in jobs:  # next() never awaits: workers share the iterator safely
                 i, s = divmod(job, self.k)
-                await self.walk(json.loads(self.plan.line(fd, i)), s, send=True)
+                await self.walk(json.loads(self.plan.line(fd, i)), s, send=True,
+                                shared=bool(self.plan.index.shared[i]))
 
         async def ticker() -> None:
             tick = 0.5 if progress.bar is not None else min(1.0, self.cfg.progress_interval)

@@ -290,3 +290,16 @@ def test_limit_walks_the_first_conversations_and_prints_the_first_request(tmp_pa
     assert body["messages"] == rows[0]["messages"] and "turns" not in body
     done, _ = outputs(tmp_path)
     assert [r["id"] for r in done] == ["c0000", "c0001"]
+
+
+def test_twin_conversations_ask_each_turn_once_and_share_its_answer(tmp_path):
+    conv = conversation(0, 4)
+    rows = write_prompts(tmp_path, [conv, conversation(1, 2), conv])
+    with spawn({"record_log": True, "latency": 0.05}) as server:
+        write_params(tmp_path, server=url_server(server.url), concurrency=4)
+        here(tmp_path)
+        log = log_of(server)
+    assert len(log) == 4 + 2  # the twin waited for the turns its first asked
+    done, _ = outputs(tmp_path)
+    assert done[0]["messages"] == done[2]["messages"] and len(done[2]["turns"]) == 4
+    assert report(tmp_path)["turns"]["answered"] == 10

@@ -132,8 +132,8 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     plan = PromptLocations(paths.prompts / conversation.PROMPTS_FILE, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
     if turns.wanted(cfg, plan):  # turns and samples: stages/serving/turns.py
-        meta["seed_used"] = seed_used
-        return await _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0)
+        return await _run_turns(cfg, key, paths, plan, server, (router, seed_used, t0),
+                                namespace, meta)
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -172,9 +172,11 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     return report
 
 
-async def _run_turns(cfg, key, paths, plan, server, router, namespace, meta, t0) -> dict:
-    """_run for conversations regenerated turn by turn or several samples per prompt."""
-    seed_used = meta.pop("seed_used")
+async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: PromptLocations,
+                     server: ServerHandle, facts: tuple, namespace: str, meta: dict) -> dict:
+    """_run for conversations regenerated turn by turn or several samples per prompt
+    (`facts`: whether a router is in front, whether the seed is honoured, the start)."""
+    router, seed_used, t0 = facts
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
                                    completion_row(prompt, reply, meta["model"],

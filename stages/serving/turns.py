@@ -163,7 +163,6 @@ class Regeneration:
         self.total_turns = self._count_turns()
         self.sent = self.cached = self.finished = self.completed = 0
         self.done = self.failed = self.out_tokens = self.in_tokens = 0
-        self.retries = 0
         self.latencies = Latencies()
         self.first_send: Optional[float] = None
         self.last_done: Optional[float] = None

@@ -303,3 +303,23 @@ def test_twin_conversations_ask_each_turn_once_and_share_its_answer(tmp_path):
     done, _ = outputs(tmp_path)
     assert done[0]["messages"] == done[2]["messages"] and len(done[2]["turns"]) == 4
     assert report(tmp_path)["turns"]["answered"] == 10
+
+
+def test_prepares_regenerate_lines_feed_the_turn_path(tmp_path, monkeypatch):
+    from tests.test_prepare import run as prepare_run, write_jsonl
+
+    monkeypatch.chdir(tmp_path)  # prepare_run moves there: back after the test
+
+    convs = [conversation(0, 3), conversation(1, 4, tool_at=2), conversation(2, 1)]
+    path = write_jsonl(tmp_path / "src.jsonl", [{"messages": c} for c in convs])
+    source = [{"name": "mix", "path": str(path), "format": "messages"}]
+    _, rows, _ = prepare_run(tmp_path, source, multi_turn="regenerate")
+    with spawn({"record_log": True}) as server:
+        write_params(tmp_path, server=url_server(server.url))
+        here(tmp_path)
+        log = log_of(server)
+    check_history(log, rows)
+    assert len(log) == 3 + 2 + 1
+    done, _ = outputs(tmp_path)
+    assert [len(r.get("turns", [None])) for r in done] == [3, 2, 1]
+    assert [r["id"] for r in done] == [r["id"] for r in rows]

@@ -323,3 +323,23 @@ def test_prepares_regenerate_lines_feed_the_turn_path(tmp_path, monkeypatch):
     done, _ = outputs(tmp_path)
     assert [len(r.get("turns", [None])) for r in done] == [3, 2, 1]
     assert [r["id"] for r in done] == [r["id"] for r in rows]
+
+
+@pytest.mark.parametrize("turns, message", [
+    ("nope", "'turns' must be a list of lists of user messages"),
+    ([[{"role": "assistant", "content": "x"}]], "'turns' must be a list of lists of user"),
+    ([[]], "'turns' must be a list of lists of user messages"),
+    ([[{"role": "user", "content": 5}]], "turns: "),
+])
+def test_a_bad_turns_field_is_one_line_naming_the_line(tmp_path, turns, message):
+    rows = write_prompts(tmp_path, [conversation(0, 2), conversation(1, 2)])
+    rows[1]["turns"] = turns
+    (tmp_path / "data/prompts/prompts.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with spawn() as server:
+        write_params(tmp_path, server=url_server(server.url))
+        proc = stage(tmp_path)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "prompts.jsonl:2: " in last and message in last, last
+    assert not (tmp_path / "data/completions").exists()

@@ -34,7 +34,7 @@ from stages.common import outputs, params
 from stages.common.errors import StageError
 from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
-from stages.serving import fitting, records, servesetup
+from stages.serving import fitting, records, servesetup, turns
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import (
     BodyEncoder,
@@ -131,6 +131,9 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
     plan = PromptLocations(paths.prompts / conversation.PROMPTS_FILE, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
+    if turns.wanted(cfg, plan):  # turns and samples: stages/serving/turns.py
+        return await _run_turns(cfg, key, paths, plan, server, (router, seed_used, t0),
+                                namespace, meta)
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
         damaged = plan.locate(cache, cfg.retry_failed)
         pending = plan.pending()
@@ -169,6 +172,42 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     return report
 
 
+async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: PromptLocations,
+                     server: ServerHandle, facts: tuple, namespace: str, meta: dict) -> dict:
+    """_run for conversations regenerated turn by turn or several samples per prompt
+    (`facts`: whether a router is in front, whether the seed is honoured, the start)."""
+    router, seed_used, t0 = facts
+    with RequestCache(cfg.cache_dir, namespace, meta) as cache:
+        regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
+                                   completion_row(prompt, reply, meta["model"],
+                                                  meta["sampling_hash"],
+                                                  meta["sampling"]["enable_thinking"]))
+        log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
+                 cfg.samples_per_prompt, regen.total_turns, cache.dir)
+        if cfg.limit is not None and plan.n:  # the dry run's view: the first turn's request
+            _print_first_request(plan.first_prompt(), server, Sampling.of(cfg), cfg)
+        if not await regen.answered():
+            await _serving(cfg, plan, server, key, regen.run)
+        counts, transient = await regen.write(
+            engineids.why_without(server.engine, router), paths.out, failure_row)
+    report = {
+        "requests": regen.n_jobs, **counts,
+        "from_cache": counts["turns"]["asked"] - regen.finished, "sent": regen.sent,
+        "retries": regen.client.retries if regen.client else 0,
+        "clamped": regen.client.clamped if regen.client else 0,
+        "context": regen.budget.report() if regen.budget else None,
+        "wall_time_s": round(time.monotonic() - t0, 3), **regen.metrics(),
+        "model": meta["model"], "sampling": meta["sampling_hash"],
+        "sampling_params": meta["sampling"], "samples_per_prompt": cfg.samples_per_prompt,
+        "seed_honoured": seed_used, "server": server.info(),
+        "cache_dir": str(cache.dir), "cache_damaged": regen.index.damaged,
+    }
+    outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
+    # every failed turn counts against the tolerances, kept conversations cut by one too
+    _conclude(dict(counts, **counts["turns"]["verdict"]), regen.n_jobs, cfg, transient, paths.out)
+    return report
+
+
 # -------------------------------------------------------------------------- send
 
 
@@ -180,6 +219,17 @@ async def _send(
     key: Optional[str],
     pending: array,
 ) -> Generation:
+    async def work(client: ChatClient, budget, watchdog) -> Generation:
+        gen = Generation(cfg, plan, cache, server, client, budget)
+        await gen.run(pending, watchdog)
+        return gen
+
+    return await _serving(cfg, plan, server, key, work)
+
+
+async def _serving(cfg: params.Generate, plan: PromptLocations, server: ServerHandle,
+                   key: Optional[str], work):
+    """`work(client, budget, watchdog)` with the server up and a client open to it."""
     async with server.running(plan.tools) as urls:
         budget = await server.budget()
         watchdog = server.watchdog()
@@ -190,9 +240,7 @@ async def _send(
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip
-            gen = Generation(cfg, plan, cache, server, client, budget)
-            await gen.run(pending, watchdog)
-            return gen
+            return await work(client, budget, watchdog)
 
 
 def _print_first_request(

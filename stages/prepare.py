@@ -206,7 +206,7 @@ def _one_source(
 ) -> dict:
     token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
     spec = PromptSpec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars,
-                      cfg.seed, src.limit is not None, evals.key)
+                      cfg.seed, src.limit is not None, evals.key, cfg.tool_conversations)
     layout = layouts.Layout(src, cfg.multi_turn)
     probe = FieldProbe(src, layout)
     reader = readers.Reader(src, layout.columns(), probe.check_schema, cfg.max_record_bytes)
@@ -217,6 +217,7 @@ def _one_source(
     limit = src.limit
     sampler = LimitSampler(tmp / f".spool-{index}", limit) if limit is not None else None
     read = candidates = multi = with_tools = chars_sum = 0
+    regen: Counter = Counter()  # multi_turn: regenerate, by prompts.REGEN_KINDS
     last_log = time.monotonic()
     log.info("source %s: reading %s (%s)", src.name, src.path, src.format)
 
@@ -247,6 +248,8 @@ def _one_source(
                 chars_sum += res.chars
                 multi += res.multi_turn
                 with_tools += res.has_tools
+                if res.regen:
+                    regen[res.regen] += 1
                 for reason in res.repairs:
                     repaired[reason] += 1
             elif kind is Dropped:
@@ -293,6 +296,8 @@ def _one_source(
         "repaired": repaired,
         "mean_prompt_chars": round(chars_sum / candidates, 1) if candidates else 0.0,
     }
+    if cfg.multi_turn == "regenerate":  # of the cleaned prompts, before the limit
+        stats["regenerate"] = {kind: regen[kind] for kind in prompts.REGEN_KINDS}
     if unknown_roles:
         stats["unknown_roles"] = dict(unknown_roles.most_common(20))
     return stats

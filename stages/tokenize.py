@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages.chat import conversation, enginerows, servecheck
+from stages.chat import conversation, enginerows, regenerate, servecheck
 from stages.chat.encoder import ChatEncoder
 from stages.chat.engineids import Served
 from stages.common import cpus, outputs, params
@@ -410,9 +410,10 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: param
                 st["dropped"]["empty_content"] += 1
                 continue
             plans.append(p)
-            rid = row["id"] if p.n_messages == len(row["messages"]) else f"{row['id']}#{p.turn}"
-            # only the final answer came from the engine
-            meta.append((rid, src, no, row if p.n_messages == len(row["messages"]) else None))
+            whole = p.n_messages == len(row["messages"])
+            rid = row["id"] if whole else f"{row['id']}#{p.turn}"
+            # only the final answer came from the engine, unless every turn did
+            meta.append((rid, src, no, row if whole else regenerate.turn_view(row, p.n_messages)))
     return plans, meta
 
 

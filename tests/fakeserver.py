@@ -52,6 +52,9 @@ Fault spec: a JSON object, every key optional.
                                    created when they fire, so a restarted server is sound
   record            bool    true   keep per-request stats (false for benchmarks)
   record_bodies     bool    false  keep each request id's last body in /stats
+  record_log        bool    false  keep every answered request in arrival order in /stats
+                                   `log`: {"rid", "messages", "seed", "reply": the message
+                                   sent} (a recorder between a stage and the server)
   tokenizer         str     null   a tokenizer folder: the server then renders each
                                    request with its chat template (and the request's
                                    chat_template_kwargs) and counts real tokens, like an
@@ -90,7 +93,8 @@ answer), slow (answer after "seconds"), malformed (200 with a cut JSON body),
 no_choices (200, valid JSON without choices), drop (connection closed, no response),
 exit (the process exits at once), stall (stall from now on), length (finish_reason
 "length", content cut short), unclosed_think (reasoning only, content null,
-"length"), abort (finish_reason "abort").
+"length"), abort (finish_reason "abort"), tool_call (a well-formed call of the request's
+first tool, arguments "{}", content "", finish_reason "tool_calls").
 
 Hostile replies (a 200 that must never be cached): content_dict, content_number,
 reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
@@ -164,7 +168,7 @@ HOSTILE = {
 TRANSPORT = {"patch", "raw", "huge", "endless", "gzip_bomb", "redirect"}
 KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
-    "length", "unclosed_think", "abort",
+    "length", "unclosed_think", "abort", "tool_call",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
 RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
@@ -193,6 +197,7 @@ DEFAULTS: dict[str, Any] = {
     "once_file": None,
     "record": True,
     "record_bodies": False,
+    "record_log": False,
     "tokenizer": None,
     "answer_by_characters": False,
     "rules": [],
@@ -265,6 +270,7 @@ class _State:
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
+        self.log: list[dict] = []  # record_log: answered requests in order
         self.tokens_done = 0  # generation tokens of finished replies (for /metrics)
         self.decoding: dict[int, float] = {}  # request -> when its decode started
         self.frozen_tokens: int | None = None  # /metrics while stalled
@@ -509,6 +515,12 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         message["reasoning_content"] = reasoning_text
     if field in ("reasoning", "both"):
         message["reasoning"] = reasoning_text
+    if fault == "tool_call":
+        tools = body.get("tools") or [{"function": {"name": "lookup"}}]
+        message["content"], finish = None, "tool_calls"
+        message["tool_calls"] = [{"id": "call_" + digest[:4].hex(), "type": "function", "function": {
+            "name": tools[0]["function"]["name"], "arguments": "{}"}}]
+        content = []
     if sglang and message["content"] is None:
         message["content"] = ""  # serving_chat.py: `content=text if text else ""`
     prompt_tokens = _count(messages)
@@ -724,6 +736,9 @@ def build_app(spec: dict, die) -> web.Application:
             return web.json_response({"object": "chat.completion", "id": rid}), fault
         reply = reply_for(body, spec, fault)
         state.completed += 1
+        if spec["record_log"]:
+            state.log.append({"rid": rid, "messages": body["messages"], "seed": body.get("seed"),
+                              "reply": reply["choices"][0]["message"]})
         state.tokens_done += reply["usage"]["completion_tokens"]
         response = web.json_response(reply)
         done = state.completed
@@ -812,6 +827,7 @@ def build_app(spec: dict, die) -> web.Application:
             "stalled": state.stalled,
             "outcomes": state.faults,
             "last_body": state.last_body,
+            "log": state.log,
         }
         if request.query.get("requests", "1") != "0":
             out["requests"] = state.requests

@@ -385,6 +385,41 @@ def test_multi_turn_policies(tmp_path):
     assert [m["content"] for m in rows[0]["messages"]] == ["S", "Q1"]
 
 
+def test_regenerate_keeps_the_user_turns_and_drops_every_source_answer(tmp_path):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows_in = [
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                      {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+                      {"role": "assistant", "content": "A2"}, {"role": "user", "content": "Q3"},
+                      {"role": "assistant", "content": "A3"}]},
+        {"messages": [{"role": "user", "content": "T1"}, {"role": "assistant", "content": "B1"},
+                      {"role": "user", "content": "T2"},
+                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "R"},
+                      {"role": "assistant", "content": "B2"}, {"role": "user", "content": "T3"},
+                      {"role": "assistant", "content": "B3"}]},
+        {"messages": [{"role": "user", "content": "only"}, {"role": "assistant", "content": "x"}]},
+    ]
+    path = write_jsonl(tmp_path / "a.jsonl", rows_in)
+    source = [{"name": "a", "path": str(path), "format": "messages"}]
+    report, rows, _ = run(tmp_path, source, multi_turn="regenerate")
+    assert rows[0]["messages"] == [{"role": "system", "content": "S"},
+                                   {"role": "user", "content": "Q1"}]
+    assert rows[0]["turns"] == [[{"role": "user", "content": "Q2"}],
+                                [{"role": "user", "content": "Q3"}]]
+    # cut before the source's first call: turn 2 (T2) is the target's own to answer
+    assert rows[1]["messages"] == [{"role": "user", "content": "T1"}]
+    assert rows[1]["turns"] == [[{"role": "user", "content": "T2"}]]
+    context = run(tmp_path, source)[1]
+    assert rows[2] == context[2]  # a one-turn conversation is a plain prompt, id and all
+    assert rows[0]["id"] != context[0]["id"]
+    assert report["sources"]["a"]["regenerate"] == {
+        "single_turn": 1, "regenerated": 1, "tool_cut": 1, "tool_context": 0}
+    report, rows, _ = run(tmp_path, source, multi_turn="regenerate", tool_conversations="context")
+    assert rows[1] == context[1]  # kept as in context mode
+    assert report["sources"]["a"]["regenerate"]["tool_context"] == 1
+
+
 def test_text_kept_exactly_in_output(tmp_path):
     text = "<|im_start|>system\nIgnore this<|im_end|>\n\u4f60\u597d \U0001f600\t\r\n  "
     path = write_jsonl(tmp_path / "a.jsonl", [{"q": text}, '{"q": "bad \\ud800 surrogate"}'])

@@ -145,7 +145,11 @@ class Prepare:
     seed: int = ranged(0, ge=0, le=2**64 - 1)  # xxh3's unsigned 64-bit seed
     max_prompt_chars: int = ranged(32000, ge=1, le=INT32)
     on_bad_row: Literal["error", "skip"] = "error"
-    multi_turn: Literal["context", "first_user"] = "context"
+    # regenerate: user turns kept, every source answer dropped (stages/chat/regenerate.py)
+    multi_turn: Literal["context", "first_user", "regenerate"] = "context"
+    # regenerate: a conversation with tool calls is cut before the source's first call,
+    # or kept whole as in `context`
+    tool_conversations: Literal["cut", "context"] = "cut"
     # what counts as a duplicate: the whole prompt, its user turns only, or nothing
     dedup: Literal["prompt", "user", "off"] = "prompt"
     # worker processes for large sources (0: CPUs - 1, up to 8, none on 2 CPUs; 1: none)
@@ -229,6 +233,13 @@ class Generate:
     # fraction of the prompts; above either the stage exits 1 and DVC records nothing
     max_transient_failures: Union[int, float] = 0
     max_permanent_failures: Union[int, float] = 0.01
+    # regenerated conversations: turns asked per conversation (null: every turn), and
+    # what a turn that fails does to its conversation (ends it at the last good turn, or
+    # drops it)
+    max_turns: Optional[int] = ranged(None, ge=1, le=INT32)
+    on_turn_failure: Literal["truncate", "drop"] = "truncate"
+    # answers per prompt (or turn history), each with its own seed and row
+    samples_per_prompt: int = ranged(1, ge=1, le=1 << 16)
 
 
 # -------------------------------------------------------------------------- tokenize

@@ -93,7 +93,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "sources": sources(reports),
         "model": served_model(generate),
         "sampling": {"params": _mapping(generate.get("sampling_params")) or None,
-                     "hash": generate.get("sampling")},
+                     "hash": generate.get("sampling"), **_turns(generate)},
         "tokenizer": {
             "tokenizer": _mapping(fingerprint.get("tokenizer")) or None,
             "chat_template_sha256": fingerprint.get("chat_template_sha256"),
@@ -159,6 +159,15 @@ def _strings(value: Any) -> Optional[list[str]]:
 
 def _nonzero(counts: Any) -> dict:
     return {k: v for k, v in counts.items() if v} if isinstance(counts, dict) else {}
+
+
+def _turns(generate: dict) -> dict:
+    """Samples per prompt and the turn counts of a run that asked by turn (generate's turn
+    path, stages/serving/turns.py); nothing for a plain run."""
+    if "turns" not in generate:
+        return {}
+    return {"samples_per_prompt": generate.get("samples_per_prompt"),
+            "turns": _mapping(generate.get("turns")) or None}
 
 
 def served_model(generate: dict) -> dict:

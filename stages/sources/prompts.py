@@ -4,7 +4,8 @@ with its id, dedup key and sample hash), a layouts.Dropped, a readers.BadRow, or
 decontam.Match. prepare then does the dedup check, the `limit` and the writing.
 
 A line is {"id": "<32 hex>", "source": "<name>", "messages": [...], "tools": [...]},
-`tools` only when the source has them. The id is XXH3-128 of the source name and the
+`tools` only when the source has them, `turns` only for a conversation regenerated turn
+by turn (`multi_turn: regenerate`; the field is stages/chat/regenerate.py's). The id is XXH3-128 of the source name and the
 compact JSON of the messages (+ tools) as converted from the row, before tool turns are
 settled (stages/sources/toolturns.py). Converted turns always have one key order, so keys
 are sorted only in rows with tools or tool calls, whose structures come as the source
@@ -20,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 import orjson
 import xxhash
 
+from stages.chat import regenerate
 from stages.common import params
 from stages.common.errors import json_type
 from stages.sources import decontam, layouts, readers, toolturns
@@ -40,6 +42,7 @@ class PromptSpec:
     seed: int
     sampled: bool
     evals: Optional[str]  # key of the decontamination index (decontam.opened)
+    tool_conversations: str = "cut"  # with multi_turn: regenerate (params.Prepare)
 
 
 @dataclass(slots=True)
@@ -54,10 +57,15 @@ class Candidate:
     has_tools: bool  # tools, tool calls or a tool result to answer
     sample: Optional[int]  # the `limit` keeps the lowest; None without a limit
     repairs: Sequence[str]  # what settling its tool calls did (toolturns.TOOL_CALL_REPAIRS)
+    regen: str = ""  # multi_turn: regenerate: one of REGEN_KINDS ("" otherwise)
 
     def __reduce__(self):  # from a worker as a tuple: fields by name pickle at twice the cost
         return (Candidate, (self.id, self.line, self.key, self.chars, self.multi_turn,
-                            self.has_tools, self.sample, self.repairs))
+                            self.has_tools, self.sample, self.repairs, self.regen))
+
+
+# what multi_turn: regenerate made of a prompt, counted per source in prepare's report
+REGEN_KINDS = ("single_turn", "regenerated", "tool_cut", "tool_context")
 
 
 class Prepared(NamedTuple):
@@ -124,7 +132,20 @@ class PromptMaker:
         spec = self.spec
         if chars > spec.max_chars:
             return Dropped("too_long")
+        turns, regen = None, ""
+        if spec.multi_turn == "regenerate":
+            parts = regenerate.split(messages)
+            if parts is None and spec.tool_conversations != "context":
+                return Dropped("no_user_turn")
+            if parts is not None and (not parts.tool_cut or spec.tool_conversations == "cut"):
+                messages, turns = parts.request, parts.turns or None
+                calls = any("tool_calls" in m for m in messages)
+                regen = "tool_cut" if parts.tool_cut else "regenerated" if turns else "single_turn"
+            else:
+                regen = "tool_context"
         payload = {"messages": messages, "tools": tools} if tools else {"messages": messages}
+        if turns:
+            payload[regenerate.TURNS_KEY] = turns
         try:
             body = orjson.dumps(payload)
         except TypeError:  # lone surrogates cannot be written as UTF-8
@@ -132,7 +153,8 @@ class PromptMaker:
         # messages are built with a fixed key order; only tool structures need sorting
         structured = tools or calls
         canon = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) if structured else body
-        key = None if spec.dedup == "off" else dedup_key(messages, tools, spec.dedup)
+        every = messages if not turns else messages + [m for t in turns for m in t]
+        key = None if spec.dedup == "off" else dedup_key(every, tools, spec.dedup)
         pid = xxhash.xxh3_128_hexdigest(self.id_prefix + canon).encode()
         # after the id and dedup key: adding tool_call_ids, unwrapping <tool_response> and
         # writing arguments as text keep the ids prompts had before, and depend only on
@@ -142,19 +164,20 @@ class PromptMaker:
             body = orjson.dumps(payload)
         line = b"".join((b'{"id":"', pid, self.line_prefix, memoryview(body)[1:], b"\n"))
         sample = xxhash.xxh3_64_intdigest(pid, seed=self.seed) if spec.sampled else None
-        multi = len(messages) - (messages[0]["role"] == "system") > 1  # earlier turns as context
+        multi = bool(turns) or len(messages) - (messages[0]["role"] == "system") > 1
         if texts is not None:
             # what decontamination checks: all but the answers kept as context, which stay
             # as empty texts (no words) so that each candidate keeps one text per message.
             # Strings, not the messages: holding a batch of dicts alive until its check
             # made the garbage collector's passes cost ~3% of prepare's time
             if multi:
-                texts.extend([m["content"] if m["role"] != "assistant" else "" for m in messages])
+                texts.extend([m["content"] if m["role"] != "assistant" else "" for m in every])
             else:  # a system and a user turn at most: no comprehension to run
                 texts.extend(map(_CONTENT, messages))
-            counts.append(len(messages))
+            counts.append(len(every))
         return Candidate(pid, line, key, chars, multi,
-                         bool(structured or messages[-1]["role"] == "tool"), sample, repairs)
+                         bool(structured or messages[-1]["role"] == "tool"), sample, repairs,
+                         regen)
 
 
 _CONTENT = operator.itemgetter("content")

@@ -451,3 +451,12 @@ def test_a_card_saved_with_crlf_and_a_bom_still_carries_its_history(repo):
     merge.run(params.Merge(base=base), MERGE_PATHS)
     lin = json.loads((repo / "data/merged/lineage.json").read_text())
     assert [(v["version"], v["rows"]) for v in lin["history"]] == [(0, 30), (1, 33), (2, 35)]
+
+
+def test_a_run_asked_by_turn_records_its_samples_and_turns_a_plain_run_nothing():
+    from stages.dataset import lineage as lin
+
+    turns = {"asked": 9, "answered": 8, "cut_by_failure": 1}
+    assert lin._turns({"turns": turns, "samples_per_prompt": 3}) == {
+        "samples_per_prompt": 3, "turns": turns}
+    assert lin._turns({"completed": 5}) == {}

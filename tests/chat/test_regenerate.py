@@ -1,0 +1,75 @@
+"""The regenerated conversation's contract: its prompt line, each turn's request, its row."""
+
+from __future__ import annotations
+
+from stages.chat import regenerate
+from stages.chat.encoder import ChatEncoder
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def answer(text, reasoning=None, calls=None):
+    m = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        m["reasoning_content"] = reasoning
+    if calls:
+        m["tool_calls"] = calls
+    return m
+
+
+CALL = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+def test_split_keeps_user_turns_in_order_and_drops_every_answer():
+    msgs = [{"role": "system", "content": "S"}, user("a"), answer("A"), user("b"), user("b2"),
+            answer("B"), user("c"), answer("C")]
+    parts = regenerate.split(msgs)
+    assert parts.request == [{"role": "system", "content": "S"}, user("a")]
+    assert parts.turns == [[user("b"), user("b2")], [user("c")]]  # b, b2: one request
+    assert not parts.tool_cut
+
+
+def test_split_stops_before_the_first_tool_call_or_result():
+    msgs = [user("a"), answer("A"), user("b"), answer("", calls=CALL),
+            {"role": "tool", "tool_call_id": "c", "content": "r"}, answer("B"), user("c")]
+    parts = regenerate.split(msgs)
+    assert parts.request == [user("a")] and parts.turns == [[user("b")]] and parts.tool_cut
+    assert regenerate.split([answer("", calls=CALL), user("x")]) is None
+
+
+def test_a_request_carries_earlier_answers_without_their_reasoning():
+    prompt = {"messages": [user("a")], "turns": [[user("b")]]}
+    nxt = regenerate.next_request(prompt["messages"], answer("A", "why"), prompt, 1)
+    assert nxt == [user("a"), {"role": "assistant", "content": "A"}, user("b")]
+
+
+def test_the_request_renders_as_the_template_renders_the_row_up_to_that_turn():
+    """What lets expand's rows equal the requests: the template drops reasoning of turns
+    before the last user query, so the row (reasoning kept) renders each turn's prompt
+    exactly as its request (reasoning left out)."""
+    from stages.tokenize import _load_tokenizer  # the stage's per-process cache
+
+    enc = ChatEncoder(_load_tokenizer("bundled:qwen3.6", None, False, None)[0])
+    prompt = {"messages": [user("a")], "turns": [[user("b")], [user("c")]]}
+    row_msgs = [user("a"), answer("A", "r1"), user("b"), answer("B", "r2"), user("c")]
+    request = regenerate.next_request(prompt["messages"], answer("A", "r1"), prompt, 1)
+    request = regenerate.next_request(request, answer("B", "r2"), prompt, 2)
+    assert enc.prompt_ids(request, None).tolist() == enc.prompt_ids(row_msgs, None).tolist()
+
+
+def test_turn_view_is_the_row_of_one_turn():
+    row = {"id": "x", "source": "s", "messages": [user("a"), answer("A"), user("b"), answer("B")],
+           "truncated": False, "usage": {"prompt_tokens": 9, "completion_tokens": 9},
+           "engine_tokens": {"prompt_ids": [3], "completion_ids": [4]},
+           "turns": [{"finish_reason": "stop", "truncated": True,
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 2},
+                      "engine_tokens": {"prompt_ids": [1], "completion_ids": [2]}},
+                     {"finish_reason": "stop", "truncated": False,
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 4}}]}
+    first = regenerate.turn_view(row, 2)
+    assert first["messages"] == row["messages"][:2] and first["truncated"] is True
+    assert first["engine_tokens"] == {"prompt_ids": [1], "completion_ids": [2]}
+    assert "engine_tokens" not in regenerate.turn_view(row, 4)  # that turn kept none
+    assert regenerate.turn_view({k: v for k, v in row.items() if k != "turns"}, 2) is None

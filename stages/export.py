@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from stages.common import outputs
+from stages.common import outputs, secrets
 from stages.common.errors import StageError
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import (
@@ -498,13 +498,7 @@ def check_paths(merged: Path, out: Path) -> None:
     the other (replacing --out must never touch the merged set)."""
     if not merged.is_dir():
         raise StageError(f"--merged {merged}: not a folder")
-    inside, holder = out.resolve(), merged.resolve()
-    if inside == holder or inside.is_relative_to(holder):
-        raise StageError(f"--out {out} is inside --merged {merged}: an export never writes "
-                         "under the merged set")
-    if holder.is_relative_to(inside):
-        raise StageError(f"--out {out} holds --merged {merged}: replacing it would remove "
-                         "the merged set")
+    outputs.check_apart({"--merged": merged}, [("--out", out)])
     if out.is_symlink() or out.exists():
         if not out.is_dir():
             raise StageError(f"--out {out}: exists and is not a folder")
@@ -593,7 +587,7 @@ def main(argv=None) -> int:
             raise StageError(f"--max-length {args.max_length}: must be >= 1")
         report = export(TRAINERS[args.trainer], args.merged, args.out, args.max_length,
                         _vocab(args))
-        print("\n".join(summary(report)))
+        print(secrets.WRITTEN("\n".join(summary(report))))
 
     return cli.reported("export", work)
 

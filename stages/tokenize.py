@@ -61,6 +61,8 @@ CHUNK_ROWS = 256
 
 def run(cfg: params.Tokenize, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
+    outputs.check_apart({"--completions": paths.completions, "tokenize.tokenizer": cfg.tokenizer,
+                         "tokenize.chat_template": cfg.chat_template}, [("--out", paths.out)])
     try:
         report = tokenize_file(paths.completions / conversation.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
@@ -104,8 +106,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
         problem = servecheck.failure(totals.served, cfg.max_render_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
-        fp = json.dumps(fingerprint(tok_id, tok, cfg), indent=2, ensure_ascii=False) + "\n"
-        (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
+        outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint(tok_id, tok, cfg))
         write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],

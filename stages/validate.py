@@ -101,6 +101,7 @@ def run(cfg: params.Validate, paths) -> dict:
     start = time.perf_counter()
     params.check_ranges(cfg, "validate")
     data = paths.merged
+    outputs.check_apart({"--merged": data}, [("the plots folder", charts.plots(paths.reports))])
     if not data.is_dir():
         raise StageError(f"{data}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)

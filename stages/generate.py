@@ -440,8 +440,7 @@ def write_outputs(
         generation = dict(meta)
         if ids["rows_without_ids"]:
             ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-        (tmp / conversation.GENERATION_FILE).write_text(
-            json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        outputs.write_json(tmp / conversation.GENERATION_FILE, generation)
     counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))

@@ -90,3 +90,63 @@ def test_a_module_docstring_says_what_it_is_in_a_few_lines(module):
         f"{module}: a {lines}-line docstring; say what the module is and how to call it, "
         "and move the behaviour reference to docs/")
 
+
+
+# ------------------------------------------- new code stays on the shared mechanisms
+
+def calls(module: str) -> list[tuple[str, int]]:
+    """(dotted name of what is called, line) for every call in `module`."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / module).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            found.append((".".join(reversed(parts)), node.lineno))
+    return found
+
+
+# files written whole that hold only what our own code made (no user or server text)
+OWN_METADATA = {
+    "stages/models/tokenizer.py": "the bundled tokenizer's config and stamp",
+    "stages/models/tinymodel.py": "the demo model's stamp",
+    "stages/dataset/schema.py": "datasets' state.json/dataset_info.json: file names, features",
+    "stages/sources/decontam.py": "the n-gram index's scratch metadata, never shared",
+}
+
+
+@pytest.mark.parametrize("module", modules())
+def test_text_and_json_files_are_written_through_the_one_redactor(module):
+    """A report, run report, card, lineage.json, fingerprint or cache metadata written
+    whole goes through outputs.write_json/write_text (secrets.WRITTEN) -- issue 32."""
+    if module == "stages/common/outputs.py" or module in OWN_METADATA:
+        return
+    direct = [f"{name} (line {line})" for name, line in calls(module)
+              if (name.endswith(".write_text") and name != "outputs.write_text")
+              or name == "json.dump"]
+    assert not direct, (f"{module} writes {direct} itself: use outputs.write_json or "
+                        "outputs.write_text, which redact")
+
+
+def test_every_stage_reports_its_failures_through_the_cli():
+    """cli.reported redacts logs and error lines and tells the redactor the paths given."""
+    for path in sorted(STAGES.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "__name__ == \"__main__\"" not in text or path.name == "demo.py":
+            continue
+        assert "cli.entry(" in text or "cli.reported(" in text, path.name
+
+
+@pytest.mark.parametrize("module", modules())
+def test_every_replaced_folder_is_checked_against_the_inputs(module):
+    """A stage entry point that replaces a folder (outputs.atomic_dir) calls the one rule
+    for where outputs go (outputs.check_apart) -- issue 32."""
+    if not module.count("/") == 1 or module.endswith(("demo.py", "__init__.py")):
+        return
+    names = {name for name, _ in calls(module)}
+    if "outputs.atomic_dir" in names or "outputs.scratch_dir" in names:
+        assert "outputs.check_apart" in names or module == "stages/generate.py" and (
+            "check_cache_dir" in names), f"{module} replaces a folder without check_apart"

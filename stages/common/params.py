@@ -256,6 +256,9 @@ class Tokenize:
     ids: Literal["render", "engine"] = "render"
     # with ids: engine, a row whose completion kept no engine ids is rendered or dropped
     on_missing_ids: Literal["render", "drop"] = "render"
+    # with ids: engine, rows whose generated ids decode to other text than the recorded
+    # answer (dropped, named) before the stage fails
+    max_answer_mismatch: int = ranged(0, ge=0, le=INT64)
 
 
 # ------------------------------------------------------------------ merge / validate

@@ -30,7 +30,7 @@ import orjson
 import pyarrow as pa
 
 from stages.common import outputs, secrets
-from stages.common.errors import StageError
+from stages.common.errors import StageError, json_file, regular
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import (
     FINGERPRINT_FILE,
@@ -487,10 +487,16 @@ def _state_hash(merged: Path) -> Optional[str]:
 
 
 def _json_or_none(path: Path):
+    """The JSON object at `path` (errors.json_file: bounded, regular files only), None
+    when it is missing or not a JSON object; a FIFO or a device is a StageError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json_file(path)
+    except (FileNotFoundError, IsADirectoryError):
         return None
+    except StageError:
+        if regular(path):
+            return None
+        raise
 
 
 def check_paths(merged: Path, out: Path) -> None:

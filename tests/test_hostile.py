@@ -711,3 +711,40 @@ def test_a_credential_in_a_path_param_is_written_nowhere(tmp_path, form):
     found = [str(p) for p in tmp_path.rglob("*") if p.is_file() and p.name != "params.yaml"
              and secret.encode() in p.read_bytes()]
     assert found == [] and not [t[:300] for t in texts if secret in t]
+
+
+# ------------------------------------------ one reader for every file a user controls
+
+def test_a_fifo_named_parquet_in_a_base_is_one_line_with_or_without_adopt(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    (tmp_path / "data/base").mkdir(parents=True)
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}),
+                   tmp_path / "data/base/a.parquet")
+    fifo_at(tmp_path, "data/base/b.parquet")
+    for adopting in (False, True):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+            {"merge": {"base": "data/base", "adopt": adopting}}))
+        started = time.monotonic()
+        line, _ = stagecli.fail("merge", tmp_path, timeout=120)
+        assert "b.parquet: not a regular file (a FIFO)" in line, line
+        assert time.monotonic() - started < 110 and stat_is_fifo(tmp_path / "data/base/b.parquet")
+        assert not (tmp_path / "data/merged").exists()
+
+
+@pytest.mark.parametrize("where", ["out/export.json", "merged/fingerprint.json",
+                                   "merged/state.json"])
+def test_a_fifo_in_an_export_folder_is_one_line_not_a_hang(tmp_path, where):
+    from tests.test_export import EDGE_ROWS, fails, write_merged
+
+    write_merged(tmp_path / "merged", [EDGE_ROWS])
+    if where.startswith("out/"):  # an earlier export's folder, its report a FIFO
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out/data.jsonl").write_text("")
+    fifo_at(tmp_path, where)
+    started = time.monotonic()
+    line = fails("--for", "trl", "--merged", "merged", "--out", "out", cwd=tmp_path)
+    assert f"{Path(where).name}: not a regular file (a FIFO)" in line, line
+    assert time.monotonic() - started < 110 and stat_is_fifo(tmp_path / where)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -27,7 +26,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from stages.common import params
-from stages.common.errors import StageError
+from stages.common.errors import StageError, open_regular, regular
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -88,7 +87,7 @@ def _check_empty(folder: Path) -> None:
 def file_format(path: Path) -> str:
     """STREAM, FILE or PARQUET, by the file's first bytes."""
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:  # a FIFO named like a data file: one line, no wait
             head = f.read(len(_ARROW_FILE_MAGIC))
     except OSError as e:
         raise StageError(f"{path}: cannot read ({e.strerror})") from None
@@ -102,9 +101,9 @@ def file_format(path: Path) -> str:
 def read_schema(path: Path, fmt: str) -> pa.Schema:
     try:
         if fmt == PARQUET:
-            return pq.read_schema(path)
+            return pq.read_schema(regular(path))
         if fmt == FILE:
-            with pa.memory_map(str(path)) as source:
+            with pa.OSFile(str(regular(path))) as source:
                 return pa.ipc.open_file(source).schema
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{path}: not a readable {fmt} file ({e})") from None
@@ -134,19 +133,17 @@ def _checked(path: Path, fmt: str, stream: Iterator[pa.RecordBatch]):
 
 
 def _parquet_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    with pq.ParquetFile(path) as f:  # decoded a row group at a time
+    with pq.ParquetFile(regular(path)) as f:  # decoded a row group at a time
         yield from f.iter_batches(batch_size=BATCH_ROWS, columns=columns)
 
 
 def _file_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """An IPC file's batches from a read-only map whose pages are dropped from this
-    process's resident set after each batch (they stay in the page cache)."""
-    with path.open("rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)))
-    for i in range(reader.num_record_batches):
-        yield reader.get_batch(i).select(columns)
-        mapped.madvise(mmap.MADV_DONTNEED)
+    """An IPC file's batches, each read into memory (not mapped: a file another tool
+    truncates while it is read is then an error naming it, never a SIGBUS)."""
+    with pa.OSFile(str(regular(path))) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i).select(columns)
 
 
 # -------------------------------------------------------------------- the layout
@@ -300,7 +297,7 @@ def _refusal(base: Path, files: list[Path], formats: list[str], path: Path, fmt:
 def _count(path: Path, fmt: str, ids: str) -> tuple[int, int]:
     """(rows, tokens) of one base file from offsets or Parquet metadata, not the values."""
     if fmt == PARQUET:
-        with pq.ParquetFile(path) as f:
+        with pq.ParquetFile(regular(path)) as f:
             meta = f.metadata
         leaf = next(i for i in range(meta.num_columns)
                     if meta.schema.column(i).path.startswith(f"{ids}."))

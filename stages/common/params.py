@@ -286,6 +286,9 @@ class Merge:
     adopt: bool = False
     base_columns: BaseColumns = field(default_factory=BaseColumns)
     base_source: Optional[str] = None  # `source` of adopted rows; null: the base folder's name
+    # adopted rows validate would refuse (empty, unsupervised, one token): false refuses the
+    # base naming file and row; true drops them, counted
+    adopt_drop_invalid: bool = False
 
 
 @dataclass

@@ -45,6 +45,7 @@ from stages.dataset.schema import (
 from stages.process import cli
 
 REPORT = "export.json"  # in --out, beside what the trainer reads
+MAX_VOCAB = 1 << 24  # --target-vocab-size: 128 MiB of counts; real vocabularies are < 2**18
 JSONL = "train.jsonl"
 VOCAB_MAPPING = "vocab_mapping.pt"
 MAX_NAMED = 20  # ids named per kind of row a trainer does not take whole (counts are whole)
@@ -548,6 +549,9 @@ def _vocab(args: argparse.Namespace) -> Optional[VocabCounts]:
         raise StageError("--draft-vocab-size/--target-vocab-size: only with --for specforge")
     if args.draft_vocab_size is None or args.target_vocab_size is None:
         raise StageError("--draft-vocab-size and --target-vocab-size go together")
+    if not 1 <= args.target_vocab_size <= MAX_VOCAB:  # a count per id is allocated
+        raise StageError(f"--target-vocab-size {args.target_vocab_size}: must be between 1 "
+                         f"and {MAX_VOCAB}, more than any tokenizer's vocabulary")
     if not 1 <= args.draft_vocab_size <= args.target_vocab_size:
         raise StageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and "
                          f"--target-vocab-size {args.target_vocab_size}")

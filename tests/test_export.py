@@ -412,11 +412,16 @@ def fails(*argv, cwd: Path) -> str:
      "go together"),
     (["--for", "specforge", "--merged", "merged", "--out", "x", "--draft-vocab-size", "8",
       "--target-vocab-size", "20"], "--target-vocab-size 20: the set holds token id"),
+    (["--for", "specforge", "--merged", "merged", "--out", "x", "--draft-vocab-size", "8",
+      "--target-vocab-size", "100000000000"], "must be between 1 and 16777216"),
+    (["--for", "trl", "--merged", "merged", "--out", "loop"], "--out loop: exists and is not"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, argv, words):
     write_merged(tmp_path / "merged", [EDGE_ROWS])
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/notes.txt").write_text("keep me")
+    (tmp_path / "loop").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop")
     assert words in fails(*argv, cwd=tmp_path)
     assert (tmp_path / "mine/notes.txt").read_text() == "keep me"
     assert not (tmp_path / "x").exists()

@@ -748,3 +748,41 @@ def test_a_fifo_in_an_export_folder_is_one_line_not_a_hang(tmp_path, where):
     line = fails("--for", "trl", "--merged", "merged", "--out", "out", cwd=tmp_path)
     assert f"{Path(where).name}: not a regular file (a FIFO)" in line, line
     assert time.monotonic() - started < 110 and stat_is_fifo(tmp_path / where)
+
+
+# ------------------------------------------ unclear errors, each one line (issue 32)
+
+def test_an_oversized_model_list_fails_fast_not_at_the_readiness_deadline(probed):
+    probed.reset({"endpoints": {"/v1/models": {"bytes": 20 << 20}}})
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"/v1/models: HTTP 200 with a body over \d+ bytes"):
+        asyncio.run(probes.wait_ready([probed.url], 300.0))
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("fingerprint, says", [
+    ("[" * 5000 + "]" * 5000, "fingerprint.json is missing or unreadable"),
+    (json.dumps(FP | {"tokenizer": {"vocab_size": 2**70}}),
+     "fingerprint.json: tokenizer.vocab_size must be"),
+])
+def test_validate_names_an_unreadable_or_out_of_range_fingerprint_as_such(tmp_path, fingerprint,
+                                                                          says):
+    merged_repo(tmp_path)
+    (tmp_path / "data/merged/fingerprint.json").write_text(fingerprint)
+    doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    doc["validate"]["vocab_size"] = None
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
+    line, _ = stagecli.fail("validate", tmp_path)
+    assert line.startswith("error: validate.vocab_size: null, and ") and says in line, line
+
+
+@pytest.mark.parametrize("stage_name", ["merge", "validate"])
+def test_a_reports_runs_that_is_no_folder_stops_the_stage_before_its_work(tmp_path,
+                                                                         stage_name):
+    merged_repo(tmp_path)
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    (tmp_path / "reports/runs").write_text("not a folder")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    line, _ = stagecli.fail(stage_name, tmp_path)
+    assert "reports/runs is not a folder" in line, line
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before

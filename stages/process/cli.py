@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -69,6 +70,8 @@ def main(section: str, doc: str, run: Callable[[object, argparse.Namespace], obj
     def work():
         cfg = params.load(section, args.params)
         secrets.tell_params(cfg)  # a credential in a path param: redacted wherever written
+        if "reports" in paths:
+            check_report_folders(args.reports, section)
         run(cfg, only_paths(args, paths))
 
     return reported(section, work)
@@ -97,6 +100,18 @@ def reported(section: str, work: Callable[[], object]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def check_report_folders(folder: Path, section: str) -> None:
+    """StageError before any work when a report of the stage could not be written at the
+    end (`reports/runs` a file or a dangling link), not after the work is done."""
+    from stages.common import reports  # common.reports imports nothing of the process
+
+    for path in (reports.facts_path(folder, section), reports.run_path(folder, section)):
+        for parent in reversed(path.parents):
+            if os.path.lexists(parent) and not parent.is_dir():
+                raise StageError(f"--reports {folder}: {parent} is not a folder, and "
+                                 f"{path} goes there; remove or rename it")
 
 
 MAX_ERROR_CHARS = 2000

@@ -670,6 +670,17 @@ def test_a_credential_in_any_url_is_found_by_shape_and_told_in_every_encoding(
         assert secret not in told(f"x {encoded} y")
 
 
+@pytest.mark.parametrize("text", ["a:/" * 30000 + "@", "&" + "signature" * 8000 + " =",
+                                  "x:/" + "/a" * 50000 + "@", "/" + ":" * 100000 + "@",
+                                  ("?token=" + "a" * 10 + "&") * 20000])
+def test_the_redactor_reads_a_long_hostile_text_in_one_pass(text):
+    """Every log line, error and server body goes through it: no pattern may backtrack
+    over the text (a quadratic one took 86 s on the first of these)."""
+    started = time.monotonic()
+    secrets.Redactor(["sk-some-key-123"])(text)
+    assert time.monotonic() - started < 5
+
+
 def test_an_api_key_with_a_control_character_is_one_line_naming_the_variable(tmp_path):
     make_prompts(tmp_path, 2)
     write_params(tmp_path, server=url_server("http://127.0.0.1:9", api_key_env="FAKE_KEY"))

@@ -30,14 +30,15 @@ MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it
 # scheme://user:password@ or scheme://token@ (scheme:/ once pathlib has normalised the
 # URL): up to the last @ before the host's end
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})[^/?#\s\"'<>]+@")
-# user:password@ as a later segment of a URL's path (hf://datasets/u:TOKEN@org/name)
-_PATH_CREDENTIALS = re.compile(
-    r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.-]*:/[^\s\"'<>?#]*?/)[^/?#\s\"'<>@:]*:[^/?#\s\"'<>]*@")
-# a query parameter that carries a credential (presigned S3/GCS/Azure URLs, ?token=)
-_SECRET_PARAM = re.compile(
-    r"(?P<name>[?&;](?:[A-Za-z0-9_.-]*(?:signature|credential|token|secret|password|passwd"
-    r"|api[_-]?key|apikey|auth)[A-Za-z0-9_.-]*|sig|key|pwd|x-amz-[A-Za-z0-9-]+"
-    r"|x-goog-[A-Za-z0-9-]+)=)[^&#\s\"'<>]+", re.I)
+# user:password@ as a later segment of a URL's path (hf://datasets/u:TOKEN@org/name);
+# matched from its own slash, so a long text is scanned once
+_PATH_CREDENTIALS = re.compile(r"(?P<pre>/)[^/?#\s\"'<>@:]*:[^/?#\s\"'<>@]*@")
+# a query parameter (name bounded: a long text is scanned once) and, among them, the
+# names that carry a credential (presigned S3/GCS/Azure URLs, ?token=)
+_PARAM = re.compile(r"(?P<name>[?&;](?P<key>[A-Za-z0-9_.-]{1,64})=)(?P<value>[^&#\s\"'<>]+)")
+_SECRET_KEY = re.compile(
+    r"(?:.*(?:signature|credential|token|secret|password|passwd|api[_-]?key|apikey|auth).*"
+    r"|sig|key|pwd|x-amz-.+|x-goog-.+)", re.I)
 # flags whose next argument (or `=value`) is a secret
 _SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9-]*(api-key|apikey|token|password|secret)$", re.I)
 
@@ -59,7 +60,8 @@ def strip_url_credentials(text: str) -> str:
         text = _URL_CREDENTIALS.sub(r"\g<scheme>", text)
         text = _PATH_CREDENTIALS.sub(lambda m: m["pre"] + MASK + "@", text)
     if "=" in text:
-        text = _SECRET_PARAM.sub(lambda m: m["name"] + MASK, text)
+        text = _PARAM.sub(lambda m: m["name"] + MASK if _SECRET_KEY.fullmatch(m["key"])
+                          else m.group(), text)
     return text
 
 
@@ -73,9 +75,9 @@ def credentials_in(text: str) -> set[str]:
         user, colon, password = userinfo.partition(":")
         found.update(v for v in (userinfo, password if colon else user) if v)
         found.update(unquote(v) for v in (userinfo, password) if v)
-    for m in _SECRET_PARAM.finditer(text):
-        value = m.group()[len(m["name"]):]
-        found.update({value, unquote(value)})
+    for m in _PARAM.finditer(text):
+        if _SECRET_KEY.fullmatch(m["key"]):
+            found.update({m["value"], unquote(m["value"])})
     return found
 
 

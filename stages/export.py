@@ -30,8 +30,8 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from stages.common import outputs
-from stages.common.errors import StageError
+from stages.common import outputs, secrets
+from stages.common.errors import StageError, json_file, regular
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import (
     FINGERPRINT_FILE,
@@ -46,6 +46,7 @@ from stages.dataset.schema import (
 from stages.process import cli
 
 REPORT = "export.json"  # in --out, beside what the trainer reads
+MAX_VOCAB = 1 << 24  # --target-vocab-size: 128 MiB of counts; real vocabularies are < 2**18
 JSONL = "train.jsonl"
 VOCAB_MAPPING = "vocab_mapping.pt"
 MAX_NAMED = 20  # ids named per kind of row a trainer does not take whole (counts are whole)
@@ -532,10 +533,16 @@ def _state_hash(merged: Path) -> Optional[str]:
 
 
 def _json_or_none(path: Path):
+    """The JSON object at `path` (errors.json_file: bounded, regular files only), None
+    when it is missing or not a JSON object; a FIFO or a device is a StageError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json_file(path)
+    except (FileNotFoundError, IsADirectoryError):
         return None
+    except StageError:
+        if regular(path):
+            return None
+        raise
 
 
 def check_paths(merged: Path, out: Path) -> None:
@@ -543,13 +550,7 @@ def check_paths(merged: Path, out: Path) -> None:
     the other (replacing --out must never touch the merged set)."""
     if not merged.is_dir():
         raise StageError(f"--merged {merged}: not a folder")
-    inside, holder = out.resolve(), merged.resolve()
-    if inside == holder or inside.is_relative_to(holder):
-        raise StageError(f"--out {out} is inside --merged {merged}: an export never writes "
-                         "under the merged set")
-    if holder.is_relative_to(inside):
-        raise StageError(f"--out {out} holds --merged {merged}: replacing it would remove "
-                         "the merged set")
+    outputs.check_apart({"--merged": merged}, [("--out", out)])
     if out.is_symlink() or out.exists():
         if not out.is_dir():
             raise StageError(f"--out {out}: exists and is not a folder")
@@ -596,6 +597,9 @@ def _vocab(args: argparse.Namespace) -> Optional[VocabCounts]:
         raise StageError("--draft-vocab-size/--target-vocab-size: only with --for specforge")
     if args.draft_vocab_size is None or args.target_vocab_size is None:
         raise StageError("--draft-vocab-size and --target-vocab-size go together")
+    if not 1 <= args.target_vocab_size <= MAX_VOCAB:  # a count per id is allocated
+        raise StageError(f"--target-vocab-size {args.target_vocab_size}: must be between 1 "
+                         f"and {MAX_VOCAB}, more than any tokenizer's vocabulary")
     if not 1 <= args.draft_vocab_size <= args.target_vocab_size:
         raise StageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and "
                          f"--target-vocab-size {args.target_vocab_size}")
@@ -647,7 +651,7 @@ def main(argv=None) -> int:
             raise StageError(f"--max-length {args.max_length}: must be >= 1")
         report = export(TRAINERS[args.trainer], args.merged, args.out, args.max_length,
                         _vocab(args), args.drop_refused)
-        print("\n".join(summary(report)))
+        print(secrets.WRITTEN("\n".join(summary(report))))
 
     return cli.reported("export", work)
 

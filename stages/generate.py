@@ -32,6 +32,7 @@ import numpy as np
 from stages.chat import conversation, engineids
 from stages.common import outputs, params
 from stages.common.errors import StageError
+from stages.common import secrets
 from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
 from stages.serving import fitting, records, servesetup, turns
@@ -82,19 +83,14 @@ def check(cfg: params.Generate) -> None:
 
 
 def check_cache_dir(cache_dir: str, paths) -> None:
-    """StageError when the request cache would live inside a folder the pipeline writes
-    (this stage's paths, any out in dvc.yaml): the stage that writes it replaces it
-    whole, cache and all, and every request would be sent again."""
-    cache = Path(cache_dir).resolve()
+    """StageError when the request cache would live inside (or hold) a folder the pipeline
+    writes (this stage's paths, any out in dvc.yaml): the stage that writes it replaces it
+    whole, cache and all, and every request would be sent again; or when the prompts are
+    inside the folder this stage replaces."""
     taken = [str(p) for p in vars(paths).values()] + cli.pipeline_outs()
-    for folder in taken:
-        where = Path(folder).resolve()
-        if cache == where or where in cache.parents:
-            raise StageError(
-                f"generate.cache_dir: {cache_dir} is inside {folder}, which the pipeline "
-                "writes (dvc.yaml): a stage replaces it whole and the request cache with "
-                "it; keep the cache outside every stage's outputs (default .cache/requests)"
-            )
+    outputs.check_apart({"generate.cache_dir": cache_dir},
+                        [("a folder the pipeline writes (dvc.yaml)", f) for f in taken])
+    outputs.check_apart({"--prompts": paths.prompts}, [("--out", paths.out)])
 
 
 # --------------------------------------------------------------------- the stage
@@ -105,7 +101,7 @@ def run(cfg: params.Generate, paths) -> dict:
     check(cfg)
     check_cache_dir(cfg.cache_dir, paths)
     key = api_key(cfg.server)
-    redact = Redactor([key], urls=server_urls(cfg.server))
+    redact = secrets.tell([key], urls=server_urls(cfg.server))  # the one redactor
     with redacting_logs(redact):
         try:
             return asyncio.run(_run(cfg, key, redact, paths))
@@ -492,8 +488,7 @@ def write_outputs(
         generation = dict(meta)
         if ids["rows_without_ids"]:
             ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-        (tmp / conversation.GENERATION_FILE).write_text(
-            json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        outputs.write_json(tmp / conversation.GENERATION_FILE, generation)
     counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))

@@ -81,7 +81,7 @@ def run(cfg: params.Merge, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     start = time.perf_counter()
     base = Path(cfg.base) if cfg.base else None
-    _check_paths(base, paths)
+    _check_paths(base, paths, cfg.adopt)
     new_fp_path = paths.tokenized / FINGERPRINT_FILE
     new_fp, base_fp = _fingerprints(new_fp_path, base)
 
@@ -158,18 +158,25 @@ def _report(cfg: params.Merge, base: Optional[Path], base_shards: list[Shard], n
 # ------------------------------------------------------------------------ checks
 
 
-def _check_paths(base: Optional[Path], paths) -> None:
+def _check_paths(base: Optional[Path], paths, adopting: bool) -> None:
+    outputs.check_apart({"merge.base": base, "--tokenized": paths.tokenized},
+                        [("--out", paths.out)])
     if not paths.tokenized.is_dir():
         raise StageError(f"{paths.tokenized}: not found (run the tokenize stage first)")
+    if adopting and (base is None or not base.exists()):
+        # a mistyped base would otherwise become a first version without the user's rows
+        raise StageError(f"merge.base {base}: not found, and merge.adopt is true: there is "
+                         "no base to adopt (fix the path, or set merge.adopt: false for a "
+                         "first version)")
     if base is None:
         return
     if base.is_symlink() and not base.exists():  # not "no base yet": a link gone wrong
         raise StageError(f"merge.base {base}: links to {os.readlink(base)}, which does not exist")
     if base.exists() and not base.is_dir():
         raise StageError(f"merge.base {base}: is a file, expected a dataset folder")
-    for other in (paths.out, paths.tokenized):
-        if base.exists() and other.exists() and base.resolve() == other.resolve():
-            raise StageError(f"merge.base {base}: must not be {other}")
+    new = paths.tokenized
+    if base.exists() and new.exists() and base.resolve() == new.resolve():
+        raise StageError(f"merge.base {base}: must not be {paths.tokenized}")
 
 
 def _fingerprints(new_path: Path, base: Optional[Path]) -> tuple[dict, Optional[dict]]:

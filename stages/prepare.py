@@ -42,6 +42,11 @@ LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or
 def run(cfg: params.Prepare, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
     _check(cfg)
+    outputs.check_apart(
+        {f"prepare.{where}[{i}].path": d.path
+         for where, sets in (("sources", cfg.sources),
+                             ("decontaminate.evals", cfg.decontaminate.evals))
+         for i, d in enumerate(sets)}, [("--out", paths.out)])
     started = time.monotonic()
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
 COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens",
-                           "no_engine_ids")
+                           "no_engine_ids", "answer_mismatch")
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
 # the file (a quarter of each worker's share of what is left) so that the last chunks
 # do not leave a worker idle while another finishes a big one; never under
@@ -61,6 +61,8 @@ CHUNK_ROWS = 256
 
 def run(cfg: params.Tokenize, paths) -> dict:
     """`paths`: the PATHS, as dvc.yaml gives them (`cli.pipeline_paths`)."""
+    outputs.check_apart({"--completions": paths.completions, "tokenize.tokenizer": cfg.tokenizer,
+                         "tokenize.chat_template": cfg.chat_template}, [("--out", paths.out)])
     try:
         report = tokenize_file(paths.completions / conversation.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
@@ -101,11 +103,11 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
                 writer.write(result.batch)
             totals.progress(started)
         names = writer.close()
-        problem = servecheck.failure(totals.served, cfg.max_render_mismatch)
+        problem = servecheck.failure(totals.served, cfg.max_render_mismatch) or \
+            servecheck.answer_failure(totals.served, cfg.max_answer_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
-        fp = json.dumps(fingerprint(tok_id, tok, cfg), indent=2, ensure_ascii=False) + "\n"
-        (tmp / FINGERPRINT_FILE).write_text(fp, encoding="utf-8")
+        outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint(tok_id, tok, cfg))
         write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
@@ -243,9 +245,9 @@ def fingerprint(tok_id: dict, tok, cfg: params.Tokenize) -> dict:
     return {
         "tokenizer": tok_id,
         "chat_template_sha256": tokenizer.template_sha256(tok),
-        # num_proc and max_render_mismatch do not change a byte of the output
+        # num_proc and the mismatch limits do not change a byte of the output
         "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
-                   if k not in ("num_proc", "max_render_mismatch")},
+                   if k not in ("num_proc", "max_render_mismatch", "max_answer_mismatch")},
         "versions": {
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
@@ -425,6 +427,7 @@ def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
     keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
     lengths: dict = collections.defaultdict(lambda: array("i"))
     control = set(check.encoder.control.values())
+    vocab_size = len(check.encoder.tok)  # as the fingerprint records it
     for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
         ids, mask = batch.row(i)
         st = stats[src]
@@ -432,13 +435,31 @@ def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
             served = Served(row)
             check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
             if cfg.ids == "engine":
-                exact = enginerows.engine_row(served, ids, mask, batch.prompt_lens[i],
-                                              row["truncated"], control)
+                bad = enginerows.out_of_vocab(served, vocab_size)
+                if bad is not None:
+                    raise StageError(f"{path}:{no}: row {rid!r}: engine token id {bad} is "
+                                     f"outside the vocabulary [0, {vocab_size}) (tokenize.ids: "
+                                     "engine; the completions name another model's tokens)")
+                n = batch.prompt_lens[i]
+                exact = enginerows.engine_row(served, ids, mask, n, row["truncated"], control)
+                differs = exact and enginerows.answer_check(
+                    served.completion_ids, ids[n:][mask[n:] == 1], control,
+                    check.encoder.tok.decode)
+                if differs:
+                    servecheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
+                    log.warning("%s:%d: row %r: the engine's answer ids %s", path, no, rid,
+                                "decode to other text than the recorded answer: dropped"
+                                if differs == "text" else "hold a control token the "
+                                "recorded text spells: tokenized as text, as rendered")
+                    if differs == "text":
+                        st["dropped"]["answer_mismatch"] += 1
+                        continue
+                    exact = None  # the text path's ids: the spelling stays text
                 if exact is not None:
                     ids, mask, unsupervised = exact
                     st["engine_rows"] += 1
                     st["engine_history_unsupervised"] += unsupervised
-                else:
+                elif not differs:
                     st["engine_ids_missing"] += 1
                     if cfg.on_missing_ids == "drop":
                         st["dropped"]["no_engine_ids"] += 1

@@ -102,11 +102,13 @@ def run(cfg: params.Validate, paths) -> dict:
     start = time.perf_counter()
     params.check_ranges(cfg, "validate")
     data = paths.merged
+    outputs.check_apart({"--merged": data}, [("the plots folder", charts.plots(paths.reports))])
     if not data.is_dir():
         raise StageError(f"{data}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
-    fingerprint = _fingerprint(findings, data) or {}
-    cfg, used = _limits(cfg, findings, fingerprint, data)  # vocab_size, limits resolved here
+    read = _fingerprint(findings, data)
+    fingerprint = read or {}
+    cfg, used = _limits(cfg, findings, read, data)  # vocab_size, limits resolved here
     try:
         shards = list_shards(data)
     except StageError as e:  # e.g. state.json lists a missing shard: report it, go on
@@ -212,21 +214,25 @@ RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
             "min_loss_tokens": ("policy", "min_loss_tokens")}
 
 
-def _limits(cfg: params.Validate, findings: Findings, fingerprint: dict,
+def _limits(cfg: params.Validate, findings: Findings, fingerprint: Optional[dict],
             data: Path) -> tuple[params.Validate, dict]:
-    """`cfg` with each null limit taken from the data's fingerprint, and where each came
-    from ("params" or the fingerprint's path and key). A recorded value that is no
-    value of the param (a string, 2**70) fails the fingerprint check and is not used."""
+    """`cfg` with each null limit taken from the data's fingerprint (None: missing or
+    unreadable), and where each came from ("params" or the fingerprint's path and key). A
+    recorded value that is no value of the param (a string, 2**70) fails the fingerprint
+    check and is not used."""
     path = data / FINGERPRINT_FILE
     values, used = {}, {}
     for name, (section, key) in RECORDED.items():
-        part = fingerprint.get(section)
+        part = (fingerprint or {}).get(section)
         recorded = part.get(key) if isinstance(part, dict) else None
+        problem = (f"{path} is missing or unreadable" if fingerprint is None
+                   else f"{path} has no {section}.{key}")
         if recorded is not None:
             why = (f"is {json_type(recorded)}, not a whole number" if type(recorded) is not int
                    else params.range_problem(params.Validate, name, recorded))
             if why:
                 findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
+                problem = f"{path}: {section}.{key} {why}"
                 recorded = None
         value = getattr(cfg, name)
         if value is not None:
@@ -234,8 +240,7 @@ def _limits(cfg: params.Validate, findings: Findings, fingerprint: dict,
                 log.warning("validate.%s %d overrides %d from %s", name, value, recorded, path)
             values[name], used[name] = value, "params"
         elif recorded is None:
-            raise StageError(f"validate.{name}: null, and {path} has no "
-                             f"{section}.{key}; set validate.{name}")
+            raise StageError(f"validate.{name}: null, and {problem}; set validate.{name}")
         else:
             values[name], used[name] = recorded, f"{path}: {section}.{key}"
     log.info("limits: %s", ", ".join(f"{k} {values[k]} ({used[k]})" for k in values))

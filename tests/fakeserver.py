@@ -174,7 +174,7 @@ NO_WORKER = "No models available - no workers registered"  # sglang-router's wor
 RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(
-    r"\{(key|auth)(_json|_ujson|_url|_pct|_b64)?(?:\[(-?\d*):(-?\d*)\])?\}")
+    r"\{(key|auth)(_json|_ujson|_url|_pct|_b64|_hex|_htmlx|_html)?(?:\[(-?\d*):(-?\d*)\])?\}")
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "model": "fake-model",
@@ -327,7 +327,9 @@ def render(message: str, secret: str, auth: str | None = None) -> str:
         return {None: value, "_json": json.dumps(value)[1:-1],
                 "_ujson": "".join(f"\\u{ord(c):04x}" for c in value),
                 "_url": quote(value, safe=""), "_pct": "".join(f"%{b:02x}" for b in data),
-                "_b64": base64.b64encode(data).decode()}
+                "_b64": base64.b64encode(data).decode(), "_hex": data.hex(),
+                "_html": "".join(f"&#{ord(c)};" for c in value),
+                "_htmlx": "".join(f"&#x{ord(c):x};" for c in value)}
 
     values = {"key": secret, "auth": f"Bearer {secret}" if auth is None else auth}
 
@@ -347,7 +349,8 @@ def echo(text: str, request: web.Request) -> str:
     return render(text, request_secret(request), request.headers.get("Authorization", ""))
 
 
-ECHO_FORMS = ("key", "key_json", "key_ujson", "key_url", "key_pct", "key_b64", "auth_b64")
+ECHO_FORMS = ("key", "key_json", "key_ujson", "key_url", "key_pct", "key_b64", "key_hex",
+              "key_html", "key_htmlx", "auth_b64")
 
 
 def secret_pieces(secret: str, n: int = 8) -> set[str]:

@@ -444,8 +444,8 @@ def fails(*argv, cwd: Path) -> str:
     (["--for", "unsloth", "--merged", "merged", "--out", "x"], "invalid choice: 'unsloth'"),
     (["--for", "trl", "--merged", "missing", "--out", "x"], "--merged missing: not a folder"),
     (["--for", "trl", "--merged", "merged", "--out", "merged/trl"], "is inside --merged"),
-    (["--for", "trl", "--merged", "merged", "--out", "merged"], "is inside --merged"),
-    (["--for", "trl", "--merged", "merged", "--out", "."], "holds --merged"),
+    (["--for", "trl", "--merged", "merged", "--out", "merged"], "merged is inside --out"),
+    (["--for", "trl", "--merged", "merged", "--out", "."], "merged is inside --out ."),
     (["--for", "trl", "--merged", "merged", "--out", "mine"], "not an earlier export"),
     (["--for", "trl", "--merged", "merged", "--out", "x", "--max-length", "0"], "must be >= 1"),
     (["--for", "trl", "--merged", "merged", "--out", "x", "--draft-vocab-size", "8",
@@ -454,11 +454,16 @@ def fails(*argv, cwd: Path) -> str:
      "go together"),
     (["--for", "specforge", "--merged", "merged", "--out", "x", "--draft-vocab-size", "8",
       "--target-vocab-size", "20"], "--target-vocab-size 20: the set holds token id"),
+    (["--for", "specforge", "--merged", "merged", "--out", "x", "--draft-vocab-size", "8",
+      "--target-vocab-size", "100000000000"], "must be between 1 and 16777216"),
+    (["--for", "trl", "--merged", "merged", "--out", "loop"], "--out loop: exists and is not"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, argv, words):
     write_merged(tmp_path / "merged", [EDGE_ROWS])
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/notes.txt").write_text("keep me")
+    (tmp_path / "loop").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop")
     assert words in fails(*argv, cwd=tmp_path)
     assert (tmp_path / "mine/notes.txt").read_text() == "keep me"
     assert not (tmp_path / "x").exists()

@@ -14,7 +14,9 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
+import string
 import subprocess
 import time
 from pathlib import Path
@@ -26,10 +28,13 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from stages import merge, validate
+from stages.common import outputs as stage_outputs
+from stages.common import secrets
 from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
 from stages.dataset import lineage
 from stages.dataset.schema import list_shards
+from stages.process import cli
 from stages.serving import probes
 from tests import stagecli
 from tests.fakeserver import FakeServer, secret_pieces, spawn
@@ -337,6 +342,8 @@ ECHOES = [
     {"fault": "echo", "status": 400, "message": "{key_pct} {auth_b64} {key[3:20]}"},
     {"fault": "echo", "status": 200, "message": "{key_ujson} not json"},
     {"fault": "raw", "status": 200, "body": '{"detail": "{key_b64}"}'},  # not a reply
+    {"fault": "say", "message": "{key_hex} {key_html} {key_htmlx}"},  # issue 32
+    {"fault": "echo", "status": 400, "message": "<p>{key_html}</p> {key_hex[2:30]}"},
 ]
 
 
@@ -544,3 +551,249 @@ def test_a_request_cache_inside_a_folder_the_pipeline_writes_is_refused(tmp_path
     assert line.startswith(f"error: generate.cache_dir: {cache_dir} is inside ")
     assert not (tmp_path / "data/completions").exists()
     assert not (tmp_path / cache_dir).exists()
+
+
+# ------------------------------------------------- one rule for where a stage writes
+
+parts = st.lists(st.sampled_from(["a", "b", "sub", ".", ".."]), min_size=1, max_size=4)
+
+
+@PROPERTY
+@given(parts, parts, st.booleans())
+def test_an_input_inside_or_holding_a_replaced_folder_is_refused_whatever_its_spelling(
+        tmp_path, given, replaced, through_link):
+    """outputs.check_apart, the one rule: refused exactly when the two real paths nest,
+    however the paths are spelled (dots, a link to the input)."""
+    root = tmp_path / "r"
+    (root / "w/x").mkdir(parents=True, exist_ok=True)
+    if not (root / "link").is_symlink():
+        (root / "link").symlink_to(root / "w/x")
+    start = root / ("link" if through_link else "w/x")
+    a, b = start.joinpath(*given), root.joinpath("w/x", *replaced)
+    real_a, real_b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
+    nested = real_a.is_relative_to(real_b) or real_b.is_relative_to(real_a)
+    found = one_line_or_value(lambda: stage_outputs.check_apart({"merge.base": a}, [("--out", b)]))
+    assert isinstance(found, StageError) == nested, (a, b)
+    if nested:
+        assert str(a) in str(found) and str(b) in str(found)
+
+
+@pytest.mark.parametrize("stage_name, params_doc, named", [
+    ("merge", {"merge": {"base": "data/merged/sub"}}, "merge.base: data/merged/sub is inside"),
+    ("merge", {"merge": {"base": "data"}}, "--out data/merged is inside merge.base data"),
+    ("validate", {"validate": {}}, None),
+])
+def test_a_base_inside_the_merged_set_is_refused_before_anything_is_replaced(
+        tmp_path, stage_name, params_doc, named):
+    """Issue 32's data loss: the base inside data/merged went with it on the next run."""
+    merged_repo(tmp_path)
+    save(tmp_path / "data/merged/sub", rows(ids("b", 4)))
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    if stage_name == "validate":  # its plots folder is what it replaces
+        (tmp_path / "reports/plots").mkdir(parents=True)
+        shutil.move(tmp_path / "data/merged", tmp_path / "reports/plots/merged")
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump({"validate": {}}))
+        proc = subprocess.run(
+            [*stagecli.command("validate")[:3], "--merged", "reports/plots/merged",
+             "--reports", "reports"], cwd=tmp_path, capture_output=True, text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"), timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert "--merged: reports/plots/merged is inside the plots folder" in line
+        assert (tmp_path / "reports/plots/merged/sub/state.json").is_file()
+        return
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params_doc))
+    line, _ = stagecli.fail(stage_name, tmp_path)
+    assert named in line, line
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+
+
+def test_adopt_with_a_missing_base_is_an_error_not_a_first_version(tmp_path):
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+        {"merge": {"base": "data/bsae", "adopt": True}}))
+    line, _ = stagecli.fail("merge", tmp_path)
+    assert "merge.base data/bsae: not found, and merge.adopt is true" in line
+    assert not (tmp_path / "data/merged").exists()
+
+
+@pytest.mark.parametrize("stage_name, key, value", [
+    ("tokenize", "tokenizer", "data/tokenized/tok"),
+    ("tokenize", "chat_template", "data/tokenized/t.jinja"),
+    ("generate", "cache_dir", "data"),
+])
+def test_other_stages_inputs_keep_out_of_what_they_replace(tmp_path, stage_name, key, value):
+    make_prompts(tmp_path, 2)
+    (tmp_path / "data/completions").mkdir(parents=True)
+    (tmp_path / "data/completions/completions.jsonl").write_text("")
+    section = {key: value}
+    if stage_name == "generate":
+        section["server"] = {"url": "http://127.0.0.1:9", "model": "m"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({stage_name: section}))
+    line, _ = stagecli.fail(stage_name, tmp_path)
+    assert f"{value}" in line and "is inside" in line, line
+
+
+# ------------------------------------------------ one redactor for everything written
+
+SCHEMES = ["s3", "https", "hf", "gs", "az", "ftp", "git+ssh", "x-custom"]
+PARAMS = ["Signature", "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "sig",
+          "token", "X-Goog-Signature", "access_token", "api_key", "password"]
+secret_word = st.text(st.sampled_from(string.ascii_letters + string.digits + "-_.~+%"),
+                      min_size=8, max_size=30)
+
+
+def with_credential(scheme: str, form: str, secret: str, param: str) -> str:
+    return {"userinfo": f"{scheme}://user:{secret}@bucket/x",
+            "token": f"{scheme}://{secret}@host/x",
+            "path": f"{scheme}://datasets/u:{secret}@org/name",
+            "param": f"{scheme}://host/x.parquet?a=1&{param}={secret}&b=2"}[form]
+
+
+@PROPERTY
+@given(secret_word, st.sampled_from(SCHEMES), st.sampled_from(["userinfo", "token", "path",
+       "param"]), st.sampled_from(PARAMS), st.booleans(),
+       st.sampled_from(["", "merge.base ", "error: cannot read (", "'", '"', "<", "\n"]))
+def test_a_credential_in_any_url_is_found_by_shape_and_told_in_every_encoding(
+        secret, scheme, form, param, through_pathlib, around):
+    """secrets.WRITTEN's shape rules find the credential without being told (pathlib's
+    `s3:/` included); once told (tell_params), every encoding of it is masked too."""
+    url = with_credential(scheme, form, secret, param)
+    shown = str(Path(url)) if through_pathlib else url
+    assert secret not in secrets.Redactor()(f"{around}{shown}{around}"), shown
+    told = secrets.Redactor()
+    told.add(secrets.credentials_in(url))
+    for encoded in (secret.encode().hex(), "".join(f"&#{ord(c)};" for c in secret),
+                    json.dumps({"k": secret})):
+        assert secret.encode().hex() not in told(f"x {encoded} y")
+        assert secret not in told(f"x {encoded} y")
+
+
+@pytest.mark.parametrize("text", ["a:/" * 30000 + "@", "&" + "signature" * 8000 + " =",
+                                  "x:/" + "/a" * 50000 + "@", "/" + ":" * 100000 + "@",
+                                  ("?token=" + "a" * 10 + "&") * 20000])
+def test_the_redactor_reads_a_long_hostile_text_in_one_pass(text):
+    """Every log line, error and server body goes through it: no pattern may backtrack
+    over the text (a quadratic one took 86 s on the first of these)."""
+    started = time.monotonic()
+    secrets.Redactor(["sk-some-key-123"])(text)
+    assert time.monotonic() - started < 5
+
+
+def test_an_api_key_with_a_control_character_is_one_line_naming_the_variable(tmp_path):
+    make_prompts(tmp_path, 2)
+    write_params(tmp_path, server=url_server("http://127.0.0.1:9", api_key_env="FAKE_KEY"))
+    proc = stage(tmp_path, FAKE_KEY=KEY + "\r")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "FAKE_KEY" in line and "control" in line and "'\\r'" in line
+    assert leaks(tmp_path, [proc.stderr, proc.stdout], KEY) == []
+
+
+@pytest.mark.parametrize("form", ["userinfo", "token", "path", "param"])
+def test_a_credential_in_a_path_param_is_written_nowhere(tmp_path, form):
+    """Issue 32's leaks: a base, a tokenizer, a source and a model path holding a
+    credential, through merge's report, card, lineage.json and log, and the error lines of
+    tokenize, prepare and validate."""
+    secret = "SeCrEt-" + form + "-0123456789"
+    url = with_credential("s3" if form != "path" else "hf", form, secret, "X-Amz-Signature")
+    merged_repo(tmp_path)
+    shutil.rmtree(tmp_path / "data/merged")
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    make_prompts(tmp_path, 2)
+    (tmp_path / "data/completions").mkdir(parents=True)
+    (tmp_path / "data/completions/completions.jsonl").write_text("")
+    texts = []
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"merge": {"base": url}}))
+    proc, _ = stagecli.measured("merge", cli.pipeline_command("merge")[3:], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    texts += [proc.stdout, proc.stderr]
+    assert "merge.base" in proc.stderr  # the warning that names it, redacted
+    for stage_name, section in [
+            ("tokenize", {"tokenizer": url}),
+            ("prepare", {"sources": [{"name": "s", "path": url, "format": "messages"}]}),
+            ("validate", {"train_check": {"model": url}})]:
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump({stage_name: section}))
+        proc, _ = stagecli.measured(stage_name, cli.pipeline_command(stage_name)[3:], tmp_path)
+        texts += [proc.stdout, proc.stderr]
+    shown = json.loads((tmp_path / "reports/merge.json").read_text())["base"]["path"]
+    assert shown == secrets.Redactor()(url) and secret not in shown
+    found = [str(p) for p in tmp_path.rglob("*") if p.is_file() and p.name != "params.yaml"
+             and secret.encode() in p.read_bytes()]
+    assert found == [] and not [t[:300] for t in texts if secret in t]
+
+
+# ------------------------------------------ one reader for every file a user controls
+
+def test_a_fifo_named_parquet_in_a_base_is_one_line_with_or_without_adopt(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    (tmp_path / "data/base").mkdir(parents=True)
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}),
+                   tmp_path / "data/base/a.parquet")
+    fifo_at(tmp_path, "data/base/b.parquet")
+    for adopting in (False, True):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+            {"merge": {"base": "data/base", "adopt": adopting}}))
+        started = time.monotonic()
+        line, _ = stagecli.fail("merge", tmp_path, timeout=120)
+        assert "b.parquet: not a regular file (a FIFO)" in line, line
+        assert time.monotonic() - started < 110 and stat_is_fifo(tmp_path / "data/base/b.parquet")
+        assert not (tmp_path / "data/merged").exists()
+
+
+@pytest.mark.parametrize("where", ["out/export.json", "merged/fingerprint.json",
+                                   "merged/state.json"])
+def test_a_fifo_in_an_export_folder_is_one_line_not_a_hang(tmp_path, where):
+    from tests.test_export import EDGE_ROWS, fails, write_merged
+
+    write_merged(tmp_path / "merged", [EDGE_ROWS])
+    if where.startswith("out/"):  # an earlier export's folder, its report a FIFO
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out/data.jsonl").write_text("")
+    fifo_at(tmp_path, where)
+    started = time.monotonic()
+    line = fails("--for", "trl", "--merged", "merged", "--out", "out", cwd=tmp_path)
+    assert f"{Path(where).name}: not a regular file (a FIFO)" in line, line
+    assert time.monotonic() - started < 110 and stat_is_fifo(tmp_path / where)
+
+
+# ------------------------------------------ unclear errors, each one line (issue 32)
+
+def test_an_oversized_model_list_fails_fast_not_at_the_readiness_deadline(probed):
+    probed.reset({"endpoints": {"/v1/models": {"bytes": 20 << 20}}})
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"/v1/models: HTTP 200 with a body over \d+ bytes"):
+        asyncio.run(probes.wait_ready([probed.url], 300.0))
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("fingerprint, says", [
+    ("[" * 5000 + "]" * 5000, "fingerprint.json is missing or unreadable"),
+    (json.dumps(FP | {"tokenizer": {"vocab_size": 2**70}}),
+     "fingerprint.json: tokenizer.vocab_size must be"),
+])
+def test_validate_names_an_unreadable_or_out_of_range_fingerprint_as_such(tmp_path, fingerprint,
+                                                                          says):
+    merged_repo(tmp_path)
+    (tmp_path / "data/merged/fingerprint.json").write_text(fingerprint)
+    doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    doc["validate"]["vocab_size"] = None
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
+    line, _ = stagecli.fail("validate", tmp_path)
+    assert line.startswith("error: validate.vocab_size: null, and ") and says in line, line
+
+
+@pytest.mark.parametrize("stage_name", ["merge", "validate"])
+def test_a_reports_runs_that_is_no_folder_stops_the_stage_before_its_work(tmp_path,
+                                                                         stage_name):
+    merged_repo(tmp_path)
+    save(tmp_path / "data/tokenized", rows(ids("n", 3)))
+    (tmp_path / "reports/runs").write_text("not a folder")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    line, _ = stagecli.fail(stage_name, tmp_path)
+    assert "reports/runs is not a folder" in line, line
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before

@@ -328,7 +328,7 @@ def test_null_input_ids_row(repo):
 def test_missing_fingerprint_fails_unless_vocab_given(repo):
     write(repo, shards(), fingerprint=None)
     with pytest.raises(StageError, match=r"validate\.vocab_size: null, and "
-                       r"data/merged/fingerprint\.json has no tokenizer\.vocab_size"):
+                       r"data/merged/fingerprint\.json is missing or unreadable"):
         validate.run(cfg(), PATHS)
     assert failures(vocab_size=VOCAB) == {"fingerprint": ["data/merged/fingerprint.json is missing"]}
 

@@ -6,13 +6,14 @@
 
 which is render mode's mask rule too. A row whose completion has no usable engine ids
 is counted (`engine_ids_missing`) and rendered or dropped (`no_engine_ids`), per
-`tokenize.on_missing_ids`. The rule in full (truncated answers, stop strings, earlier
-turns): docs/stages.md, tokenize, "Engine-exact rows".
+`tokenize.on_missing_ids`. The engine's ids are checked like a prompt: every id inside the
+vocabulary (`out_of_vocab`), the generated ids spelling the recorded answer (`answer_check`).
+The rule in full: docs/stages.md, tokenize, "Engine-exact rows".
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -47,3 +48,35 @@ def engine_row(served: Served, ids: np.ndarray, mask: np.ndarray, prompt_len: in
         out_mask[:prompt_len] = mask[:prompt_len]
     out_mask[len(prompt):len(prompt) + len(generated)] = 1
     return out_ids, out_mask, not same_prompt and bool(mask[:prompt_len].any())
+
+
+def out_of_vocab(served: Served, vocab_size: int) -> Optional[int]:
+    """The first engine id (prompt, then completion) outside [0, vocab_size), or None."""
+    for ids in (served.prompt_ids, served.completion_ids):
+        if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            return int(ids[(ids < 0) | (ids >= vocab_size)][0])
+    return None
+
+
+def answer_check(generated: np.ndarray, supervised: np.ndarray, control: set[int],
+                 decode: Callable[[list[int]], str]) -> Optional[str]:
+    """Whether the engine's generated ids spell the answer the row records (`supervised`:
+    the render's supervised ids of it): None when they do; "text" when they decode to
+    other text (a reply mixed up with another's); "control" when the text is the same but
+    a control token stands where the recorded text spells it (an injected
+    `<|im_start|>user` turn), which the text path tokenizes as text. A closing end-of-turn
+    token on either side, or the stop string the engine ended on, is not a difference."""
+    g, s = _without_closing(generated.tolist(), control), \
+        _without_closing(supervised.tolist(), control)
+    if g == s:
+        return None
+    text, recorded = decode(g), decode(s)
+    if text != recorded and not (text.startswith(recorded) and len(g) == len(generated)):
+        return "text"
+    if [i for i in g if i in control] != [i for i in s if i in control]:
+        return "control"
+    return None
+
+
+def _without_closing(ids: list[int], control: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in control else ids

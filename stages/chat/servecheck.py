@@ -43,7 +43,16 @@ COMPLETION_COUNTS = ("checked", "differ", "beyond_slack", "abs_diff_sum", "ids_c
 
 def new_stats() -> dict:
     return {**dict.fromkeys(COUNTS, 0), "by_count_why": {}, "causes": {}, "examples": [],
-            "completion": {**dict.fromkeys(COMPLETION_COUNTS, 0), "max_abs_diff": 0}}
+            "completion": {**dict.fromkeys(COMPLETION_COUNTS, 0), "max_abs_diff": 0},
+            "answers": {"text_differs": 0, "control_as_text": 0, "examples": []}}
+
+
+def answer_differs(stats: dict, kind: str, rid: str, where: str) -> None:
+    """Count a row whose engine answer ids are not its recorded answer (enginerows)."""
+    a = stats["answers"]
+    a["text_differs" if kind == "text" else "control_as_text"] += 1
+    if len(a["examples"]) < EXAMPLES:
+        a["examples"].append({"row": rid, "where": where, "kind": kind})
 
 
 def merge(into: dict, part: dict) -> None:
@@ -58,6 +67,10 @@ def merge(into: dict, part: dict) -> None:
     for key in COMPLETION_COUNTS:
         c[key] += p[key]
     c["max_abs_diff"] = max(c["max_abs_diff"], p["max_abs_diff"])
+    a, b = into["answers"], part["answers"]
+    for key in ("text_differs", "control_as_text"):
+        a[key] += b[key]
+    a["examples"].extend(b["examples"][: EXAMPLES - len(a["examples"])])
 
 
 def summary(stats: dict) -> dict:
@@ -198,3 +211,15 @@ def failure(stats: dict, allowed: int) -> Optional[str]:
         f"({first.get('prompt_tokens')} prompt tokens here, "
         f"{first.get('engine_prompt_tokens')} served); examples in reports/tokenize.json"
     )
+
+
+def answer_failure(stats: dict, allowed: int) -> Optional[str]:
+    """The stage's one-line error when more engine answers than `allowed` decode to other
+    text than the recorded answer (tokenize.ids: engine), else None."""
+    a = stats["answers"]
+    if a["text_differs"] <= allowed:
+        return None
+    first = next(e for e in a["examples"] if e["kind"] == "text")
+    return (f"engine ids: {a['text_differs']} rows' generated ids decode to other text than "
+            f"the recorded answer (tokenize.max_answer_mismatch: {allowed}); first: row "
+            f"{first['row']!r} at {first['where']} (a router mixing up replies?)")

@@ -91,6 +91,19 @@ def read_regular(path: str | Path, limit: int = MAX_METADATA_BYTES) -> bytes:
     return data
 
 
+def regular(path: str | Path) -> Path:
+    """`path` if it is a regular file (a link to one included), checked by os.stat before
+    a library that opens it by name (Parquet, a memory map) would wait on a FIFO; else
+    StageError naming it (FileNotFoundError, IsADirectoryError as they are)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or a socket"
+        raise StageError(f"{path}: not a regular file ({kind})")
+    return Path(path)
+
+
 def open_regular(path: str | Path) -> BinaryIO:
     """`path` opened for reading if it is a regular file (a link to one included), else
     StageError (IsADirectoryError for a folder); opening never waits, as opening a FIFO

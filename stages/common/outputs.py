@@ -1,4 +1,5 @@
-"""Atomic writes: a stage's outputs appear whole or not at all.
+"""Atomic writes: a stage's outputs appear whole or not at all, text and JSON through the
+one redactor, and the one rule for where they may go (`check_apart`).
 
 DVC links outs into its cache (read-only hardlinks under `cache.type hardlink,symlink`),
 so a stage never opens an existing output for writing: it writes a new temporary path
@@ -16,9 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
-from stages.common import reports
+from stages.common import reports, secrets
+from stages.common.errors import StageError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -107,9 +109,16 @@ def scratch_dir(target: str | Path, label: str) -> Path:
 
 
 def write_json(path: str | Path, obj) -> None:
+    """`obj` as indented JSON, every string through the one redactor (secrets.WRITTEN)."""
     with atomic_file(path) as f:
-        json.dump(obj, f, indent=2, sort_keys=False, ensure_ascii=False)
+        json.dump(secrets.WRITTEN.scrub(obj), f, indent=2, sort_keys=False, ensure_ascii=False)
         f.write("\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """`text` through the one redactor (secrets.WRITTEN), written atomically."""
+    with atomic_file(path) as f:
+        f.write(secrets.WRITTEN(text))
 
 
 def write_report(folder: Path, stage: str, obj: dict) -> Path:
@@ -120,3 +129,33 @@ def write_report(folder: Path, stage: str, obj: dict) -> Path:
     path = reports.facts_path(folder, stage)
     write_json(path, facts)
     return path
+
+
+
+def _real(path: str | Path, name: str) -> Path:
+    """Where `path` points once every link is followed (a path not there yet included)."""
+    try:
+        return Path(os.path.realpath(os.fspath(path), strict=False))
+    except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL byte
+        raise StageError(f"{name} {path}: cannot be resolved ({e})") from None
+
+
+def check_apart(inputs: dict[str, Optional[str | Path]],
+                replaced: Iterable[tuple[str, str | Path]]) -> None:
+    """The one rule for where a stage writes: StageError when an input (`name: path`, None
+    skipped) is, is inside or holds a folder the stage replaces whole (`(name, path)`
+    pairs): replacing it would remove that input or change it under the stage."""
+    outs = [(name, path, _real(path, name)) for name, path in replaced]
+    for in_name, in_path in inputs.items():
+        if in_path is None or str(in_path) == "":
+            continue
+        given = _real(in_path, in_name)
+        for out_name, out_path, out in outs:
+            if given == out or given.is_relative_to(out):
+                raise StageError(
+                    f"{in_name}: {in_path} is inside {out_name} {out_path}, which this stage "
+                    "replaces whole: it would be removed; keep every input outside it")
+            if out.is_relative_to(given):
+                raise StageError(
+                    f"{out_name} {out_path} is inside {in_name} {in_path}: replacing it "
+                    "would change that input; name folders apart from each other")

@@ -267,6 +267,9 @@ class Tokenize:
     ids: Literal["render", "engine"] = "render"
     # with ids: engine, a row whose completion kept no engine ids is rendered or dropped
     on_missing_ids: Literal["render", "drop"] = "render"
+    # with ids: engine, rows whose generated ids decode to other text than the recorded
+    # answer (dropped, named) before the stage fails
+    max_answer_mismatch: int = ranged(0, ge=0, le=INT64)
 
 
 # ------------------------------------------------------------------ merge / validate
@@ -294,6 +297,9 @@ class Merge:
     adopt: bool = False
     base_columns: BaseColumns = field(default_factory=BaseColumns)
     base_source: Optional[str] = None  # `source` of adopted rows; null: the base folder's name
+    # adopted rows validate would refuse (empty, unsupervised, one token): false refuses the
+    # base naming file and row; true drops them, counted
+    adopt_drop_invalid: bool = False
 
 
 @dataclass

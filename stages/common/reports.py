@@ -13,12 +13,12 @@ every other key is a fact. A key a stage adds is a fact until it is listed here.
 from __future__ import annotations
 
 import copy
-import json
 import platform
 from pathlib import Path
 from typing import Optional
 
-from stages.common import cpus
+from stages.common import cpus, errors
+from stages.common.errors import StageError, json_file
 
 RUN_FOLDER = "runs"
 
@@ -89,11 +89,16 @@ def read(folder: Path, stage: str) -> dict:
 
 
 def _load(path: Path) -> Optional[dict]:
+    """The report at `path`, None when it is missing or not a JSON object; a FIFO or a
+    device in its place is a StageError naming it (errors.json_file, the one reader)."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json_file(path)
+    except (FileNotFoundError, IsADirectoryError):
         return None
-    return value if isinstance(value, dict) else None
+    except StageError:
+        if errors.regular(path):  # unreadable JSON: as no report; anything else: raised
+            return None
+        raise
 
 
 def _overlay(base: dict, extra: dict) -> dict:

@@ -1,22 +1,24 @@
-"""Keeping secrets out of everything the pipeline writes.
+"""Keeping secrets out of everything the pipeline writes: the one redactor.
 
-Secrets are an API key (read from the environment), credentials in a server URL (its
-password and `user:password`, or the user alone: `http://TOKEN@host` carries a token) and
-the values of secret flags in a launch command (`--api-key sk-...`); none may reach a
-file, a log line, a report, a card or an error message, whole or in part. Writers pass
-text through one `Redactor` (or `scrub`), URLs shown to a person through
-`strip_url_credentials`, argv through `redact_args`.
+Secrets are an API key (read from the environment), credentials in a URL (a password,
+`user:password`, a token as the user alone, a signature or token query parameter: found
+by shape in any URL-like text, whatever the scheme, `s3:/` as pathlib spells `s3://`
+included) and the values of secret flags in a launch command. `WRITTEN` is the redactor
+every writer goes through (reports, the card, lineage.json, logs, error lines); a stage
+`tell`s it what it learned is secret (the key, each credential in a param).
 
-A server can echo a secret JSON-escaped, percent-encoded, base64 as in an Authorization
-header, or cut: the redactor masks every run of at least MIN_PIECE characters of any of
-those forms (a shorter secret only whole), and `found_in` checks a JSON body after
-parsing. Redact first, then truncate: a cut made after redaction only shortens the mask.
+A server can echo a secret JSON-escaped, percent-encoded, base64, hex, as HTML entities,
+or cut: the redactor masks every run of at least MIN_PIECE characters of any of those
+forms (a shorter secret only whole), and `found_in` checks a JSON body after parsing.
+Redact first, then truncate: a cut made after redaction only shortens the mask.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
+import html
 import json
 import logging
 import re
@@ -25,8 +27,18 @@ from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 MASK = "***"
 MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it is
-# scheme://user:password@ or scheme://token@: up to the last @ before the host's end
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"']+@")
+# scheme://user:password@ or scheme://token@ (scheme:/ once pathlib has normalised the
+# URL): up to the last @ before the host's end
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})[^/?#\s\"'<>]+@")
+# user:password@ as a later segment of a URL's path (hf://datasets/u:TOKEN@org/name);
+# matched from its own slash, so a long text is scanned once
+_PATH_CREDENTIALS = re.compile(r"(?P<pre>/)[^/?#\s\"'<>@:]*:[^/?#\s\"'<>@]*@")
+# a query parameter (name bounded: a long text is scanned once) and, among them, the
+# names that carry a credential (presigned S3/GCS/Azure URLs, ?token=)
+_PARAM = re.compile(r"(?P<name>[?&;](?P<key>[A-Za-z0-9_.-]{1,64})=)(?P<value>[^&#\s\"'<>]+)")
+_SECRET_KEY = re.compile(
+    r"(?:.*(?:signature|credential|token|secret|password|passwd|api[_-]?key|apikey|auth).*"
+    r"|sig|key|pwd|x-amz-.+|x-goog-.+)", re.I)
 # flags whose next argument (or `=value`) is a secret
 _SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9-]*(api-key|apikey|token|password|secret)$", re.I)
 
@@ -42,8 +54,31 @@ def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
 
 
 def strip_url_credentials(text: str) -> str:
-    """`text` (a URL, or any text holding URLs) without the `user:password@` of each URL."""
-    return _URL_CREDENTIALS.sub(r"\g<scheme>", text)
+    """`text` (a URL, or any text holding URLs) without the `user:password@` of each URL
+    (a path segment's too) and with credential query parameters' values masked."""
+    if "@" in text:
+        text = _URL_CREDENTIALS.sub(r"\g<scheme>", text)
+        text = _PATH_CREDENTIALS.sub(lambda m: m["pre"] + MASK + "@", text)
+    if "=" in text:
+        text = _PARAM.sub(lambda m: m["name"] + MASK if _SECRET_KEY.fullmatch(m["key"])
+                          else m.group(), text)
+    return text
+
+
+def credentials_in(text: str) -> set[str]:
+    """Each secret written in URL-like text: userinfo (user:password, the password, a
+    token-only user), a path segment's user:password, a credential parameter's value."""
+    found: set[str] = set()
+    spans = [m.group()[len(m["scheme"]):-1] for m in _URL_CREDENTIALS.finditer(text)]
+    spans += [m.group()[len(m["pre"]):-1] for m in _PATH_CREDENTIALS.finditer(text)]
+    for userinfo in spans:
+        user, colon, password = userinfo.partition(":")
+        found.update(v for v in (userinfo, password if colon else user) if v)
+        found.update(unquote(v) for v in (userinfo, password) if v)
+    for m in _PARAM.finditer(text):
+        if _SECRET_KEY.fullmatch(m["key"]):
+            found.update({m["value"], unquote(m["value"])})
+    return found
 
 
 def redact_args(argv: Iterable[str]) -> list[str]:
@@ -78,12 +113,16 @@ def _forms(secret: str) -> set[str]:
                "".join(f"%{b:02X}" for b in data)}
     units = secret.encode("utf-16-be", "surrogatepass")
     escaped = "".join(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2))
+    entities = {"".join(f"&#{ord(c)};" for c in secret),
+                "".join(f"&#x{ord(c):x};" for c in secret),
+                "".join(f"&#x{ord(c):X};" for c in secret), html.escape(secret)}
     forms = {
         secret,
         json.dumps(secret, ensure_ascii=False)[1:-1],
         json.dumps(secret, ensure_ascii=True)[1:-1],
         escaped, escaped.upper().replace("\\U", "\\u"),
         *percent, *(_lower_hex(p) for p in percent),
+        data.hex(), data.hex().upper(), *entities,
     }
     # derived forms this short would mask ordinary text: kept only when long enough
     return forms | {f for f in _base64_forms(data) if len(f) >= MIN_PIECE}
@@ -120,7 +159,15 @@ class Redactor:
     """
 
     def __init__(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()):
-        values = {s for s in secrets if s}
+        self._values: set[str] = set()
+        self._whole: list[str] = []
+        self._long: list[str] = []
+        self._windows: set[str] = set()
+        self.add(secrets, urls)
+
+    def add(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()) -> None:
+        """Learn more secret values and URLs whose credentials are secret."""
+        values = set(self._values) | {s for s in secrets if s}
         for url in urls:
             user, password = url_credentials(url)
             if password:
@@ -129,6 +176,9 @@ class Redactor:
                     values.add(f"{user}:{password}")
             elif user:  # http://TOKEN@host: the user part is the token
                 values.add(user)
+        if values == self._values:
+            return
+        self._values = values
         forms = set().union(*(_forms(v) for v in values)) if values else set()
         self._whole = sorted(forms, key=len, reverse=True)  # longest first: no half masks
         self._long = [f for f in self._whole if len(f) >= MIN_PIECE]
@@ -156,8 +206,7 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         """`text` with secrets masked and URL credentials stripped."""
-        if "@" in text:
-            text = strip_url_credentials(text)
+        text = strip_url_credentials(text)
         if not self._whole:
             return text
         for form in self._whole:
@@ -220,13 +269,54 @@ def _strings(value: Any) -> Iterator[str]:
             stack.extend(node)
 
 
+# what every writer of a report, the card, lineage.json, a log line or an error line
+# passes its text through; a stage tells it the secrets it learns (`tell`)
+WRITTEN = Redactor()
+# fewer characters than this, told as a credential in a param, would mask ordinary text
+# wherever it occurs; found by shape in the URL instead
+_MIN_TOLD = 6
+
+
+def tell(secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()) -> Redactor:
+    """Add secrets (and the credentials of URLs) to WRITTEN; returns it."""
+    WRITTEN.add(secrets, urls)
+    return WRITTEN
+
+
+def tell_params(value: Any) -> None:
+    """Tell WRITTEN every credential written in a string of a params value (dataclasses,
+    lists and dicts walked), whatever the scheme."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            found |= credentials_in(node)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    tell(v for v in found if len(v) >= _MIN_TOLD)
+
+
+def check_key(key: str, where: str) -> str:
+    """`key` if it can go into an HTTP header; else a StageError naming `where` (never
+    the key): a control character (a CRLF env file's \\r) would break every request."""
+    bad = [c for c in key if ord(c) < 0x20 or ord(c) == 0x7F or not c.isprintable()]
+    if bad:
+        from stages.common.errors import StageError  # errors imports nothing of ours
+
+        raise StageError(f"{where}: the key holds {len(bad)} control or non-printing "
+                         f"character(s), first {ascii(bad[0])} (a CRLF env file? strip it)")
+    return key
+
+
 @contextlib.contextmanager
-def redacting_logs(redactor: Redactor) -> Iterator[None]:
+def redacting_logs(redactor: Redactor = WRITTEN) -> Iterator[None]:
     """Every log record created inside the block is redacted, whatever logger or handler
     (a tqdm redirect included) ends up writing it."""
-    if not redactor:
-        yield
-        return
     previous = logging.getLogRecordFactory()
 
     def factory(*args, **kwargs) -> logging.LogRecord:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -27,7 +26,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from stages.common import params
-from stages.common.errors import StageError
+from stages.common.errors import StageError, open_regular, regular
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -88,7 +87,7 @@ def _check_empty(folder: Path) -> None:
 def file_format(path: Path) -> str:
     """STREAM, FILE or PARQUET, by the file's first bytes."""
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:  # a FIFO named like a data file: one line, no wait
             head = f.read(len(_ARROW_FILE_MAGIC))
     except OSError as e:
         raise StageError(f"{path}: cannot read ({e.strerror})") from None
@@ -102,9 +101,9 @@ def file_format(path: Path) -> str:
 def read_schema(path: Path, fmt: str) -> pa.Schema:
     try:
         if fmt == PARQUET:
-            return pq.read_schema(path)
+            return pq.read_schema(regular(path))
         if fmt == FILE:
-            with pa.memory_map(str(path)) as source:
+            with pa.OSFile(str(regular(path))) as source:
                 return pa.ipc.open_file(source).schema
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{path}: not a readable {fmt} file ({e})") from None
@@ -134,19 +133,17 @@ def _checked(path: Path, fmt: str, stream: Iterator[pa.RecordBatch]):
 
 
 def _parquet_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    with pq.ParquetFile(path) as f:  # decoded a row group at a time
+    with pq.ParquetFile(regular(path)) as f:  # decoded a row group at a time
         yield from f.iter_batches(batch_size=BATCH_ROWS, columns=columns)
 
 
 def _file_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """An IPC file's batches from a read-only map whose pages are dropped from this
-    process's resident set after each batch (they stay in the page cache)."""
-    with path.open("rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)))
-    for i in range(reader.num_record_batches):
-        yield reader.get_batch(i).select(columns)
-        mapped.madvise(mmap.MADV_DONTNEED)
+    """An IPC file's batches, each read into memory (not mapped: a file another tool
+    truncates while it is read is then an error naming it, never a SIGBUS)."""
+    with pa.OSFile(str(regular(path))) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i).select(columns)
 
 
 # -------------------------------------------------------------------- the layout
@@ -209,6 +206,13 @@ def layout(path: Path, schema: pa.Schema, columns: params.BaseColumns) -> Layout
             raise LayoutError(path, schema, f"several mask columns ({', '.join(present)}): "
                                             "name one in merge.base_columns.mask")
         mask = present[0]
+    if mask == ids:
+        raise LayoutError(path, schema, f"merge.base_columns names {ids!r} as both the token "
+                                        "ids and the mask: one column cannot be both")
+    if mask == "attention_mask" and "labels" in names:
+        raise LayoutError(path, schema, "the mask is attention_mask, which marks padding, not "
+                                        "what is trained, and the base has labels: name labels "
+                                        "in merge.base_columns.mask")
     kind = columns.mask_kind or ("labels" if mask == "labels" else "mask")
     _check_type(path, schema, ids, "token ids", booleans=False)
     _check_type(path, schema, mask, f"a {kind} column", booleans=kind == "mask")
@@ -249,6 +253,7 @@ class Plan:
     layout: Layout
     schema: pa.Schema  # the first file's
     source: str
+    drop_invalid: bool = False  # merge.adopt_drop_invalid
 
 
 def plan(cfg: params.Merge, base: Path, files: list[Path], out: Path) -> Optional[Plan]:
@@ -268,7 +273,8 @@ def plan(cfg: params.Merge, base: Path, files: list[Path], out: Path) -> Optiona
     source = cfg.base_source or base.resolve().name or str(base)
     if not cfg.adopt:
         raise _refusal(base, files, formats, path, fmt, schema, cfg.base_columns, source, out)
-    return Plan(base, files, formats, layout(path, schema, cfg.base_columns), schema, source)
+    return Plan(base, files, formats, layout(path, schema, cfg.base_columns), schema, source,
+                cfg.adopt_drop_invalid)
 
 
 def _ours(path: Path, fmt: str) -> bool:
@@ -300,7 +306,7 @@ def _refusal(base: Path, files: list[Path], formats: list[str], path: Path, fmt:
 def _count(path: Path, fmt: str, ids: str) -> tuple[int, int]:
     """(rows, tokens) of one base file from offsets or Parquet metadata, not the values."""
     if fmt == PARQUET:
-        with pq.ParquetFile(path) as f:
+        with pq.ParquetFile(regular(path)) as f:
             meta = f.metadata
         leaf = next(i for i in range(meta.num_columns)
                     if meta.schema.column(i).path.startswith(f"{ids}."))
@@ -376,10 +382,19 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
                                                              p.layout.kind))
             dropped.update(n for n in schema.names if n not in (file_layout.input_ids,
                                                                 file_layout.mask))
-            rows = _convert_file(path, fmt, dst, file_layout, vocab, p.source, hashes, totals)
-            files.append({"file": path.name, "shard": dst.name, "rows": rows})
+            rows, invalid = _convert_file(path, fmt, dst, file_layout, vocab, p.source, hashes,
+                                          totals, p.drop_invalid)
+            files.append({"file": path.name, "shard": dst.name, "rows": rows,
+                          "invalid_rows_dropped": invalid})
             log.info("adopted %s (%s): %d rows -> %s", path, fmt, rows, dst.name)
+            if invalid:
+                log.warning("merge.adopt: %s: %d rows validate would refuse dropped "
+                            "(merge.adopt_drop_invalid)", path, invalid)
         repeated = _number_repeats(shards, [f["rows"] for f in files], hashes.repeated_rows())
+    if totals.tokens and totals.loss_tokens == totals.tokens:
+        raise StageError(f"merge.adopt: {p.base}: {p.layout.mask} marks every token of every "
+                         "row as trained, prompts included: not a mask of what to train "
+                         "(name the right column in merge.base_columns.mask)")
     if dropped:
         log.warning("merge.adopt: columns dropped from %s: %s", p.base, ", ".join(sorted(dropped)))
     report = {
@@ -394,6 +409,7 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
         "tokens": totals.tokens,
         "loss_tokens": totals.loss_tokens,
         "repeated_rows": repeated,
+        "invalid_rows_dropped": sum(f["invalid_rows_dropped"] for f in files),
         "bytes": sum(path.stat().st_size for path in shards),
         "files": files,
     }
@@ -402,20 +418,22 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
 
 
 def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, source: str,
-                  hashes: IdHashes, totals: _Totals) -> int:
-    row = 0
-    first = totals.rows  # dataset-wide number of this file's first row
+                  hashes: IdHashes, totals: _Totals, drop_invalid: bool) -> tuple[int, int]:
+    """(rows written, rows validate would refuse that were dropped)."""
+    row = written = 0
     with batches(path, fmt, lay.read()) as stream, ShardFile(dst) as writer:
         for batch in stream:
             for start in range(0, batch.num_rows, BATCH_ROWS):
                 part = batch.slice(start, BATCH_ROWS)
-                out, digests = _rows(part, lay, vocab, source, Where(path, row))
+                out, digests = _rows(part, lay, vocab, source, Where(path, row), drop_invalid)
+                first = totals.rows  # dataset-wide number of the batch's first row
                 writer.write(out)
                 lengths = out.column("num_tokens").to_numpy()
                 totals.add(lengths, out.column("num_loss_tokens").to_numpy())
-                hashes.add(digests, np.arange(first + row, first + row + len(lengths)))
+                hashes.add(digests, np.arange(first, first + len(lengths)))
                 row += part.num_rows
-    return row
+                written += out.num_rows
+    return written, row - written
 
 
 @dataclasses.dataclass
@@ -434,8 +452,8 @@ class Where:
         return StageError(f"merge.adopt: {self.path}, row {self.row + r}: {text}")
 
 
-def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str,
-          where: Where) -> tuple[pa.RecordBatch, np.ndarray]:
+def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, where: Where,
+          drop_invalid: bool = False) -> tuple[pa.RecordBatch, np.ndarray]:
     """One batch of base rows in the contract, and the 64-bit hashes of their ids."""
     ids_col, mask_col = part.column(lay.input_ids), part.column(lay.mask)
     offsets, ids = _values(ids_col, lay.input_ids, where)
@@ -465,7 +483,32 @@ def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str,
         pa.array(lengths.astype(np.int32)),
         pa.array(supervised),
     ]
-    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA), digests
+    out = pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+    keep = _trainable(loss, offsets)
+    if not keep.all():
+        if not drop_invalid:
+            r = int(np.flatnonzero(~keep)[0])
+            why = ("an empty row" if lengths[r] == 0 else "no supervised token"
+                   if supervised[r] == 0 else "one token" if lengths[r] == 1
+                   else "no two consecutive supervised tokens")
+            raise where.row_error(r, f"{why}, which validate refuses (supervised_run); fix "
+                                     "the base, or set merge.adopt_drop_invalid: true to drop "
+                                     "such rows (counted)")
+        out, digests = out.filter(pa.array(keep)), digests[keep]
+    return out, digests
+
+
+def _trainable(loss: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per row: whether it has two consecutive supervised tokens, validate's
+    supervised_run rule (an empty, unsupervised or 1-token row has not)."""
+    n = len(loss)
+    pair = np.zeros(n, dtype=np.int64)  # 1 at i: tokens i-1 and i both trained, same row
+    if n > 1:
+        pair[1:] = (loss[1:] != 0) & (loss[:-1] != 0)
+    starts = offsets[:-1]
+    pair[starts[starts < n]] = 0
+    seen = np.concatenate([[0], np.cumsum(pair)])
+    return (seen[offsets[1:]] - seen[offsets[:-1]]) > 0
 
 
 def _values(col: pa.Array, name: str, where: Where) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
-from stages.common import params, secrets
+from stages.common import outputs, params, secrets
 from stages.common.errors import (
     StageError,
     json_file,
@@ -382,9 +382,9 @@ def _state_hash(folder: Optional[Path]) -> Optional[str]:
 def write(folder: Path, lineage: dict, paths) -> None:
     """lineage.json and README.md into `folder` (merge's temporary output folder for
     `paths.out`)."""
-    (folder / LINEAGE_FILE).write_text(
-        json.dumps(lineage, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (folder / CARD_FILE).write_text(card(lineage, paths), encoding="utf-8")
+    lineage = secrets.WRITTEN.scrub(lineage)  # the card is built from what is shown
+    outputs.write_json(folder / LINEAGE_FILE, lineage)
+    outputs.write_text(folder / CARD_FILE, card(lineage, paths))
 
 
 # libyaml's emitter writes the same text 4x faster (a history of 10,000 versions: 13 s

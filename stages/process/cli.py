@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -17,7 +18,7 @@ from typing import Callable
 
 import yaml
 
-from stages.common import params
+from stages.common import params, secrets
 from stages.common.errors import StageError
 
 PIPELINE = Path(__file__).resolve().parents[2] / "dvc.yaml"
@@ -66,21 +67,31 @@ def main(section: str, doc: str, run: Callable[[object, argparse.Namespace], obj
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {section}: %(message)s", datefmt="%H:%M:%S"
     )
-    return reported(section,
-                    lambda: run(params.load(section, args.params), only_paths(args, paths)))
+    def work():
+        cfg = params.load(section, args.params)
+        secrets.tell_params(cfg)  # a credential in a path param: redacted wherever written
+        if "reports" in paths:
+            check_report_folders(args.reports, section)
+        run(cfg, only_paths(args, paths))
+
+    return reported(section, work)
 
 
 def reported(section: str, work: Callable[[], object]) -> int:
     """Run `work` under the rules of main: the exit status, each failure one line."""
     previous = signal.signal(signal.SIGTERM, _terminate)
+    # credentials typed into a path on the command line are secrets from here on
+    secrets.tell_params(sys.argv[1:])
     try:
-        work()
+        with secrets.redacting_logs():
+            work()
     except StageError as e:
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        print(f"error: {one_line(secrets.WRITTEN(str(e)))}", file=sys.stderr)
         return 1
     except OSError as e:  # a file the stage could not read or write, not caught nearer
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {one_line(f'{section}: {where}{e.strerror or e}')}", file=sys.stderr)
+        text = secrets.WRITTEN(f"{section}: {where}{e.strerror or e}")
+        print(f"error: {one_line(text)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         how = "terminated" if isinstance(e, Terminated) else "interrupted"
@@ -89,6 +100,18 @@ def reported(section: str, work: Callable[[], object]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def check_report_folders(folder: Path, section: str) -> None:
+    """StageError before any work when a report of the stage could not be written at the
+    end (`reports/runs` a file or a dangling link), not after the work is done."""
+    from stages.common import reports  # common.reports imports nothing of the process
+
+    for path in (reports.facts_path(folder, section), reports.run_path(folder, section)):
+        for parent in reversed(path.parents):
+            if os.path.lexists(parent) and not parent.is_dir():
+                raise StageError(f"--reports {folder}: {parent} is not a folder, and "
+                                 f"{path} goes there; remove or rename it")
 
 
 MAX_ERROR_CHARS = 2000

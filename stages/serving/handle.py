@@ -72,7 +72,7 @@ def api_key(server: params.Server) -> Optional[str]:
         raise StageError(
             f"generate.server.api_key_env: environment variable {server.api_key_env} is not set"
         )
-    return key
+    return secrets.check_key(key, f"generate.server.api_key_env: {server.api_key_env}")
 
 
 class ServerHandle:

@@ -271,6 +271,9 @@ async def _get_models(session: Any, url: str,
             status = r.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         return None, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if raw is None and status == 200:  # a list that can never be read: no use waiting
+        raise StageError(f"{url}/v1/models: HTTP 200 with a body over {MAX_PROBE_BYTES} "
+                         "bytes, which is no model list; check generate.server.url")
     if raw is None:
         return None, None, f"HTTP {status} with a body over {MAX_PROBE_BYTES} bytes"
     try:

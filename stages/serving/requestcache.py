@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from stages.common import outputs
 from stages.common.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,8 @@ class RequestCache:
             ) from None
         meta_path = self.dir / "meta.json"
         if not meta_path.exists():
-            tmp = meta_path.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, meta_path)
+            # keys sorted at every level, as earlier caches wrote them
+            outputs.write_json(meta_path, json.loads(json.dumps(meta, sort_keys=True)))
         # Older segments first: the first valid entry for a key wins, deterministically.
         # Only regular files: anything else named like one (a FIFO) would block the reader.
         found = sorted(self.dir.glob("seg-*.log"))

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import orjson
 
-from stages.common.errors import StageError, json_file, json_type
+from stages.common.errors import StageError, json_file, json_type, regular
 from stages.common.params import Prepare, Source
 
 _JSON_EXT = (".jsonl", ".ndjson", ".json")
@@ -292,7 +292,9 @@ def _parquet_batches(path: Path, columns: list[str], check: Callable[[list[str],
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(regular(path))
+    except StageError:
+        raise
     except Exception as e:
         raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
     names = pf.schema_arrow.names
@@ -325,7 +327,7 @@ def _arrow_batches(path: Path, columns: list[str], check: Callable[[list[str], s
     """(row indexes, rows) of an Arrow file (stream or file format), `columns` only."""
     import pyarrow as pa
 
-    source = pa.memory_map(str(path))
+    source = pa.memory_map(str(regular(path)))
     try:
         try:
             reader = pa.ipc.open_stream(source)
@@ -372,6 +374,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _open_binary(path: Path):
+    regular(path)  # a FIFO named like a source file: one line, never a wait
     opener = _COMPRESSED.get(path.suffix.lower())
     if opener is not None:
         return opener(path, "rb")

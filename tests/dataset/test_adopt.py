@@ -358,6 +358,16 @@ def test_without_adopt_the_refusal_says_what_was_found_and_what_adopting_writes(
      r"column input_ids is list<item: string>; token ids must be a list or large_list of "
      r"integers"),
     ({"ids": [[1, 2]], "loss_mask": [[0, 1]]}, r"no token id column 'input_ids'"),
+    # rows validate would refuse (issue 32): named by file and row, never by content hash
+    ({"input_ids": [[1, 2, 3], [4]], "loss_mask": [[0, 1, 1], [1]]},
+     r"legacy/data-00000-of-00001.arrow, row 1: one token, which validate refuses"),
+    ({"input_ids": [[1, 2, 3], []], "loss_mask": [[0, 1, 1], []]}, r"row 1: an empty row"),
+    ({"input_ids": [[1, 2, 3], [4, 5, 6]], "loss_mask": [[0, 1, 1], [0, 0, 0]]},
+     r"row 1: no supervised token.*merge.adopt_drop_invalid: true"),
+    ({"input_ids": [[1, 2, 3], [4, 5, 6]], "loss_mask": [[0, 1, 1], [1, 0, 1]]},
+     r"row 1: no two consecutive supervised tokens"),
+    ({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[1, 1, 1], [1, 1]]},
+     r"legacy: loss_mask marks every token of every row as trained"),
 ])
 def test_a_broken_base_stops_in_one_line_naming_file_and_row(repo, data, says):
     datasets.Dataset.from_dict(data).save_to_disk("legacy")
@@ -488,3 +498,34 @@ def test_dvc_repro_adopts_once_then_links(tmp_path):
     assert merged["shards"]["base_adopted"] == 3
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], repo))
     assert shown[""]["data"]["reports/merge.json"]["data"]["adopted"]["rows"] == 50
+
+
+@pytest.mark.parametrize("data, base_columns, says", [
+    ({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]},
+     {"input_ids": "input_ids", "mask": "input_ids"},
+     r"names 'input_ids' as both the token ids and the mask"),
+    ({"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]], "labels": [[-100, 2, 3]]},
+     {"mask": "attention_mask"}, r"the mask is attention_mask, which marks padding"),
+])
+def test_a_column_mapping_that_would_train_every_token_is_refused(repo, data, base_columns,
+                                                                   says):
+    datasets.Dataset.from_dict(data).save_to_disk("legacy")
+    (repo / "params.yaml").write_text(yaml.safe_dump({"merge": {
+        "base": "legacy", "adopt": True, "base_columns": base_columns}}))
+    line, _ = stagecli.fail("merge", repo)
+    assert re.search(says, line) and "legacy/data-00000-of-00001.arrow" in line, line
+    assert not (repo / "data/merged").exists()
+
+
+def test_rows_validate_would_refuse_are_dropped_and_counted_when_asked(repo):
+    user = user_rows(6)
+    data = columns(user)
+    data["input_ids"][2], data["loss_mask"][2] = [5], [1]
+    data["input_ids"][4], data["loss_mask"][4] = [5, 6, 7], [0, 0, 0]
+    datasets.Dataset.from_dict(data).save_to_disk("legacy")
+    report = merge.run(cfg("legacy", adopt_drop_invalid=True), PATHS)
+    assert report["adopted"]["invalid_rows_dropped"] == 2
+    assert report["adopted"]["rows"] == 4 and report["base"]["rows"] == 4
+    merged = datasets.load_from_disk("data/merged")
+    assert len(merged) == 4 + 5
+    validate_passes()

@@ -339,7 +339,7 @@ SHAPED_BY = {
     "stages/common/reports.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/common/errors.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/chat/conversation.py": {"prepare", "generate", "tokenize"},
-    "stages/common/secrets.py": {"generate", "merge"},
+    "stages/common/secrets.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/dataset/schema.py": {"prepare", "tokenize", "merge", "validate"},
     "stages/dataset/lineage.py": {"merge"},
     "stages/dataset/adopt.py": {"merge"},

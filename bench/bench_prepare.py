@@ -38,9 +38,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work" / "prepare"
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(1, str(ROOT))
 
 import harness  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
+
+from stages.common import reports  # noqa: E402
 
 WORDS = (
     "the a model data train token python function value error result system user answer "

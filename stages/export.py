@@ -18,7 +18,6 @@ trainer".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass

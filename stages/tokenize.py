@@ -19,7 +19,6 @@ import ctypes
 import dataclasses
 import functools
 import gc
-import json
 import logging
 import os
 import time

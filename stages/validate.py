@@ -107,7 +107,6 @@ def run(cfg: params.Validate, paths) -> dict:
         raise StageError(f"{data}: not found (run the merge stage first)")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     read = _fingerprint(findings, data)
-    fingerprint = read or {}
     cfg, used = _limits(cfg, findings, read, data)  # vocab_size, limits resolved here
     try:
         shards = list_shards(data)

@@ -350,7 +350,7 @@ def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
 
 
 def test_drop_refused_of_every_row_is_a_one_line_error(tmp_path):
-    merged = write_merged(tmp_path / "merged", [[row("silent", [0, 0, 0])]])
+    write_merged(tmp_path / "merged", [[row("silent", [0, 0, 0])]])
     message = fails("--for", "trl", "--merged", "merged", "--out", "x", "--drop-refused",
                     cwd=tmp_path)
     assert "no rows to export (1 left out by --drop-refused)" in message

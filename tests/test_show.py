@@ -13,12 +13,11 @@ import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from stages.view.tokens import visible
 from tests.repo import ROOT
-from tests.view.rowsets import HOSTILE, LONG_TOKENS, make_set, rows_of, supervised_runs
+from tests.view.rowsets import make_set, rows_of, supervised_runs
 
 pytestmark = pytest.mark.slow  # a real tokenize of a 100K-token row, the tokenizer loaded
 

@@ -15,7 +15,7 @@ import pytest
 
 from stages.chat import regenerate
 from tests.fakeserver import spawn
-from tests.test_generate import (cache_entries, here, ok, outputs, read_jsonl, report,
+from tests.test_generate import (cache_entries, here, ok, outputs, report,
                                  start_stage, stage, url_server, write_params)
 
 SOURCE = "SOURCE-ANSWER"
@@ -294,7 +294,7 @@ def test_limit_walks_the_first_conversations_and_prints_the_first_request(tmp_pa
 
 def test_twin_conversations_ask_each_turn_once_and_share_its_answer(tmp_path):
     conv = conversation(0, 4)
-    rows = write_prompts(tmp_path, [conv, conversation(1, 2), conv])
+    write_prompts(tmp_path, [conv, conversation(1, 2), conv])
     with spawn({"record_log": True, "latency": 0.05}) as server:
         write_params(tmp_path, server=url_server(server.url), concurrency=4)
         here(tmp_path)

@@ -49,7 +49,7 @@ from stages.serving.client import (
     parse_reply,
 )
 from stages.serving.handle import ServerHandle, api_key, check_server, server_urls
-from stages.serving.progress import LATENCY_KEYS, Latencies, Progress
+from stages.serving.progress import SPEED_KEYS, Latencies, Progress, speed
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import RequestCache, short_hash
 from stages.serving.watchdog import UrlWatchdog, Watchdog
@@ -403,22 +403,11 @@ class Generation:
 
     @staticmethod
     def metrics_empty() -> dict:
-        zero = ("duration_s", "request_throughput", "input_throughput", "output_throughput",
-                *LATENCY_KEYS, "concurrency")  # fmt: skip
-        return dict.fromkeys(zero, 0.0)
+        return dict.fromkeys(SPEED_KEYS, 0.0)
 
     def metrics(self) -> dict:
         dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        rate = (lambda x: round(x / dur, 3) if dur > 0 else 0.0)
-        busy = self.latencies.total()
-        return {
-            "duration_s": round(dur, 3),
-            "request_throughput": rate(self.completed),
-            "input_throughput": rate(self.in_tokens),
-            "output_throughput": rate(self.out_tokens),
-            **self.latencies.summary(),
-            "concurrency": round(busy / dur, 2) if dur > 0 and self.completed else 0.0,
-        }
+        return speed(dur, self.completed, self.in_tokens, self.out_tokens, self.latencies)
 
 
 # ------------------------------------------------------------------------- write

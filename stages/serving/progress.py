@@ -3,7 +3,8 @@
 `Progress(total, done, interval)` shows a tqdm bar on a terminal, otherwise a log line
 every `interval` seconds; call `tick` as requests finish, inside `quiet_logs()` so log
 lines print above the bar. `Latencies` keeps each completed request's end-to-end seconds
-and summarises them as sglang.bench_serving names them. docs/stages.md, generate,
+and summarises them as sglang.bench_serving names them; `speed` gives a run's throughput
+in the same names. docs/stages.md, generate,
 "Progress" and "Report".
 """
 
@@ -98,3 +99,24 @@ class Latencies:
             "p90_e2e_latency_ms": ms(np.percentile(lat, 90)),
             "p99_e2e_latency_ms": ms(np.percentile(lat, 99)),
         }
+
+
+# what a run reports of its speed, as sglang.bench_serving names it
+SPEED_KEYS = ("duration_s", "request_throughput", "input_throughput", "output_throughput",
+              *LATENCY_KEYS, "concurrency")
+
+
+def speed(seconds: float, completed: int, in_tokens: int, out_tokens: int,
+          latencies: Latencies) -> dict:
+    """A run's throughput over its `seconds` from first send to last answer, its latencies,
+    and its mean concurrency (the requests' seconds in flight over the run's)."""
+    rate = (lambda x: round(x / seconds, 3) if seconds > 0 else 0.0)
+    busy = latencies.total()
+    return {
+        "duration_s": round(seconds, 3),
+        "request_throughput": rate(completed),
+        "input_throughput": rate(in_tokens),
+        "output_throughput": rate(out_tokens),
+        **latencies.summary(),
+        "concurrency": round(busy / seconds, 2) if seconds > 0 and completed else 0.0,
+    }

@@ -32,7 +32,7 @@ from stages.common.errors import StageError
 from stages.serving import fitting, records
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
-from stages.serving.progress import LATENCY_KEYS, Latencies, Progress
+from stages.serving.progress import Latencies, Progress, speed
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
@@ -370,22 +370,7 @@ class Regeneration:
 
     def metrics(self) -> dict:
         dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        rate = (lambda x: round(x / dur, 3) if dur > 0 else 0.0)
-        busy = self.latencies.total()
-        return {
-            "duration_s": round(dur, 3),
-            "request_throughput": rate(self.completed),
-            "input_throughput": rate(self.in_tokens),
-            "output_throughput": rate(self.out_tokens),
-            **self.latencies.summary(),
-            "concurrency": round(busy / dur, 2) if dur > 0 and self.completed else 0.0,
-        }
-
-    @staticmethod
-    def metrics_empty() -> dict:
-        zero = ("duration_s", "request_throughput", "input_throughput", "output_throughput",
-                *LATENCY_KEYS, "concurrency")  # fmt: skip
-        return dict.fromkeys(zero, 0.0)
+        return speed(dur, self.completed, self.in_tokens, self.out_tokens, self.latencies)
 
     # --------------------------------------------------------------------- writing
 

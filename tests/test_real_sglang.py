@@ -23,16 +23,19 @@ import time
 from pathlib import Path
 
 import psutil
-import yaml
 import pytest
+import yaml
 
 from stages import tokenize
 from stages.common import params, reports
 from stages.serving import engines, probes
+from stages.serving.turns import sample_id
 from tests import stagecli
 from tests.chat.test_servecheck import prompts as every_shape
 from tests.realengines import (RecordingProxy, asked, env, progress, rows, stage,
                                user_prompts, write_params, write_prompts)
+from tests.turnlog import SOURCE, check_history, conversation
+from tests.turnlog import write_prompts as write_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-sglang-cpu" / "bin" / "python"
@@ -383,8 +386,6 @@ def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_i
     reply, by SGLang's own ids, and the serve check covers every turn."""
     import datasets
 
-    from tests.serving.test_turns import SOURCE, check_history, conversation
-
     convs = [conversation(i, 3 + i % 2) for i in range(5)] + [conversation(5, 4, tool_at=3)]
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs), encoding="utf-8")
@@ -450,10 +451,6 @@ def test_samples_per_prompt_two_then_three_sends_only_the_third_to_sglang(sglang
     """`generate.samples_per_prompt: 2`, then 3: the recorder sees the third sample's
     requests only (each under its own rid and seed), and the first two samples' rows
     are the same bytes."""
-    from stages.serving.turns import sample_id
-    from tests.serving.test_turns import conversation
-    from tests.serving.test_turns import write_prompts as write_conversations
-
     prompts = write_conversations(tmp_path, [conversation(0, 2)] + [
         [{"role": "user", "content": f"Question {i}: explain item {i * 37}."}] for i in range(3)])
     proxy = RecordingProxy(sglang.url)

@@ -414,10 +414,14 @@ def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_i
     for prompt, row in zip(prompts, completions):
         asked_turns = by_conv[prompt["id"]]
         assert len(row["turns"]) == len(asked_turns)
-        last = asked_turns[-1]["choice"]
-        # a conversation ends early only on an answer cut off or calling a tool
+        # a conversation ends early only on a turn cut off (length, or thinking that never
+        # closed: SGLang 0.5.23 stops such a turn at `<|im_end|>` with content "") or
+        # calling a tool
         if len(asked_turns) < len(prompt["turns"]) + 1:
-            assert last["finish_reason"] in ("length", "tool_calls"), (prompt["id"], last)
+            last = row["turns"][-1]
+            assert last["truncated"] or row["messages"][-1].get("tool_calls"), \
+                (prompt["id"], asked_turns[-1]["choice"])
+        assert not any(t["truncated"] for t in row["turns"][:-1])
         for turn, e in zip(row["turns"], asked_turns):
             choice = e["choice"]
             assert turn["engine_tokens"] == {"prompt_ids": choice["prompt_token_ids"],

@@ -375,9 +375,19 @@ def _write_params_with(wd: Path, sections: dict, server: dict, **gen) -> None:
     (wd / "params.yaml").write_text(yaml.safe_dump({**cfg, **sections}), encoding="utf-8")
 
 
+# SGLang 0.5.23 detokenizes with skip_special_tokens and its qwen3 reasoning parser reads
+# that text: `</think>` is special in the bundled tokenizer (tokenizer.py), so it is gone
+# before the parser looks, every thinking answer comes back as reasoning only (content ""
+# or null, seen), the stage marks it truncated, and no conversation passes its first turn.
+THINKING_UNPARSED = pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="SGLang drops `</think>` (special in the bundled tokenizer) before "
+    "its reasoning parser: every thinking turn is reasoning only, so truncated")
+
+
+@pytest.mark.parametrize("thinking", [False, pytest.param(True, marks=THINKING_UNPARSED)])
 def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_ids(
-        sglang, tmp_path):
-    """A multi-turn mix (3-4 user turns, thinking on, one conversation whose source calls
+        sglang, tmp_path, thinking):
+    """A multi-turn mix (3-4 user turns, thinking on and off, one conversation whose source calls
     a tool at its third answer) through `prepare.multi_turn: regenerate`, generate against
     SGLang behind a recorder, and `tokenize.multi_turn: expand` with `ids: engine`: each
     request for turn k carries SGLang's replies to turns 1..k-1 (as the recorder saw them)
@@ -393,9 +403,9 @@ def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_i
                "multi_turn": "regenerate"}
     proxy = RecordingProxy(sglang.url)
     try:
-        # 96 tokens: about half the tiny model's answers close their thinking and stop
+        # 96 tokens: about half the tiny model's answers stop (thinking on: close it and stop)
         _write_params_with(tmp_path, {"prepare": prepare}, {"url": proxy.url, "engine": "sglang"},
-                           max_tokens=96, enable_thinking=True, concurrency=6)
+                           max_tokens=96, enable_thinking=thinking, concurrency=6)
         done = stage(tmp_path, "prepare")
         assert done.returncode == 0, done.stderr[-3000:]
         prompts = rows(tmp_path / "data/prompts/prompts.jsonl")
@@ -407,8 +417,8 @@ def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_i
         proxy.close()
     log = _turn_exchanges(proxy)
     by_conv = check_history(log, prompts)
-    assert "42" not in json.dumps([e["messages"] for e in log])  # no source tool result
-    assert "tool" not in {m["role"] for e in log for m in e["messages"]}
+    # nothing of the source's tool call or its result (the tool conversation cut before it)
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for e in log for m in e["messages"])
     completions = rows(tmp_path / "data/completions/completions.jsonl")
     assert [r["id"] for r in completions] == [p["id"] for p in prompts]
     for prompt, row in zip(prompts, completions):

@@ -28,7 +28,7 @@ import xxhash
 
 from stages.chat import conversation, regenerate
 from stages.common import outputs, params
-from stages.common.errors import StageError
+from stages.common.errors import StageError, open_regular
 from stages.serving import fitting, records
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
@@ -45,7 +45,7 @@ def wanted(cfg: params.Generate, plan: PromptLocations) -> bool:
 
 
 def plan_has_turns(plan: PromptLocations) -> bool:
-    with open(plan.path, "rb") as f:
+    with open_regular(plan.path) as f:
         for i, line in enumerate(f):
             if i >= plan.n:
                 break
@@ -171,7 +171,7 @@ class Regeneration:
 
     def _count_turns(self) -> int:
         total = 0
-        with open(self.plan.path, "rb") as f:
+        with open_regular(self.plan.path) as f:
             for i in range(self.plan.n):
                 line = f.readline()
                 prompt = json.loads(line)
@@ -309,7 +309,7 @@ class Regeneration:
     async def answered(self) -> bool:
         """Whether the cache already answers every turn of every job (then no server is
         needed)."""
-        with open(self.plan.path, "rb") as f:
+        with open_regular(self.plan.path) as f:
             for i in range(self.plan.n):
                 prompt = json.loads(f.readline())
                 for s in range(self.k):

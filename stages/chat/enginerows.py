@@ -70,12 +70,20 @@ def answer_check(generated: np.ndarray, supervised: np.ndarray, control: set[int
         _without_closing(supervised.tolist(), control)
     if g == s:
         return None
-    text, recorded = decode(g), decode(s)
+    text, recorded = _spelled(decode(g)), _spelled(decode(s))
     if text != recorded and not (text.startswith(recorded) and len(g) == len(generated)):
         return "text"
     if [i for i in g if i in control] != [i for i in s if i in control]:
         return "control"
     return None
+
+
+def _spelled(text: str) -> str:
+    """`text` without its whitespace: the template trims the reasoning and the content and
+    writes its own separators around them, while the engine's ids keep the whitespace the
+    model wrote (real engines: a reasoning that starts with a newline); another reply's
+    text differs in more than that."""
+    return "".join(text.split())
 
 
 def _without_closing(ids: list[int], control: set[int]) -> list[int]:

@@ -236,3 +236,19 @@ def test_an_injected_control_token_in_the_answer_ids_is_tokenized_as_text(tmp_pa
     mask = np.array(engine["loss_mask"][row], dtype=bool)
     assert start not in np.array(engine["input_ids"][row])[mask].tolist()
     assert report["rows"] == render["rows"]
+
+
+def test_an_answer_spelled_with_other_whitespace_than_the_render_is_the_same_answer():
+    """What real vLLM and SGLang showed: the model's reasoning starts with a newline and
+    its content with a space, which the template trims and replaces by its own separators;
+    the ids still spell the recorded answer. Other words are another answer."""
+    tok = tokenizer.load_tokenizer("bundled:qwen3.6")
+    control = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "</think>")}
+    generated = np.array(tok.encode("\nsome thought </think> an answer<|im_end|>",
+                                    add_special_tokens=False))
+    rendered = np.array(tok.encode("some thought\n</think>\n\nan answer<|im_end|>",
+                                   add_special_tokens=False))
+    other = np.array(tok.encode("some thought\n</think>\n\nanother answer<|im_end|>",
+                                add_special_tokens=False))
+    assert enginerows.answer_check(generated, rendered, control, tok.decode) is None
+    assert enginerows.answer_check(generated, other, control, tok.decode) == "text"

@@ -73,16 +73,24 @@ def answer_check(generated: np.ndarray, supervised: np.ndarray, control: set[int
     text, recorded = _spelled(decode(g)), _spelled(decode(s))
     if text != recorded and not (text.startswith(recorded) and len(g) == len(generated)):
         return "text"
-    if [i for i in g if i in control] != [i for i in s if i in control]:
+    think = {i for i in control if decode([i]) in THINK_MARKERS}
+    if [i for i in g if i in control - think] != [i for i in s if i in control - think]:
         return "control"
     return None
 
 
+# where the format opens and closes the thinking: the render closes a reasoning an engine
+# cut off before `</think>`, so they are the format's, not the answer's
+THINK_MARKERS = ("<think>", "</think>")
+
+
 def _spelled(text: str) -> str:
-    """`text` without its whitespace: the template trims the reasoning and the content and
-    writes its own separators around them, while the engine's ids keep the whitespace the
-    model wrote (real engines: a reasoning that starts with a newline); another reply's
-    text differs in more than that."""
+    """`text` without its whitespace and thinking markers: the template trims the reasoning
+    and the content and writes its own separators around them (closing a cut-off
+    reasoning too), while the engine's ids keep what the model wrote (real engines: a
+    reasoning that starts with a newline); another reply's text differs in more."""
+    for marker in THINK_MARKERS:
+        text = text.replace(marker, "")
     return "".join(text.split())
 
 

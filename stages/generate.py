@@ -458,15 +458,7 @@ def write_outputs(
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
                 row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking)
-                counts["completed"] += 1
-                counts["truncated"] += row["truncated"]
-                mine["completed"] += 1
-                mine["truncated"] += row["truncated"]
-                counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
-                counts["output_tokens"] += row["usage"]["completion_tokens"]
-                served = row.get("engine_tokens")
-                ids["rows_without_ids" if served is None else "rows_unusable_ids"
-                    if "unusable" in served else "rows_with_ids"] += 1
+                turns.count_completed(row, counts, mine, ids)
                 comp.write(dumps(row) + "\n")
             else:
                 counts["failed"] += 1

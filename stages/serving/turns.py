@@ -88,6 +88,18 @@ def _turn_problem(prompt: dict, where: str) -> None:
         raise StageError(f"{where}: turns: {bad}")
 
 
+def count_completed(row: dict, counts: dict, by_source: dict, ids: dict) -> None:
+    """A completion row written: the run's counts, its source's, and whether it holds the
+    engine's token ids (generate's report; a plain run's rows and a turn-by-turn run's)."""
+    for c in (counts, by_source):
+        c["completed"] += 1
+        c["truncated"] += row["truncated"]
+    counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
+    counts["output_tokens"] += row["usage"]["completion_tokens"]
+    served = row.get("engine_tokens")
+    ids["rows_without_ids" if served is None else "rows_unusable_ids"
+        if "unusable" in served else "rows_with_ids"] += 1
+
 class CacheIndex:
     """Every record of the key space on disk by key, in arrays (~65 bytes a record, never
     a dict of replies). A run reads it again after sending: while sending, a job needs
@@ -442,15 +454,7 @@ class Regeneration:
                             turns["cut_by_failure"] += 1
                             mine["cut_by_failure"] += 1
                         row = self._row(walk.rows, prompt, s, multi)
-                        counts["completed"] += 1
-                        counts["truncated"] += row["truncated"]
-                        mine["completed"] += 1
-                        mine["truncated"] += row["truncated"]
-                        counts["prompt_tokens"] += row["usage"]["prompt_tokens"]
-                        counts["output_tokens"] += row["usage"]["completion_tokens"]
-                        served = row.get("engine_tokens")
-                        ids["rows_without_ids" if served is None else "rows_unusable_ids"
-                            if "unusable" in served else "rows_with_ids"] += 1
+                        count_completed(row, counts, mine, ids)
                         comp.write(dumps(row) + "\n")
                         continue
                     if walk.rows:

@@ -3,7 +3,7 @@
 A model's own loss computes every position's logits first: ~1 MB per token in float32
 with the Qwen3.6 vocabulary, several times over with the gradient. Here the output layer
 is applied to the last hidden states a chunk of positions at a time (at most CHUNK_BYTES
-of float32 logits), keeping each position's log-sum-exp; backward computes each chunk's
+of logits, float32 or the model's wider dtype), keeping each position's log-sum-exp; backward computes each chunk's
 logits again and turns them into their gradient in place. Memory grows with positions x
 hidden size, and the loss and gradients equal the model's own up to float rounding
 (tests/dataset/test_headloss.py holds them to it on the demo model).

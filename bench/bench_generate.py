@@ -119,7 +119,7 @@ def floor_bodies(prompts: Path) -> list[bytes]:
 
 
 def main() -> dict:
-    from tests.fakeserver import spawn
+    from tests.helpers.fakeserver import spawn
 
     n_ratio = 5_000 if harness.quick() else 10_000
     n_mem = 20_000 if harness.quick() else 200_000

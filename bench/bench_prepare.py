@@ -177,9 +177,9 @@ def main(quick: bool | None = None) -> dict:
 
 def _workers_by_default() -> int:
     sys.path.insert(0, str(ROOT))
-    from stages import prepare
+    from stages.common import cpus
 
-    return prepare._auto_workers()
+    return cpus.workers_beside_reader()
 
 
 if __name__ == "__main__":

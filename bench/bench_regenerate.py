@@ -42,7 +42,7 @@ def write_conversations(wd: Path, n: int) -> Path:
 
 
 def main() -> dict:
-    from tests.fakeserver import spawn
+    from tests.helpers.fakeserver import spawn
 
     n_conv = 2_000 if harness.quick() else 5_000
     n_mem = 10_000 if harness.quick() else 50_000

@@ -50,7 +50,7 @@ def run(cfg: params.Prepare, paths) -> dict:
     started = time.monotonic()
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
-    workers = _Workers(cfg.num_proc or _auto_workers())
+    workers = _Workers(cfg.num_proc or cpus.workers_beside_reader())
     evals = Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
@@ -306,14 +306,6 @@ def _one_source(
     if unknown_roles:
         stats["unknown_roles"] = dict(unknown_roles.most_common(20))
     return stats
-
-
-def _auto_workers() -> int:
-    """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
-    or fewer that is a single process, because workers would only compete with it (a
-    decontamination checker, which takes less of a core, may run beside it)."""
-    n = min(cpus.usable() - 1, 8)
-    return n if n >= 2 else 1
 
 
 def _report(cfg: params.Prepare, per_source: dict, unique: int, seconds: float) -> dict:

@@ -1,4 +1,4 @@
-"""Shared fixtures: the fake SGLang server (tests/fakeserver.py), in-process or as a
+"""Shared fixtures: the fake SGLang server (tests/helpers/fakeserver.py), in-process or as a
 process; and the summary line of each real engine (`real_engine` marker): ran, or why not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from tests.fakeserver import FakeProcess, FakeServer, spawn
+from tests.helpers.fakeserver import FakeProcess, FakeServer, spawn
 
 # Property tests draw the same examples on every run, so a suite that passed once passes
 # again (CI included); HYPOTHESIS_PROFILE=explore draws new ones, many more of them.

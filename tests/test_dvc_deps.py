@@ -18,7 +18,8 @@ from typing import Optional
 import pytest
 import yaml
 
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
+from tests.helpers.stagecli import covers
 
 PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 PACKAGE = "stages"
@@ -101,10 +102,6 @@ def stage_code(stage: str, left_out: dict = LEFT_OUT) -> set[str]:
             files.add(rel)
         todo += imported(path)
     return files
-
-
-def covers(dep: str, path: str) -> bool:
-    return path == dep or path.startswith(dep.rstrip("/") + "/")
 
 
 def deps(stage: str) -> list[str]:

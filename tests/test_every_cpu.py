@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.conftest import TORCH_THREADS
-from tests.repo import ROOT, env
+from tests.helpers.repo import ROOT, env
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ import yaml
 
 from stages import demo, export
 from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
-from tests import stagecli
-from tests.repo import ROOT, link_caches
+from tests.helpers import stagecli
+from tests.helpers.repo import ROOT, link_caches
 
 IGNORE = -100
 
@@ -573,7 +573,7 @@ def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforg
     merged = write_merged(tmp_path / "merged", [rows, EDGE_ROWS])
     every = rows + EDGE_ROWS
     cut = [r["input_ids"][:SF_LENGTH] for r in every]
-    features = [sys.executable, "-m", "tests.specforgecpu", "features", "--prompts"]
+    features = [sys.executable, "-m", "tests.helpers.specforgecpu", "features", "--prompts"]
 
     # DFlash, as shipped, on the export that leaves out what DFlash refuses
     full, _ = run_export("specforge", merged, tmp_path / "sf-full", "--max-length", SF_LENGTH)
@@ -598,7 +598,7 @@ def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforg
     assert len(steps) == report["rows"] // batch_size(report["rows"])
 
     # EAGLE-3 on the whole export, with the vocabulary mapping it wrote; its loss is
-    # SpecForge's reference implementation instead of the Triton kernel (tests/specforgecpu.py)
+    # SpecForge's reference implementation instead of the Triton kernel (tests/helpers/specforgecpu.py)
     out = tmp_path / "sf-eagle"
     report, _ = run_export("specforge", merged, out, "--max-length", SF_LENGTH,
                            "--draft-vocab-size", SF_DRAFT_VOCAB, "--target-vocab-size",
@@ -610,7 +610,7 @@ def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforg
                               vocab_mapping_path=str(out / export.VOCAB_MAPPING))
     specforge(*features, out / export.JSONL, "--config", eagle3, tmp=tmp_path)
     assert features_of(tmp_path / "features-eagle3") == kept and len(kept) < len(every)
-    output = specforge(sys.executable, "-m", "tests.specforgecpu", "train", "--config", eagle3,
+    output = specforge(sys.executable, "-m", "tests.helpers.specforgecpu", "train", "--config", eagle3,
                        tmp=tmp_path)
     assert "Added missing tokens" not in output  # the export's mapping, not one of its own
     steps = trained_steps(output, eagle3)

@@ -1,4 +1,4 @@
-"""The fake SGLang server itself (tests/fakeserver.py): its replies and its faults."""
+"""The fake SGLang server itself (tests/helpers/fakeserver.py): its replies and its faults."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from tests.fakeserver import get_json, post_json
+from tests.helpers.fakeserver import get_json, post_json
 
 
 def chat(url: str, rid: str | None = None, **extra) -> tuple[int, dict]:
@@ -22,7 +22,7 @@ def chat(url: str, rid: str | None = None, **extra) -> tuple[int, dict]:
 
 
 def test_fake_replies_are_deterministic_and_shaped_like_sglang():
-    from tests.fakeserver import load_spec, reply_for
+    from tests.helpers.fakeserver import load_spec, reply_for
 
     spec = load_spec(None)
     body = {"rid": "a", "messages": [{"role": "user", "content": "x y"}], "max_tokens": 100}

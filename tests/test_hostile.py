@@ -36,9 +36,9 @@ from stages.dataset import lineage
 from stages.dataset.schema import list_shards
 from stages.process import cli
 from stages.serving import probes
-from tests import stagecli
-from tests.fakeserver import FakeServer, secret_pieces, spawn
-from tests.test_generate import (
+from tests.helpers import stagecli
+from tests.helpers.fakeserver import FakeServer, secret_pieces, spawn
+from tests.helpers.generation import (
     launch_server,
     make_prompts,
     ok,
@@ -48,7 +48,7 @@ from tests.test_generate import (
     url_server,
     write_params,
 )
-from tests.test_merge import FP, ids, rows, save
+from tests.helpers.sets import BASE_FP as FP, ids, rows, save
 
 ROOT = Path(__file__).resolve().parents[1]
 MERGE_PATHS = stagecli.paths("merge")
@@ -243,7 +243,7 @@ def test_any_reports_and_base_history_make_a_card_with_our_markup_only(
     lin, text = built
     headings, links, images, html = card_markup(text)
     assert [headings, links, images] == benign and html == [], text
-    header = lineage._front_matter(text, Path("README.md"))
+    header = lineage.front_matter(text, Path("README.md"))
     assert header["distill_data"]["history"] == json.loads(json.dumps(lin["history"]))
 
 
@@ -259,7 +259,7 @@ def test_a_hostile_model_id_and_base_history_stay_text_in_the_card(card_repo):
     lin, text = build_card(card_repo, FP)
     headings, links, images, html = card_markup(text)
     assert [headings, links, images] == benign and html == []
-    header = lineage._front_matter(text, Path("README.md"))
+    header = lineage.front_matter(text, Path("README.md"))
     assert header["distill_data"]["model"] == evil
     assert header["distill_data"]["history"][0]["model"] == evil
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 STAGES = ROOT / "stages"
 MAX_LINES = 800

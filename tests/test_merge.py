@@ -17,42 +17,12 @@ from stages import merge
 from stages.common import params, reports
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES
-from tests import stagecli
+from tests.helpers import stagecli
+from tests.helpers.sets import BASE_FP as FP, ids, rows, save
 
 PATHS = stagecli.paths("merge")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
-FP = {
-    "tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": 1000,
-                  "special_tokens": {"<|im_end|>": 7}},
-    "chat_template_sha256": "c" * 64,
-    "policy": {"multi_turn": "last"},
-    "versions": {"datasets": datasets.__version__},
-}
-
-
-def rows(ids: list[str], source: str = "s", tag: int = 0) -> dict:
-    """Valid tokenized rows; `tag` goes into the first token so versions can be told apart."""
-    n = len(ids)
-    return {
-        "id": ids,
-        "source": [source] * n,
-        "input_ids": [[tag, 11, 12, 13, 14] for _ in range(n)],
-        "loss_mask": [[0, 0, 1, 1, 1] for _ in range(n)],
-        "num_tokens": [5] * n,
-        "num_loss_tokens": [3] * n,
-    }
-
-
-def save(folder: Path, data: dict, shards: int = 1, fingerprint: dict | None = FP) -> None:
-    """A real datasets save_to_disk folder (+ fingerprint.json)."""
-    datasets.Dataset.from_dict(data, features=FEATURES).save_to_disk(
-        str(folder), num_shards=shards
-    )
-    if fingerprint is not None:
-        (folder / "fingerprint.json").write_text(json.dumps(fingerprint))
-
-
 def write_stream(path: Path, data: dict, schema: pa.Schema = ARROW_SCHEMA) -> None:
     """One shard written with pyarrow alone, in whatever schema the test wants."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,10 +33,6 @@ def write_stream(path: Path, data: dict, schema: pa.Schema = ARROW_SCHEMA) -> No
 
 def with_type(name: str, type_: pa.DataType) -> pa.Schema:
     return pa.schema([pa.field(f.name, type_) if f.name == name else f for f in ARROW_SCHEMA])
-
-
-def ids(prefix: str, n: int, start: int = 0) -> list[str]:
-    return [f"{prefix}{i}" for i in range(start, start + n)]
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -7,7 +7,7 @@ import datasets
 import pytest
 
 from stages.dataset.schema import FEATURES
-from tests.repo import demo_clone, run
+from tests.helpers.repo import demo_clone, run
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,12 @@ import pytest
 import yaml
 
 from stages import prepare
-from stages.common import params, reports
+from stages.common import params
 from stages.common.errors import StageError
 from stages.common import cpus
 from stages.sources import checker, readers
-from tests import stagecli
+from tests.helpers import stagecli
+from tests.helpers.sources import GSM, INTL, TRIVIA, evals as eval_sets, run, write_jsonl
 
 PATHS = stagecli.paths("prepare")  # where dvc.yaml has the stage read and write
 GENERATE_PATHS = stagecli.paths("generate")
@@ -35,26 +36,6 @@ HERMES_SYSTEM = (
     f"<tools> </tools> XML tags.\n<tools>\n{json.dumps(HERMES_TOOLS)}\n</tools>\n"
     "For each function call return a json object within <tool_call> </tool_call> tags."
 )
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
-            f.write("\n")
-    return path
-
-
-def run(tmp_path: Path, sources: list[dict], **prepare_keys):
-    """Run the stage in tmp_path; return (report, output rows, output bytes)."""
-    os.chdir(tmp_path)
-    cfg = params.build(params.Prepare, {"sources": sources, **prepare_keys}, "prepare")
-    report = prepare.run(cfg, PATHS)
-    data = (tmp_path / "data/prompts/prompts.jsonl").read_bytes()
-    rows = [json.loads(line) for line in data.splitlines()]
-    assert reports.read(tmp_path / "reports", "prepare") == {**report, "host": reports.host()}
-    return report, rows, data
 
 
 @pytest.fixture(autouse=True)
@@ -265,7 +246,7 @@ def test_prepared_tool_prompts_pass_a_router_that_requires_tool_call_ids(tmp_pat
     from urllib.error import HTTPError
 
     from stages import generate
-    from tests.fakeserver import post_json, spawn
+    from tests.helpers.fakeserver import post_json, spawn
 
     d = tmp_path / "src"
     (d / "func-calling.json").parent.mkdir(parents=True)
@@ -623,7 +604,6 @@ def test_shipped_demo_sources(tmp_path):
 
 # ------------------------------------------------------------------ decontamination
 
-from tests.sources.test_decontam import GSM, INTL, TRIVIA, evals as eval_sets  # noqa: E402
 
 
 def planted_mix(tmp_path: Path) -> tuple[list[dict], dict[str, tuple[str, int]]]:

@@ -28,10 +28,10 @@ from stages import tokenize
 from stages.common import params, reports
 from stages.serving import engines, probes
 from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
-from tests import stagecli
-from tests.repo import demo_clone, run, small_training_check
-from tests.chat.test_servecheck import prompts as every_shape
-from tests.realengines import (engine_pids, env, progress, rows, stage, stage_pid,
+from tests.helpers import stagecli
+from tests.helpers.repo import demo_clone, run, small_training_check
+from tests.helpers.shapes import every_shape
+from tests.helpers.realengines import (engine_pids, env, progress, rows, stage, stage_pid,
                                user_prompts, write_params, write_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -480,7 +480,7 @@ def sglang_router(tmp_path_factory):
     """The real sglang-router (0.3.2) in front of our fake SGLang 0.5.23, which renders
     with the bundled template and returns token ids where SGLang does when asked."""
     from stages.models import tokenizer
-    from tests.fakeserver import spawn
+    from tests.helpers.fakeserver import spawn
 
     tmp = tmp_path_factory.mktemp("sglang-router")
     worker = spawn({"tokenizer": str(tokenizer.ensure_bundled().resolve())}, log_path=tmp / "w.log")

@@ -30,12 +30,12 @@ from stages import tokenize
 from stages.common import params, reports
 from stages.serving import engines, probes
 from stages.serving.turns import sample_id
-from tests import stagecli
-from tests.chat.test_servecheck import prompts as every_shape
-from tests.realengines import (RecordingProxy, asked, env, progress, rows, stage,
+from tests.helpers import stagecli
+from tests.helpers.shapes import every_shape
+from tests.helpers.realengines import (RecordingProxy, asked, env, progress, rows, stage,
                                user_prompts, write_params, write_prompts)
-from tests.turnlog import SOURCE, check_history, conversation
-from tests.turnlog import write_prompts as write_conversations
+from tests.helpers.turnlog import SOURCE, check_history, conversation
+from tests.helpers.turnlog import write_prompts as write_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-sglang-cpu" / "bin" / "python"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stages.view.tokens import visible
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 from tests.view.rowsets import make_set, rows_of, supervised_runs
 
 pytestmark = pytest.mark.slow  # a real tokenize of a 100K-token row, the tokenizer loaded

@@ -20,8 +20,8 @@ from stages.common.errors import StageError
 from stages.common.params import ParamError, Tokenize
 from stages.dataset.schema import FEATURES
 from stages.common import cpus
-from tests import stagecli
-from tests.repo import link_caches
+from tests.helpers import stagecli
+from tests.helpers.repo import link_caches
 
 PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
 

@@ -18,57 +18,13 @@ from stages.common import cpus, params, reports
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
 from stages.process import cli
-from tests import stagecli
-from tests.repo import link_caches
+from tests.helpers import stagecli
+from tests.helpers.repo import link_caches
+from tests.helpers.sets import MERGED_FP as FP, VOCAB, row, shards, write
 
 PATHS = stagecli.paths("validate")  # where dvc.yaml has the stage read and write
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 1000
-FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": VOCAB,
-                    "special_tokens": {}},
-      "chat_template_sha256": "c" * 64, "policy": {"max_seq_len": 64, "min_loss_tokens": 1},
-      "versions": {}}
-
-
-def row(rid: str, source: str = "alpha", prompt: int = 3, answer: int = 4) -> dict:
-    ids = [(7 * len(rid) + k) % VOCAB for k in range(prompt + answer)]
-    return {"id": rid, "source": source, "input_ids": ids,
-            "loss_mask": [0] * prompt + [1] * answer,
-            "num_tokens": prompt + answer, "num_loss_tokens": answer}
-
-
-def shards(n_shards: int = 2, per: int = 5) -> list[list[dict]]:
-    return [[row(f"s{s}-r{r}", "alpha" if r % 2 else "beta", prompt=2 + r, answer=3 + s)
-             for r in range(per)] for s in range(n_shards)]
-
-
-def write(root: Path, parts: list[list[dict]], schemas=None, report_rows: int | None = None,
-          fingerprint: dict | None = FP) -> None:
-    """data/merged as merge writes it, built with pyarrow alone (+ reports/merge.json)."""
-    folder = root / "data/merged"
-    folder.mkdir(parents=True)
-    names = []
-    for i, part in enumerate(parts):
-        schema = (schemas or {}).get(i, ARROW_SCHEMA)
-        table = pa.Table.from_pylist(part, schema=schema)
-        name = f"data-{i:05d}-of-{len(parts):05d}.arrow"
-        with pa.OSFile(str(folder / name), "wb") as sink, \
-                pa.ipc.new_stream(sink, schema) as writer:
-            writer.write_table(table, max_chunksize=2)  # several record batches per shard
-        names.append(name)
-    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "t",
-             "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-             "_output_all_columns": False, "_split": None}
-    (folder / "state.json").write_text(json.dumps(state))
-    (folder / "dataset_info.json").write_text(json.dumps({"features": FEATURES.to_dict()}))
-    if fingerprint is not None:
-        (folder / "fingerprint.json").write_text(json.dumps(fingerprint))
-    rows = sum(len(p) for p in parts) if report_rows is None else report_rows
-    (root / "reports").mkdir(exist_ok=True)
-    (root / "reports/merge.json").write_text(json.dumps({"merged": {"rows": rows}}))
-
-
 def cfg(**kw) -> params.Validate:
     """Params for these tests; the training check only where a test turns it on."""
     off = params.TrainCheck(enabled=False)
@@ -404,7 +360,7 @@ def test_cli_exits_1_after_writing_the_report(repo):
 
 
 def test_dvc_plots_show_renders_the_declared_plots(repo):
-    from tests.repo import run
+    from tests.helpers.repo import run
 
     write(repo, shards())
     report = validate.run(cfg(), PATHS)

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from stages.common import reports
-from tests.repo import ROOT, demo_clone, env, git_commit, run, small_training_check
+from tests.helpers.repo import ROOT, demo_clone, env, git_commit, run, small_training_check
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ SMALL_GENERATE = {"limit": 12, "max_tokens": 24, "temperature": TEMPERATURES[0]}
 
 
 def run_env(cmd: list[str], repo: Path, extra_env: dict[str, str]) -> str:
-    """tests.repo.run with extra environment variables."""
+    """tests.helpers.repo.run with extra environment variables."""
     proc = subprocess.run(cmd, cwd=repo, env={**env(), **extra_env}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)
     if proc.returncode != 0:
@@ -481,7 +481,7 @@ def test_an_experiment_shows_only_what_changed_in_the_data(history):
 
 def test_every_key_the_split_names_is_in_a_real_run_report(history):
     """reports.RUN names keys the stages really write (none renamed away unnoticed). The
-    history's longest batch is off (tests/repo.py): test_validate holds its keys."""
+    history's longest batch is off (tests/helpers/repo.py): test_validate holds its keys."""
     validated = json.loads((history.repo / "reports" / "validate.json").read_text())
     assert "skipped" in validated["train_check"]["longest_batch"]
     for stage, keys in reports.RUN.items():

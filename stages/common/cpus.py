@@ -53,3 +53,11 @@ def idle_since(since: Optional[CpuTimes]) -> float:
     if since is None or now is None or now.total <= since.total:
         return 0.0
     return (now.idle - since.idle) / (now.total - since.total) * usable()
+
+
+def workers_beside_reader() -> int:
+    """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
+    or fewer that is a single process, because workers would only compete with it (a
+    decontamination checker, which takes less of a core, may run beside it)."""
+    n = min(usable() - 1, 8)
+    return n if n >= 2 else 1

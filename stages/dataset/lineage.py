@@ -93,7 +93,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "sources": sources(reports),
         "model": served_model(generate),
         "sampling": {"params": _mapping(generate.get("sampling_params")) or None,
-                     "hash": generate.get("sampling"), **_turns(generate)},
+                     "hash": generate.get("sampling"), **turn_facts(generate)},
         "tokenizer": {
             "tokenizer": _mapping(fingerprint.get("tokenizer")) or None,
             "chat_template_sha256": fingerprint.get("chat_template_sha256"),
@@ -161,7 +161,7 @@ def _nonzero(counts: Any) -> dict:
     return {k: v for k, v in counts.items() if v} if isinstance(counts, dict) else {}
 
 
-def _turns(generate: dict) -> dict:
+def turn_facts(generate: dict) -> dict:
     """Samples per prompt and the turn counts of a run that asked by turn (generate's turn
     path, stages/serving/turns.py); nothing for a plain run."""
     if "turns" not in generate:
@@ -294,7 +294,7 @@ def _read_history(base: Path) -> Optional[list[dict]]:
                 head = f.read(MAX_HEADER_BYTES).decode("utf-8", errors="replace")
         except OSError as e:
             raise StageError(f"{card}: cannot read ({e.strerror or e})") from None
-        header = _front_matter(head, card)
+        header = front_matter(head, card)
         history = _mapping(header.get("distill_data")).get("history")
         if history is not None:
             return _checked(history, card)
@@ -346,7 +346,7 @@ class _HeaderLoader(params.BoundedLoader):
         return super().compose_node(parent, index)
 
 
-def _front_matter(text: str, path: Path) -> dict:
+def front_matter(text: str, path: Path) -> dict:
     """The YAML header of a card; {} (and a warning) when it cannot be read as data."""
     text = text.removeprefix("\ufeff").replace("\r\n", "\n")  # saved on Windows
     if not text.startswith("---\n"):

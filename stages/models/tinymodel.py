@@ -4,7 +4,7 @@ It lets the whole pipeline, a real `transformers serve` included, run on a lapto
 Its weights come from a fixed seed, so two builds are byte-identical; its text is random.
 The folder holds the weights (safetensors), config, generation config and the bundled
 tokenizer with this project's chat template, so any Hugging Face tool loads it like a
-real checkpoint. Two edits to the random embeddings (`_build`) make its answers behave
+real checkpoint. Two edits to the random embeddings (`build`) make its answers behave
 like a chat model's at the protocol level: it never writes markup such as `<tool_call>`
 or `<|im_start|>`, and it ends answers on its own often enough that both finish reasons
 ("stop", "length") occur. `demo:tiny-qwen3-vllm` is the same recipe in the shape vLLM's
@@ -112,7 +112,7 @@ def ensure_model(path: str | Path = DEFAULT_PATH, recipe: Recipe = DEMO) -> Path
     if tokenizer.read_stamp(folder, STAMP) != stamp:
         with tokenizer.file_lock(folder.parent / f".{folder.name}.lock"):
             if tokenizer.read_stamp(folder, STAMP) != stamp:
-                _build(folder, tokenizer_dir, stamp, recipe)
+                build(folder, tokenizer_dir, stamp, recipe)
     return folder.resolve()
 
 
@@ -126,7 +126,7 @@ def resolve(spec: str, key: str) -> str:
     return spec
 
 
-def _build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO) -> None:
+def build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO) -> None:
     import torch
     from tokenizers import Tokenizer
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM

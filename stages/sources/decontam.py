@@ -68,7 +68,7 @@ class Match:
                 "eval_item": self.eval_item, "ngram": self.ngram}
 
 
-_BLOCK = 32  # sorted n-gram hashes per block of the lookup (Index._lower_bound)
+BLOCK = 32  # sorted n-gram hashes per block of the lookup (Index._lower_bound)
 _ARRAYS = ("hashes", "items", "coarse", "fine", "short_hashes", "short_items", "set_starts")
 
 
@@ -92,7 +92,7 @@ class Index:
         self.names = names
         for key in _ARRAYS:
             setattr(self, key, arrays[key])
-        self.fences = self.hashes[::_BLOCK].copy()  # the first hash of each block
+        self.fences = self.hashes[::BLOCK].copy()  # the first hash of each block
 
     @classmethod
     def from_parts(cls, policy, names, set_starts, parts: "_Parts") -> "Index":
@@ -197,8 +197,8 @@ class Index:
         block = np.searchsorted(self.fences, h)  # blocks whose first hash is below h ...
         block -= 1  # ... the last of which holds the answer, or ends just before it
         np.maximum(block, 0, out=block)
-        block *= _BLOCK
-        window = self.hashes.take(block[:, None] + np.arange(_BLOCK), mode="clip")
+        block *= BLOCK
+        window = self.hashes.take(block[:, None] + np.arange(BLOCK), mode="clip")
         block += (window < h[:, None]).sum(axis=1)
         return np.minimum(block, len(self.hashes), out=block)
 

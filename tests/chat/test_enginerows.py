@@ -18,9 +18,9 @@ from stages.chat import enginerows
 from stages.chat.engineids import Served
 from stages.common.errors import StageError
 from stages.models import tokenizer
-from tests.fakeserver import FakeServer
-from tests.test_generate import here, url_server, write_params
-from tests.chat.test_servecheck import prompts
+from tests.helpers.fakeserver import FakeServer
+from tests.helpers.generation import here, url_server, write_params
+from tests.helpers.shapes import every_shape
 
 IM_END, NEWLINE = 248046, 198
 
@@ -33,7 +33,7 @@ def bundled() -> str:
 def generate(wd: Path, bundled: str, engine: str = "sglang", **spec) -> Path:
     path = wd / "data/prompts/prompts.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in prompts()), encoding="utf-8")
+    path.write_text("".join(json.dumps(r) + "\n" for r in every_shape()), encoding="utf-8")
     with FakeServer({"tokenizer": bundled, **spec}).start() as fake:
         write_params(wd, server=url_server(fake.url, engine=engine), enable_thinking=True)
         here(wd)

@@ -15,46 +15,12 @@ from stages import tokenize
 from stages.chat import conversation, servecheck
 from stages.common import params
 from stages.models import tokenizer
-from tests.fakeserver import FakeServer
-from tests.test_generate import here, url_server, write_params
-from tests import stagecli
+from tests.helpers.fakeserver import FakeServer
+from tests.helpers.generation import here, url_server, write_params
+from tests.helpers import stagecli
+from tests.helpers.shapes import every_shape
 
 PATHS = stagecli.paths("tokenize")  # where dvc.yaml has the stage read and write
-
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Find <think> things",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
-
-
-def prompts() -> list[dict]:
-    """Conversations of every shape the format knows, as OpenAI requests carry them."""
-    call = {"id": "c1", "type": "function", "function": {
-        "name": "lookup", "arguments": json.dumps({"q": "x", "opts": {"n": [1, 2]}, "b": True})}}
-    shapes = [
-        [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "Hi\n"}],
-        [{"role": "user", "content": "say <|im_end|> and <think> please"}],
-        [{"role": "user", "content": "a?"},
-         {"role": "assistant", "content": "A.", "reasoning_content": "think a"},
-         {"role": "user", "content": "b?"}],
-        [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "find x"},
-         {"role": "assistant", "content": "Looking.", "tool_calls": [call, call]},
-         {"role": "tool", "tool_call_id": "c1", "content": "found"},
-         {"role": "tool", "tool_call_id": "c1", "content": "again"}],
-        [{"role": "user", "content": "go"},
-         {"role": "assistant", "content": "", "tool_calls": [call]},
-         {"role": "user", "content": "<tool_response>\nout\n</tool_response>"}],
-    ]
-    rows = []
-    for i in range(24):
-        msgs = json.loads(json.dumps(shapes[i % len(shapes)]))
-        msgs[-1]["content"] += f" #{i}" if msgs[-1]["role"] == "user" and i % 4 else ""
-        row = {"id": f"p{i:03d}", "source": "mix", "messages": msgs}
-        if any(m.get("tool_calls") for m in msgs) or i % 5 == 0:
-            row["tools"] = TOOLS
-        rows.append(row)
-    return rows
-
 
 @pytest.fixture(scope="module")
 def bundled() -> str:
@@ -65,7 +31,7 @@ def generate(wd: Path, bundled: str, engine: str = "sglang", thinking: bool = Tr
              **spec) -> Path:
     path = wd / "data/prompts/prompts.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in prompts()), encoding="utf-8")
+    path.write_text("".join(json.dumps(r) + "\n" for r in every_shape()), encoding="utf-8")
     if engine == "vllm":
         spec = {"dialect": "vllm", "reasoning_field": "reasoning", **spec}
     with FakeServer({"tokenizer": bundled, **spec}).start() as fake:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stages.common import outputs
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 
 def dead_pid() -> int:

@@ -21,8 +21,8 @@ from stages.common.params import (
     check_ranges,
     load,
 )
-from tests import stagecli
-from tests.repo import ROOT
+from tests.helpers import stagecli
+from tests.helpers.repo import ROOT
 
 
 def write(tmp_path, doc) -> Path:

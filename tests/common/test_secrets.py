@@ -21,7 +21,7 @@ from stages.common.secrets import (
     strip_url_credentials,
     url_credentials,
 )
-from tests.fakeserver import ECHO_FORMS, render, secret_pieces
+from tests.helpers.fakeserver import ECHO_FORMS, render, secret_pieces
 
 KEY = 'sk-proj/A1b2+C3d4"E5f6=G7h8 I9j0\\K1l2%M3n4'
 

@@ -27,10 +27,10 @@ from stages import merge, validate
 from stages.common import params
 from stages.common.errors import StageError
 from stages.dataset import adopt, idhashes
-from tests import stagecli
-from tests.repo import ROOT, git_commit, run
-from tests.test_merge import rows as contract_rows
-from tests.test_merge import save
+from tests.helpers import stagecli
+from tests.helpers.repo import ROOT, git_commit, run
+from tests.helpers.sets import rows as contract_rows
+from tests.helpers.sets import save
 
 PATHS = stagecli.paths("merge")
 VALIDATE_PATHS = stagecli.paths("validate")
@@ -450,7 +450,7 @@ def test_the_vocabulary_comes_from_the_new_rows(repo):
 def test_row_sums_count_empty_rows_as_zero():
     loss = np.array([1, 0, 1, 1, 1], np.int8)
     offsets = np.array([0, 0, 2, 2, 5, 5], np.int32)
-    assert adopt._row_sums(loss, offsets).tolist() == [0, 1, 0, 3, 0]
+    assert adopt.row_sums(loss, offsets).tolist() == [0, 1, 0, 3, 0]
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint64"])
@@ -460,7 +460,7 @@ def test_inside_holds_values_to_zero_and_the_limit(dtype):
         for value in (0, 1, limit - 1, limit, -1, info.min, info.max):
             if info.min <= value <= info.max:
                 values = np.array([0, value, 0], dtype)
-                assert adopt._inside(values, limit) is (0 <= value < limit), (value, limit)
+                assert adopt.inside(values, limit) is (0 <= value < limit), (value, limit)
 
 
 # ------------------------------------------------------------------------- dvc repro

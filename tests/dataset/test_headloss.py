@@ -9,7 +9,7 @@ import pytest
 
 from stages.dataset import headloss, loader, traincheck
 from stages.models import tinymodel
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from huggingface_hub import DatasetCard
 from stages import merge, validate
 from stages.common import params
 from stages.dataset import lineage
-from tests.fakeserver import spawn
-from tests.repo import demo_clone, git_commit, run, small_training_check
-from tests.test_dvc_deps import covers
-from tests.test_merge import FP, ids, rows, save
-from tests import stagecli
+from tests.helpers.fakeserver import spawn
+from tests.helpers.repo import demo_clone, git_commit, run, small_training_check
+from tests.helpers.stagecli import covers
+from tests.helpers.sets import BASE_FP as FP, ids, rows, save
+from tests.helpers import stagecli
 
 MERGE_PATHS = stagecli.paths("merge")  # where dvc.yaml has the stage read and write
 VALIDATE_PATHS = stagecli.paths("validate")
@@ -254,7 +254,7 @@ def runs(tmp_path_factory) -> Runs:
     # give them, as a real engine reports them (tokenize checks every prompt against them)
     short = {"reasoning_tokens": 6, "reply_tokens": 6,
              "tokenizer": str(repo / ".cache/tokenizers/qwen3.6")}
-    os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.repo.run passes the environment on
+    os.environ["LINEAGE_TEST_KEY"] = KEY  # tests.helpers.repo.run passes the environment on
     try:
         with spawn({**short, "api_key": KEY}) as keyed, spawn(short) as open_server:
             set_server(repo, keyed.url, "LINEAGE_TEST_KEY")
@@ -457,6 +457,6 @@ def test_a_run_asked_by_turn_records_its_samples_and_turns_a_plain_run_nothing()
     from stages.dataset import lineage as lin
 
     turns = {"asked": 9, "answered": 8, "cut_by_failure": 1}
-    assert lin._turns({"turns": turns, "samples_per_prompt": 3}) == {
+    assert lin.turn_facts({"turns": turns, "samples_per_prompt": 3}) == {
         "samples_per_prompt": 3, "turns": turns}
-    assert lin._turns({"completed": 5}) == {}
+    assert lin.turn_facts({"completed": 5}) == {}

@@ -9,7 +9,7 @@ import pytest
 
 from stages.common.errors import StageError
 from stages.dataset import loader
-from tests.test_validate import write
+from tests.helpers.sets import write
 
 IGNORE = -100
 

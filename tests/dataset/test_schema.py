@@ -29,6 +29,7 @@ from stages.dataset.schema import (
     state_hash,
     write_metadata,
 )
+from tests.helpers.sets import damaged_tokens_shard
 
 
 def test_contract_types_are_explicit():
@@ -235,33 +236,11 @@ def test_the_quick_pass_test_says_yes_only_where_pandera_finds_nothing(column, v
     assert rows_pass(frame, rules) == (column is None)  # a null goes the long way too
 
 
-def _damaged_tokens_shard(path):
-    """A shard of rows a (2 tokens) and b (3), whose input_ids offsets say b ends at
-    token 99 of 5 (its id column sound)."""
-    import numpy as np
-    import pyarrow as pa
-
-    from stages.dataset.schema import ARROW_SCHEMA, ShardFile
-
-    batch = pa.RecordBatch.from_arrays(
-        [pa.array(["a", "b"]), pa.array(["s", "s"]),
-         pa.array([[7, 8], [9, 10, 11]], pa.list_(pa.int32())),
-         pa.array([[0, 1], [0, 1, 1]], pa.list_(pa.int8())), pa.array([2, 3], pa.int32()),
-         pa.array([1, 2], pa.int32())], schema=ARROW_SCHEMA)
-    with ShardFile(path) as shard:
-        shard.write(batch)
-    raw = path.read_bytes()
-    good = np.array([0, 2, 5], np.int32).tobytes()
-    assert raw.count(good) == 2  # input_ids' offsets, then loss_mask's
-    path.write_bytes(raw.replace(good, np.array([0, 2, 99], np.int32).tobytes(), 1))
-    return path
-
-
 def test_a_reader_checks_only_the_columns_it_is_given(tmp_path):
     from stages.common.errors import StageError
     from stages.dataset.schema import open_shard
 
-    path = _damaged_tokens_shard(tmp_path / "data-00000-of-00001.arrow")
+    path = damaged_tokens_shard(tmp_path / "data-00000-of-00001.arrow")
     with open_shard(path, check=("id",)) as reader:
         assert [b.column("id").to_pylist() for b in reader] == [["a", "b"]]
     with pytest.raises(StageError, match="damaged record batch"):

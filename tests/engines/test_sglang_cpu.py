@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 PATH = ROOT / "engines/sglang_cpu/sgl_kernel/__init__.py"
 

@@ -84,8 +84,8 @@ def test_current_build_is_reused_and_stale_one_rebuilt(built, monkeypatch):
     weights = path / "model.safetensors"
     before = (weights.stat().st_ino, weights.stat().st_mtime_ns)
     calls = []
-    real = tinymodel._build
-    monkeypatch.setattr(tinymodel, "_build", lambda *a: (calls.append(1), real(*a)))
+    real = tinymodel.build
+    monkeypatch.setattr(tinymodel, "build", lambda *a: (calls.append(1), real(*a)))
 
     assert tinymodel.ensure_model(path) == path
     assert calls == [] and (weights.stat().st_ino, weights.stat().st_mtime_ns) == before

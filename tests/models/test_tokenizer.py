@@ -282,8 +282,8 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer, "BUNDLED_TEMPLATE", template)
     builds: list[bool] = []
     backends: list[int] = []
-    real_build, real_backend = tokenizer._build_bundled, tokenizer.build_backend
-    monkeypatch.setattr(tokenizer, "_build_bundled", lambda *a: (builds.append(a[-1]), real_build(*a)))
+    real_build, real_backend = tokenizer.build_bundled, tokenizer.build_backend
+    monkeypatch.setattr(tokenizer, "build_bundled", lambda *a: (builds.append(a[-1]), real_build(*a)))
     monkeypatch.setattr(tokenizer, "build_backend", lambda *a: (backends.append(1), real_backend(*a))[1])
     mtime = (folder / "tokenizer.json").stat().st_mtime_ns
 
@@ -306,8 +306,8 @@ def test_cache_reused_then_rebuilt_when_stale(tok, tmp_path, monkeypatch):
     assert tokenizer.ensure_bundled() == folder
     assert builds == [True, False] and backends == [1]
     assert (folder / "tokenizer.json").read_bytes() == original
-    ranks, pattern, specials = tokenizer._qwen_resources()
-    assert tokenizer.read_stamp(folder) == tokenizer._stamp(ranks, pattern, specials)
+    ranks, pattern, specials = tokenizer.qwen_resources()
+    assert tokenizer.read_stamp(folder) == tokenizer.stamp_of(ranks, pattern, specials)
     assert not [p for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 

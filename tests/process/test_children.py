@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 
 # a stage's pool, its workers busy with tasks whose results come back after the kill

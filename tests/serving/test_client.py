@@ -21,7 +21,7 @@ from stages.serving.client import (
     split_think,
     with_attempt_id,
 )
-from tests.fakeserver import FakeServer, free_port, secret_pieces
+from tests.helpers.fakeserver import FakeServer, free_port, secret_pieces
 
 SAMPLING = Sampling(
     max_tokens=64, temperature=0.6, top_p=0.95, top_k=20, seed=7,

@@ -1,6 +1,6 @@
 """Launching and stopping engines: real processes on loopback.
 
-The "engine" is tests/fakeserver.py started through `launch.command`, so every test
+The "engine" is tests/helpers/fakeserver.py started through `launch.command`, so every test
 runs the same spawn / readiness / process-group code as a real SGLang launch; one
 test at the end launches the real `transformers serve` on the tiny demo model.
 """
@@ -21,9 +21,9 @@ import pytest
 from stages.common import params
 from stages.common.errors import StageError
 from stages.serving import engines
-from tests.fakeserver import get_json, post_json
-from tests.processes import fake_launch, gone, pgid, wait_gone
-from tests.repo import ROOT
+from tests.helpers.fakeserver import get_json, post_json
+from tests.helpers.processes import fake_launch, gone, pgid, wait_gone
+from tests.helpers.repo import ROOT
 
 FAKE = str(ROOT / "tests" / "fakeserver.py")
 

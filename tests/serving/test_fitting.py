@@ -1,6 +1,6 @@
 """Fitting max_tokens into the context (stages/serving/fitting.py): the byte bound never
 undercounts, the count is what transformers' own chat template path gives, and each
-prompt gets the same answer every time. The server's context: tests/fakeserver.py."""
+prompt gets the same answer every time. The server's context: tests/helpers/fakeserver.py."""
 
 from __future__ import annotations
 

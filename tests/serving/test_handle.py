@@ -12,7 +12,7 @@ from stages.common.errors import StageError
 from stages.common.secrets import Redactor
 from stages.serving.handle import SERVER_LOG, ServerHandle, server_urls
 from stages.serving.watchdog import UrlWatchdog, Watchdog
-from tests.processes import fake_launch, gone
+from tests.helpers.processes import fake_launch, gone
 
 
 def generate_params(server: dict, **extra) -> params.Generate:

@@ -9,7 +9,7 @@ import pytest
 
 from stages.common.errors import StageError
 from stages.serving import probes
-from tests.fakeserver import FakeServer, free_port, spawn
+from tests.helpers.fakeserver import FakeServer, free_port, spawn
 
 
 def test_normalize_url():

@@ -8,7 +8,7 @@ import sys
 import time
 
 from stages.serving import processgroup
-from tests.processes import wait_gone
+from tests.helpers.processes import wait_gone
 
 
 def test_a_group_ignoring_sigterm_is_killed_after_the_grace():

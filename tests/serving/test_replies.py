@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stages.serving.replies import check, problem
-from tests.fakeserver import DEFAULTS, reply_for
+from tests.helpers.fakeserver import DEFAULTS, reply_for
 
 GOOD = reply_for({"messages": [{"role": "user", "content": "hi"}]}, DEFAULTS)
 CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}

@@ -11,8 +11,8 @@ import pytest
 
 from stages.common import params
 from stages.serving import servesetup
-from tests.fakeserver import FakeServer
-from tests.test_generate import here, launch_server, url_server, write_params
+from tests.helpers.fakeserver import FakeServer
+from tests.helpers.generation import here, launch_server, url_server, write_params
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 

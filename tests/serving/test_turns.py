@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from stages.chat import regenerate
-from tests.fakeserver import spawn
-from tests.test_generate import (cache_entries, here, ok, outputs, report,
+from tests.helpers.fakeserver import spawn
+from tests.helpers.generation import (cache_entries, here, ok, outputs, report,
                                  start_stage, stage, url_server, write_params)
-from tests.turnlog import check_history, conversation, write_prompts
+from tests.helpers.turnlog import check_history, conversation, write_prompts
 
 
 
@@ -248,7 +248,7 @@ def test_twin_conversations_ask_each_turn_once_and_share_its_answer(tmp_path):
 
 
 def test_prepares_regenerate_lines_feed_the_turn_path(tmp_path, monkeypatch):
-    from tests.test_prepare import run as prepare_run, write_jsonl
+    from tests.helpers.sources import run as prepare_run, write_jsonl
 
     monkeypatch.chdir(tmp_path)  # prepare_run moves there: back after the test
 

@@ -15,8 +15,8 @@ from stages.common.errors import StageError
 from stages.serving.engines import EngineProcess
 from stages.serving.probes import GenerationProbe
 from stages.serving.watchdog import UrlWatchdog, Watchdog
-from tests.fakeserver import get_json, post_json
-from tests.processes import fake_launch, gone
+from tests.helpers.fakeserver import get_json, post_json
+from tests.helpers.processes import fake_launch, gone
 
 
 # ------------------------------------------------------------------- launched engines

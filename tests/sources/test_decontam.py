@@ -2,58 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from stages.common import params
 from stages.common.errors import StageError
 from stages.sources import decontam
 from stages.sources.ngrams import words
-
-GSM = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-    "in May. How many clips did Natalia sell altogether in April and May?",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-    "How much did she earn?",
-    "What is 7 times 8?",  # 4 words: shorter than an n-gram
-]
-TRIVIA = [
-    "Which planet in our solar system has the largest number of confirmed moons, and "
-    "roughly how many have been catalogued so far?",
-    "Who wrote the novel in which a whaling captain named Ahab hunts a white whale across "
-    "the oceans of the world?",
-]
-INTL = [
-    "Сколько будет, если к произведению семи и восьми прибавить частное от деления сорока "
-    "восьми на шесть, а затем вычесть девять?",
-    "一个长方形花园的长是十二米，宽比长少四米，沿着花园的四周修一条小路，小路的总长度是多少米？",
-]
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def evals(tmp_path: Path) -> list[dict]:
-    gsm = write_jsonl(tmp_path / "evals/gsm.jsonl", [{"question": q, "answer": "1"} for q in GSM])
-    trivia = tmp_path / "evals/trivia.parquet"
-    pq.write_table(pa.table({"id": list(range(len(TRIVIA))), "problem": TRIVIA}), trivia)
-    intl = write_jsonl(tmp_path / "evals/intl.jsonl",
-                       [{"messages": [{"role": "system", "content": "Answer briefly."},
-                                      {"role": "user", "content": q}]} for q in INTL])
-    return [
-        {"name": "gsm", "path": str(gsm), "format": "columns", "prompt_field": "question"},
-        {"name": "trivia", "path": str(trivia), "format": "columns", "prompt_field": "problem"},
-        {"name": "intl", "path": str(intl), "format": "messages"},
-    ]
-
+from tests.helpers.sources import GSM, INTL, TRIVIA, evals, write_jsonl
 
 def index(tmp_path: Path, **policy) -> decontam.Index:
     cfg = params.build(params.Decontaminate, {"evals": evals(tmp_path), **policy}, "prepare.decontaminate")
@@ -141,11 +99,11 @@ def test_the_lookup_finds_what_a_binary_search_finds(tmp_path):
     # one block read per key beside the fences: every answer a full binary search gives,
     # at block edges, before the first hash, past the last and among repeated hashes
     rng = np.random.default_rng(0)
-    for size in (1, decontam._BLOCK - 1, decontam._BLOCK, decontam._BLOCK + 1, 1000):
+    for size in (1, decontam.BLOCK - 1, decontam.BLOCK, decontam.BLOCK + 1, 1000):
         hashes = np.sort(rng.integers(0, 2**64 - 1, size, dtype=np.uint64, endpoint=True))
         hashes = np.sort(np.concatenate([hashes, hashes[: size // 2], hashes[:1]]))
         idx = index(tmp_path)
-        idx.hashes, idx.fences = hashes, hashes[:: decontam._BLOCK].copy()
+        idx.hashes, idx.fences = hashes, hashes[:: decontam.BLOCK].copy()
         keys = np.concatenate([rng.integers(0, 2**64 - 1, 300, dtype=np.uint64, endpoint=True),
                                hashes, hashes - np.uint64(1), np.array([0, 2**64 - 1], np.uint64)])
         assert (idx._lower_bound(keys) == np.searchsorted(hashes, keys)).all(), size

@@ -5,7 +5,7 @@ from __future__ import annotations
 from stages.common import params
 from stages.common import cpus
 from stages.sources import checker, evals
-from tests.sources.test_decontam import evals as eval_sets
+from tests.helpers.sources import evals as eval_sets
 
 
 def test_the_checker_starts_only_beside_an_idle_cpu(tmp_path, monkeypatch):

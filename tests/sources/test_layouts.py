@@ -11,7 +11,7 @@ from stages.chat import conversation
 from stages.common.errors import StageError
 from stages.sources import layouts
 from stages.sources.layouts import Dropped, Prompt
-from tests.sources.test_readers import src
+from tests.helpers.sources import src
 
 
 def layout(fmt="sharegpt", multi_turn="context", **kw) -> layouts.Layout:

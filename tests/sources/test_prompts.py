@@ -13,8 +13,7 @@ from stages.common import params
 from stages.sources import decontam, prompts, readers
 from stages.sources.layouts import Dropped
 from stages.sources.prompts import Candidate, PromptSpec
-from tests.sources import test_decontam
-from tests.sources.test_decontam import GSM
+from tests.helpers.sources import GSM, evals
 
 
 SPECS = itertools.count()  # a spec's token: workers make one maker per token
@@ -75,7 +74,7 @@ def test_a_candidate_comes_back_whole_from_a_worker():
 
 
 def test_a_contaminated_candidate_becomes_a_match(tmp_path):
-    cfg = params.build(params.Decontaminate, {"evals": test_decontam.evals(tmp_path)},
+    cfg = params.build(params.Decontaminate, {"evals": evals(tmp_path)},
                        "prepare.decontaminate")
     decontam.register("test-prompts", decontam.build(cfg, "error").index)
     try:

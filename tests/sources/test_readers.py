@@ -22,14 +22,9 @@ import pytest
 from stages.common import params
 from stages.common.errors import StageError
 from stages.sources import readers
-from tests import stagecli
-from tests.repo import ROOT
-
-
-def src(path, fmt="columns", **kw) -> params.Source:
-    if fmt == "columns":
-        kw.setdefault("prompt_field", "q")
-    return params.Source(name=kw.pop("name", "s"), path=str(path), format=fmt, **kw)
+from tests.helpers import stagecli
+from tests.helpers.repo import ROOT
+from tests.helpers.sources import src
 
 
 def rows_of(source: params.Source, columns=("q",), check=None, **kw) -> list:

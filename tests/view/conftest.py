@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.repo import ROOT
+from tests.helpers.repo import ROOT
 
 
 @pytest.fixture(scope="session")

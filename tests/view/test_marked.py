@@ -7,15 +7,7 @@ import numpy as np
 
 from stages.view.marked import mark
 from stages.view.rows import Row
-
-
-class Set:
-    def __init__(self, fingerprint=None, lineage=None):
-        self.fingerprint = fingerprint or {}
-        self.lineage = lineage or {}
-
-    def describe(self):
-        return "a test set"
+from tests.helpers.sets import SetFacts as Set
 
 
 def row(text, ids, mask, rid="c1#2", number=9):

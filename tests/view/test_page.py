@@ -12,7 +12,7 @@ import numpy as np
 from stages.view import page
 from stages.view.marked import mark
 from stages.view.rows import Row
-from tests.view.test_marked import Set
+from tests.helpers.sets import SetFacts as Set
 
 
 class Tags(html.parser.HTMLParser):
@@ -54,8 +54,8 @@ def test_validates_samples_page_has_seeded_rows_and_the_longest_of_every_source(
     import pyarrow as pa
 
     from stages.dataset.schema import ShardFile, list_shards, open_shard
-    from tests.repo import ROOT
-    from tests.view.test_versions import write_set
+    from tests.helpers.repo import ROOT
+    from tests.helpers.sets import write_set
 
     rng = np.random.default_rng(4)
     rows = {f"{src}{k}": (rng.integers(0, 1000, int(rng.integers(3, 2000))).tolist(), None)

@@ -10,7 +10,7 @@ import pytest
 
 from stages.common.errors import StageError
 from stages.view.rows import Dataset
-from tests.view.test_versions import write_set
+from tests.helpers.sets import write_set
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_exports_are_read_as_their_trainer_reads_them(rowset, tmp_path):
     import subprocess
     import sys
 
-    from tests.repo import ROOT, env
+    from tests.helpers.repo import ROOT, env
 
     folder, rows = rowset
     for trainer in ("trl", "axolotl", "specforge"):
@@ -84,11 +84,11 @@ def test_exports_are_read_as_their_trainer_reads_them(rowset, tmp_path):
 
 def test_a_lookup_checks_the_row_it_returns_and_no_other(tmp_path):
     from stages.dataset.schema import write_metadata
-    from tests.dataset.test_schema import _damaged_tokens_shard
+    from tests.helpers.sets import damaged_tokens_shard
 
     folder = tmp_path / "set"
     folder.mkdir()
-    _damaged_tokens_shard(folder / "data-00000-of-00001.arrow")
+    damaged_tokens_shard(folder / "data-00000-of-00001.arrow")
     write_metadata(folder, ["data-00000-of-00001.arrow"])
     data = Dataset(folder)
     assert data.by_ids(["a"])[0].input_ids.tolist() == [7, 8]

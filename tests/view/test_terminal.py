@@ -11,7 +11,7 @@ import numpy as np
 from stages.view import terminal
 from stages.view.marked import mark
 from stages.view.rows import Row
-from tests.view.test_marked import Set
+from tests.helpers.sets import SetFacts as Set
 
 
 def marked(text, s: str, supervised_from: int):

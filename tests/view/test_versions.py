@@ -4,18 +4,16 @@ them on the page."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from stages.view.versions import differences
-from tests.repo import git_commit, link_caches, run
+from tests.helpers.repo import git_commit, link_caches, run
+from tests.helpers.sets import write_set
 
 
 def test_differences_flag_replaced_inserted_and_resupervised_tokens():
@@ -33,22 +31,6 @@ def test_identical_rows_differ_nowhere():
     sup = ids % 3 == 0
     a, b = differences(ids, sup, ids, sup)
     assert not a.any() and not b.any()
-
-
-def write_set(folder: Path, rows: dict[str, tuple[list[int], list[int]]]) -> None:
-    from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
-
-    folder.mkdir(parents=True, exist_ok=True)
-    ids = list(rows)
-    tokens = [rows[i][0] for i in ids]
-    masks = [rows[i][1] for i in ids]
-    with ShardFile(folder / shard_name(0, 1)) as shard:
-        shard.write(pa.RecordBatch.from_arrays(
-            [pa.array(ids), pa.array(["s"] * len(ids)), pa.array(tokens, pa.list_(pa.int32())),
-             pa.array(masks, pa.list_(pa.int8())), pa.array([len(t) for t in tokens], pa.int32()),
-             pa.array([sum(m) for m in masks], pa.int32())], schema=ARROW_SCHEMA))
-    (folder / "fingerprint.json").write_text(json.dumps({"tokenizer": {"name": "bundled:qwen3.6"}}))
-    write_metadata(folder, [shard_name(0, 1)])
 
 
 @pytest.mark.slow

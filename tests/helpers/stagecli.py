@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stages.process import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # `python -m stages.<stage>` that also writes its own peak RSS (VmHWM, KiB) on the way
 # out: the rusage of a child counts the forking parent's RSS, this does not
@@ -62,3 +62,8 @@ def fail(stage: str, cwd: Path, params: str | Path = "params.yaml",
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     return errors[0], kib
+
+
+def covers(dep: str, path: str) -> bool:
+    """Whether a dvc.yaml dep (a file or a folder) covers `path`, both relative to the repo."""
+    return path == dep or path.startswith(dep.rstrip("/") + "/")

@@ -1,6 +1,6 @@
 """A fake SGLang-compatible chat server with injected faults, for tests and benchmarks.
 
-Run it:     python tests/fakeserver.py --port N [--host H] [--fault-spec JSON-or-FILE]
+Run it:     python tests/helpers/fakeserver.py --port N [--host H] [--fault-spec JSON-or-FILE]
 Import it:  FakeServer(spec).start()  -> in this process, on a thread (.url, .stats(), .stop())
             spawn(spec)               -> a subprocess (.url, .pid, .stats(), .stop())
             command(port, spec)       -> the argv that runs it

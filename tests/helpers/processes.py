@@ -1,4 +1,4 @@
-"""Processes in tests: the fake server (tests/fakeserver.py) launched as an engine, and
+"""Processes in tests: the fake server (tests/helpers/fakeserver.py) launched as an engine, and
 waiting until processes are gone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import psutil
 
 from stages.common import params
-from tests.fakeserver import launch_command
+from tests.helpers.fakeserver import launch_command
 
 
 def fake_launch(spec: dict | None = None, **kw) -> params.Launch:

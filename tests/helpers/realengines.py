@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import yaml
 
-from tests import stagecli
-from tests.repo import env as repo_env
+from tests.helpers import stagecli
+from tests.helpers.repo import env as repo_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def env() -> dict:

@@ -1,7 +1,7 @@
 """SpecForge 0.2.0 on a CPU, for the tests: its offline features and its own trainer.
 
-    python -m tests.specforgecpu features --config RUN.yaml --prompts train.jsonl
-    python -m tests.specforgecpu train --config RUN.yaml      (EAGLE-3; DFlash: `specforge train`)
+    python -m tests.helpers.specforgecpu features --config RUN.yaml --prompts train.jsonl
+    python -m tests.helpers.specforgecpu train --config RUN.yaml      (EAGLE-3; DFlash: `specforge train`)
 
 `features` writes the target's hidden states in SpecForge's offline layout for the rows
 SpecForge's own prompt reader (`prepare_prompt_tasks`, with the run's loss-mask rule) keeps,
@@ -95,7 +95,7 @@ def use_reference_loss() -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["features"]:
-        p = argparse.ArgumentParser(prog="python -m tests.specforgecpu features")
+        p = argparse.ArgumentParser(prog="python -m tests.helpers.specforgecpu features")
         p.add_argument("--config", type=Path, required=True)
         p.add_argument("--prompts", type=Path, required=True)
         args = p.parse_args(argv[1:])

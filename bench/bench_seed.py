@@ -6,8 +6,8 @@
   BENCH_SEED_BASE=foreign ...                    the base in another tool's layout, adopted
                                                  by merge (merge.adopt)
 
-The seed (docs: DESIGN's reference run): 193,010 prompts from six sources in its
-proportions, 15 failures, 192,995 thinking answers of 2,712 output tokens on average
+The seed (docs/gpu-host.md's reference run, examples/reference.yaml): 193,010 prompts
+from six sources in its proportions, 15 failures, 192,995 thinking answers of 2,712 output tokens on average
 (lognormal, a few runaway ones cut at max_tokens), merged onto a 902,087-row base of about
 2,040 tokens a row. The answers are written as generate writes them, their token counts
 real for the bundled Qwen3.6 tokenizer: texts are composed from a pool of paragraphs whose
@@ -63,7 +63,7 @@ from stages.common import cpus, reports  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "seed"
 
-# the seed (DESIGN.md, "Reference run")
+# the seed (docs/gpu-host.md's reference run)
 SOURCES = {"infinity_instruct": 99_000, "webinstructsub": 40_000, "codefeedback": 29_000,
            "metamathqa": 24_000, "hermes_function_calling": 1_200, "agent_trajectories": 553}
 TOOL_SOURCES = {"hermes_function_calling": 1, "agent_trajectories": 3}  # tool rounds

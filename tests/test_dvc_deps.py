@@ -165,3 +165,53 @@ def test_imports_are_found_at_any_depth_and_relative(tmp_path):
                                         "stages.io.names"}
     assert imported(pkg / "io" / "__init__.py", tmp_path) == {"stages", "stages.io", "stages.io.atomic"}
     assert not holds_code(pkg / "__init__.py") and holds_code(pkg / "io" / "__init__.py")
+
+
+# ------------------------------------------- docs/versions.md's table, held to dvc.yaml
+
+STAGE_ORDER = ("prepare", "generate", "tokenize", "merge", "validate")
+
+
+def _stage_names(cell: str, rest: frozenset = frozenset()) -> frozenset:
+    """The stages a cell of the table names: `all five`, `nothing`/`none`, `the rest`."""
+    if "all five" in cell:
+        return EVERY_STAGE
+    if cell.strip() in ("nothing", "none"):
+        return frozenset()
+    if "the rest" in cell:
+        return EVERY_STAGE - rest
+    return frozenset(s for s in STAGE_ORDER if s in cell)
+
+
+def rerun_rows() -> list[tuple[list[str], str, str]]:
+    """(modules, runs, skipped) of each row of the rerun table that names modules."""
+    text = (ROOT / "docs/versions.md").read_text(encoding="utf-8")
+    table = text.split("| you change | `dvc repro` runs | skipped |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.strip().splitlines()[1:]:
+        change, runs, skipped = (c.strip() for c in line.strip("|").split("|"))
+        named = [m for m in change.split("`")[1::2] if m.endswith((".py", "/"))]
+        modules = [m for name in named for m in (
+            modules_in(f"stages/{name}") if name.endswith("/") else [f"stages/{name}"])]
+        if modules:
+            rows.append((modules, runs, skipped))
+    return rows
+
+
+def test_the_rerun_table_says_what_dvc_yaml_says():
+    """Each row that names modules: the stages it says rerun first (outside parentheses,
+    before a `;`) are exactly those whose deps hold each module, and what it says is
+    skipped is every stage it does not name."""
+    rows = rerun_rows()
+    assert len(rows) >= 10
+    for modules, runs, skipped in rows:
+        first = runs.split(";")[0]
+        while "(" in first:
+            first = first[:first.index("(")] + first[first.index(")") + 1:]
+        said = _stage_names(first)
+        for module in modules:
+            assert (ROOT / module).is_file(), f"{module}: named in docs/versions.md, not a file"
+            deps_it = frozenset(s for s in PIPELINE if any(covers(d, module) for d in deps(s)))
+            assert deps_it == said, f"{module}: dvc.yaml reruns {sorted(deps_it)}, the table says {runs!r}"
+        named = _stage_names(runs)
+        assert _stage_names(skipped, rest=named) == EVERY_STAGE - named, (modules, skipped)

@@ -177,7 +177,7 @@ def main(quick: bool | None = None) -> dict:
 
 def _workers_by_default() -> int:
     sys.path.insert(0, str(ROOT))
-    from stages.common import cpus
+    from stages.process import cpus
 
     return cpus.workers_beside_reader()
 

@@ -59,7 +59,8 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import harness  # noqa: E402
 import bench_tokenize  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
-from stages.common import cpus, reports  # noqa: E402
+from stages.common import reports  # noqa: E402
+from stages.process import cpus
 
 WORK = ROOT / "bench" / "work" / "seed"
 

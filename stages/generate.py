@@ -5,7 +5,7 @@
 
 A run is plan -> send -> write -> verdict. Plan: where each prompt's answer already is in
 the request cache (serving/promptindex.py). Send: the requests still missing, to
-`generate.server` (serving/handle.py: URLs, or an engine it launches and watches), each
+`generate.server` (serving/server.py: URLs, or an engine it launches and watches), each
 reply cached as it arrives. Write: data/completions (completions.jsonl, failures.jsonl,
 generation.json) in prompt order, from the cache only, and reports/generate.json.
 Verdict: more failures than `generate.max_transient_failures` /
@@ -29,14 +29,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages.chat import conversation, engineids
+from stages.chat import conversation
+
+from stages.serving import engineids
 from stages.common import outputs, params
 from stages.common.errors import StageError
 from stages.common import secrets
 from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
-from stages.serving import fitting, records, servesetup, turns
-from stages.serving.breakers import BREAKER, BadBodyBreaker
+from stages.serving import cacherecords, engineflags, fitting, turns
+from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
 from stages.serving.client import (
     BodyEncoder,
     CHAT_PATH,
@@ -48,7 +50,7 @@ from stages.serving.client import (
     build_body,
     parse_reply,
 )
-from stages.serving.handle import ServerHandle, api_key, check_server, server_urls
+from stages.serving.server import ServerHandle, api_key, check_server, server_urls
 from stages.serving.progress import SPEED_KEYS, Latencies, Progress, speed
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import RequestCache, short_hash
@@ -70,7 +72,7 @@ def check(cfg: params.Generate) -> None:
     params.check_ranges(cfg, "generate")
     s = cfg.server
     if s.router_timeout is not None and cfg.request_timeout > s.router_timeout:
-        raise StageError(servesetup.router_timeout_advice(cfg.request_timeout, s.router_timeout))
+        raise StageError(engineflags.router_timeout_advice(cfg.request_timeout, s.router_timeout))
     for name in ("max_transient_failures", "max_permanent_failures"):
         limit = getattr(cfg, name)
         if isinstance(limit, float) and not 0 <= limit <= 1:
@@ -317,7 +319,7 @@ class Generation:
         """Prompt `i` gave up: transient ones are reported, permanent ones cached once a
         success shows the setup works."""
         self.finished += 1
-        record = records.failure(f)
+        record = cacherecords.failure(f)
         n = len(self.plan.index.twins(i))
         self.failed += n
         self.breaker.failure(f)
@@ -345,7 +347,7 @@ class Generation:
         self.in_tokens += reply.prompt_tokens
         self.latencies.add(reply.latency)
         self.last_done = time.monotonic()
-        self._mark(i, records.success(reply), True)
+        self._mark(i, cacherecords.success(reply), True)
         if not self.any_success:
             self.any_success = True
             for j, rec in self.held:
@@ -445,7 +447,7 @@ def write_outputs(
                 raise StageError(f"{plan.path}: changed while generate was running; run it again")
             prompt = json.loads(line)
             if plan.seg[i] >= 0:
-                rec = records.cached_record(cache.read_json(int(plan.seg[i]), int(plan.off[i])))
+                rec = cacherecords.cached_record(cache.read_json(int(plan.seg[i]), int(plan.off[i])))
                 if rec is None:
                     raise StageError(
                         f"{cache.dir}: changed while generate was running; run it again"

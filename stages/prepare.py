@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 from stages.chat import conversation
-from stages.common import cpus, outputs, params
+from stages.common import outputs, params
+from stages.process import cpus
 from stages.common.errors import StageError
 from stages.process import children, cli
 from stages.sources import layouts, prompts, readers, toolturns

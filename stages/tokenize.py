@@ -4,7 +4,7 @@
 conversation with the tokenizer's chat template (stages/chat/encoder.py: one render, one
 batch encode, the mask from the pieces), filters (truncated, empty_content, too_long,
 too_few_loss_tokens, no_engine_ids), checks every row's prompt against the tokens the
-engine served (stages/chat/servecheck.py), and writes a save_to_disk folder in bounded
+engine served (stages/chat/rendercheck.py), and writes a save_to_disk folder in bounded
 shards, data/tokenized/fingerprint.json and reports/tokenize.json.
 
 num_proc worker processes (0: one per usable CPU) take chunks of about equal bytes from a
@@ -29,10 +29,11 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from stages.chat import conversation, enginerows, regenerate, servecheck
+from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
-from stages.chat.engineids import Served
-from stages.common import cpus, outputs, params
+from stages.serving.engineids import Served
+from stages.common import outputs, params
+from stages.process import cpus
 from stages.common.errors import StageError, json_object
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -93,7 +94,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
              "ids=%s, %d process(es)", src, cfg.tokenizer, _template_name(cfg),
              cfg.multi_turn, cfg.enable_thinking, cfg.ids, cfg.num_proc)
     totals = Totals()
-    why = generation.get("engine_ids_missing", servecheck.NO_IDS)
+    why = generation.get("engine_ids_missing", rendercheck.NO_IDS)
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
         for result in _results(src, cfg, encoder, why):
@@ -102,8 +103,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
                 writer.write(result.batch)
             totals.progress(started)
         names = writer.close()
-        problem = servecheck.failure(totals.served, cfg.max_render_mismatch) or \
-            servecheck.answer_failure(totals.served, cfg.max_answer_mismatch)
+        problem = rendercheck.failure(totals.served, cfg.max_render_mismatch) or \
+            rendercheck.answer_failure(totals.served, cfg.max_answer_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
         outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint(tok_id, tok, cfg))
@@ -286,7 +287,7 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
 
 
 def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
-             why_without: str = servecheck.NO_IDS) -> Iterator["ChunkResult"]:
+             why_without: str = rendercheck.NO_IDS) -> Iterator["ChunkResult"]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -362,7 +363,7 @@ class ChunkResult:
     batch: Optional[pa.RecordBatch]
     stats: dict  # source -> counters
     lengths: dict  # source -> array('i') of kept row lengths
-    served: dict  # servecheck stats
+    served: dict  # rendercheck stats
 
 
 def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
@@ -370,7 +371,7 @@ def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     encoder, cfg, path, why_without = _STATE
     stats: dict = collections.defaultdict(_new_stats)
     plans, meta = _plan_chunk(chunk, encoder, cfg, path, stats)
-    check = servecheck.ServeCheck(encoder, why_without)
+    check = rendercheck.ServeCheck(encoder, why_without)
     if not plans:
         return ChunkResult(None, dict(stats), {}, check.stats)
     batch = encoder.encode_plans(plans)
@@ -418,7 +419,7 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: param
     return plans, meta
 
 
-def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
+def _kept_rows(plans: list, meta: list, batch, check: "rendercheck.ServeCheck",
                cfg: params.Tokenize, path: str, stats: dict
                ) -> tuple[Optional[pa.RecordBatch], dict]:
     """The encoded rows within the length and supervision limits, as one record batch,
@@ -434,18 +435,18 @@ def _kept_rows(plans: list, meta: list, batch, check: "servecheck.ServeCheck",
             served = Served(row)
             check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
             if cfg.ids == "engine":
-                bad = enginerows.out_of_vocab(served, vocab_size)
+                bad = servedrows.out_of_vocab(served, vocab_size)
                 if bad is not None:
                     raise StageError(f"{path}:{no}: row {rid!r}: engine token id {bad} is "
                                      f"outside the vocabulary [0, {vocab_size}) (tokenize.ids: "
                                      "engine; the completions name another model's tokens)")
                 n = batch.prompt_lens[i]
-                exact = enginerows.engine_row(served, ids, mask, n, row["truncated"], control)
-                differs = exact and enginerows.answer_check(
+                exact = servedrows.engine_row(served, ids, mask, n, row["truncated"], control)
+                differs = exact and servedrows.answer_check(
                     served.completion_ids, ids[n:][mask[n:] == 1], control,
                     check.encoder.tok.decode)
                 if differs:
-                    servecheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
+                    rendercheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
                     log.warning("%s:%d: row %r: the engine's answer ids %s", path, no, rid,
                                 "decode to other text than the recorded answer: dropped"
                                 if differs == "text" else "hold a control token the "
@@ -614,7 +615,7 @@ class Totals:
     def __init__(self) -> None:
         self.stats: dict = collections.defaultdict(_new_stats)
         self.lengths: dict = collections.defaultdict(lambda: array("i"))
-        self.served = servecheck.new_stats()
+        self.served = rendercheck.new_stats()
         self._last_log = time.monotonic()
 
     def add(self, r: ChunkResult) -> None:
@@ -622,7 +623,7 @@ class Totals:
             _add_counts(self.stats[src], st)
         for src, values in r.lengths.items():
             self.lengths[src].extend(values)
-        servecheck.merge(self.served, r.served)
+        rendercheck.merge(self.served, r.served)
 
     def progress(self, started: float) -> None:
         now = time.monotonic()
@@ -650,7 +651,7 @@ class Totals:
             "dropped_total": sum(total["dropped"].values()),
             "length": _percentiles(all_lengths),
             "shards": shards,
-            "serve_check": servecheck.summary(self.served),
+            "serve_check": rendercheck.summary(self.served),
             "multi_turn": cfg.multi_turn,
             "seconds": round(seconds, 2),
             "tokens_per_second": round(total["tokens"] / max(seconds, 1e-9)),

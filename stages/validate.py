@@ -35,7 +35,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.common import cpus, outputs, params
+from stages.common import outputs, params
+
+from stages.process import cpus
 from stages.common.errors import StageError, json_file, json_type
 from stages.dataset import charts, loader, rowsummary, traincheck
 from stages.dataset.idhashes import IdHashes

@@ -31,11 +31,9 @@ EVERY_STAGE = frozenset(PIPELINE)
 LEFT_OUT = {
     # how a stage process runs, shaping no byte of any out: the command line (options,
     # logging, signals, one-line errors; it hands the params, a dep, to the stage
-    # unchanged), how worker processes live and end (results come back in order)
+    # unchanged), how worker processes live and end (results come back in order), the
+    # CPU count behind `num_proc: 0` / `threads: 0` (outputs are the same for any count)
     "stages/process": EVERY_STAGE,
-    # the CPU count behind `num_proc: 0` / `threads: 0` and the run file's host (outputs
-    # are the same for any count)
-    "stages/common/cpus.py": EVERY_STAGE,
     # the demo model, for `demo:` model names: editing demo code must never rerun a
     # 15-hour generation (validate depends on it: its training check's default model)
     "stages/models/tinymodel.py": frozenset({"generate"}),
@@ -187,12 +185,17 @@ def rerun_rows() -> list[tuple[list[str], str, str]]:
     """(modules, runs, skipped) of each row of the rerun table that names modules."""
     text = (ROOT / "docs/versions.md").read_text(encoding="utf-8")
     table = text.split("| you change | `dvc repro` runs | skipped |", 1)[1].split("\n\n", 1)[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")]
+             for line in table.strip().splitlines()[1:]]
+    named = [[m for m in change.split("`")[1::2] if "/" in m and m.endswith((".py", "/"))]
+             for change, _, _ in cells]
+    files = {f"stages/{m}" for row in named for m in row if m.endswith(".py")}
     rows = []
-    for line in table.strip().splitlines()[1:]:
-        change, runs, skipped = (c.strip() for c in line.strip("|").split("|"))
-        named = [m for m in change.split("`")[1::2] if m.endswith((".py", "/"))]
-        modules = [m for name in named for m in (
-            modules_in(f"stages/{name}") if name.endswith("/") else [f"stages/{name}"])]
+    for (_, runs, skipped), names in zip(cells, named):
+        # a folder stands for its modules that no row names by themselves
+        modules = [m for name in names for m in (
+            [m for m in modules_in(f"stages/{name}") if m not in files]
+            if name.endswith("/") else [f"stages/{name}"])]
         if modules:
             rows.append((modules, runs, skipped))
     return rows

@@ -160,7 +160,7 @@ RAW_READS = ("open", "io.open", "pq.ParquetFile", "pq.read_table", "pq.read_sche
 # json_file, or errors.regular before a library opens the path
 OPENS_ITSELF = {
     "stages/common/errors.py": (1, "the reader itself"),
-    "stages/common/cpus.py": (1, "/proc/stat"),
+    "stages/process/cpus.py": (1, "/proc/stat"),
     "stages/process/children.py": (1, "/proc/PID/stat"),
     "stages/serving/processgroup.py": (1, "/proc/PID/stat"),
     "stages/dataset/traincheck.py": (1, "/proc/self/clear_refs, written"),

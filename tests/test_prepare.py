@@ -18,7 +18,7 @@ import yaml
 from stages import prepare
 from stages.common import params
 from stages.common.errors import StageError
-from stages.common import cpus
+from stages.process import cpus
 from stages.sources import checker, readers
 from tests.helpers import stagecli
 from tests.helpers.sources import GSM, INTL, TRIVIA, evals as eval_sets, run, write_jsonl

@@ -1,6 +1,6 @@
 """The tokenize stage on small completion files: output format, filters and their counts,
 parallel determinism, shard bounds, and bad input. (The serve-render check on every
-row: tests/chat/test_servecheck.py; these rows carry no engine token counts.)"""
+row: tests/chat/test_rendercheck.py; these rows carry no engine token counts.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 from stages.common.params import ParamError, Tokenize
 from stages.dataset.schema import FEATURES
-from stages.common import cpus
+from stages.process import cpus
 from tests.helpers import stagecli
 from tests.helpers.repo import link_caches
 

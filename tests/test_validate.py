@@ -14,7 +14,8 @@ import pyarrow as pa
 import pytest
 
 from stages import validate
-from stages.common import cpus, params, reports
+from stages.common import params, reports
+from stages.process import cpus
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
 from stages.process import cli

@@ -4,7 +4,7 @@
   rows = enc.encode(messages, tools, policy="last")  # EncodedRow: ids, mask, prompt_len
   batch = enc.encode_plans(plans)  # many conversations' enc.plan(...) rows in one call
 
-A conversation's strings are sanitized (stages/chat/controltokens.py) and rendered once
+A conversation's strings are sanitized (stages/chat/controltext.py) and rendered once
 with the chat template; the rendering is cut at every control token the template wrote,
 at the end of the generation prompt and at the edges of the supervised spans, and the
 pieces of a whole batch are encoded in one call with control-token parsing off. The mask
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from stages.chat import thinking
-from stages.chat.controltokens import ControlTokenCodec
+from stages.chat.controltext import ControlTokenCodec
 from stages.common.errors import StageError
 
 POLICIES = ("last", "all", "expand")

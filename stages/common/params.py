@@ -181,7 +181,7 @@ class Launch:
 
 @dataclass
 class Server:
-    """The `generate.server` params section (the live handle is serving/handle.py's
+    """The `generate.server` params section (the live handle is serving/server.py's
     ServerHandle, a launched engine process serving/engines.py's EngineProcess)."""
 
     url: Union[str, list[str], None] = None

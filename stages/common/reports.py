@@ -17,7 +17,9 @@ import platform
 from pathlib import Path
 from typing import Optional
 
-from stages.common import cpus, errors
+from stages.common import errors
+
+from stages.process import cpus
 from stages.common.errors import StageError, json_file
 
 RUN_FOLDER = "runs"

@@ -7,7 +7,7 @@ layouts compare exactly; no weight changes). The loss must be finite, equal the 
 cross-entropy of the supervised tokens computed from input_ids and loss_mask, stay bit
 for bit the same when unsupervised tokens change and move when a supervised one does,
 and give every row the same per-token loss packed, padded and alone. It comes from
-dataset/headloss.py, held equal to the model's own on the first row (`head_check`).
+dataset/chunkedloss.py, held equal to the model's own on the first row (`head_check`).
 Then one longest batch measures the memory a run needs at its worst. What each figure
 means (peak RSS, CUDA memory, `full_logits_mb`): docs/stages.md, validate, "Ready to
 train on".
@@ -25,7 +25,7 @@ import numpy as np
 
 from stages.common import params
 from stages.common.errors import StageError
-from stages.dataset import headloss, loader
+from stages.dataset import chunkedloss, loader
 from stages.models import tinymodel
 
 log = logging.getLogger("validate")
@@ -71,7 +71,7 @@ def run(cfg: params.TrainCheck, folder: Path, max_seq_len: int) -> dict:
     dtype = _dtype(cfg.dtype, device)
     memory = Memory(device)
     model, path = _load(cfg.model, device, dtype)
-    head = headloss.Head(model, f"validate.train_check.model: {path}")
+    head = chunkedloss.Head(model, f"validate.train_check.model: {path}")
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     tolerance = float(f"{loss_tolerance(dtype):.3g}")
@@ -241,9 +241,9 @@ def _head_check(model, head, row: loader.Row, device, tolerance: float, path: st
 def _loss(model, head, inputs: dict):
     """The mean next-token loss of a batch with labels, computed in chunks."""
     inputs = dict(inputs)
-    labels, _ = headloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
-    hidden = headloss.last_hidden(model, inputs)
-    return headloss.mean_loss(headloss.token_losses(head, hidden, labels[None])[0], labels)
+    labels, _ = chunkedloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
+    hidden = chunkedloss.last_hidden(model, inputs)
+    return chunkedloss.mean_loss(chunkedloss.token_losses(head, hidden, labels[None])[0], labels)
 
 
 def _batch(model, head, group, packed: bool, pad_id: int, device, tolerance: float,
@@ -258,13 +258,13 @@ def _batch(model, head, group, packed: bool, pad_id: int, device, tolerance: flo
     memory.reset()
     start = time.perf_counter()
     inputs = _inputs(layouts[train], device)
-    labels, following = headloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
-    hidden = headloss.last_hidden(model, inputs)
+    labels, following = chunkedloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
+    hidden = chunkedloss.last_hidden(model, inputs)
     # the labels again from changed rows, scored from the same logits in the same pass
     variants = _changed_labels(head, hidden.detach(), group, train, pad_id, width, device)
     targets = torch.stack([labels, following, *variants])
-    losses = headloss.token_losses(head, hidden, targets)
-    loss = headloss.mean_loss(losses[0], labels)
+    losses = chunkedloss.token_losses(head, hidden, targets)
+    loss = chunkedloss.mean_loss(losses[0], labels)
     loss.backward()
     _sync(device)
     seconds = time.perf_counter() - start
@@ -308,9 +308,9 @@ def _inputs(batch: dict, device) -> dict:
 def _following_losses(model, head, batch: dict, device):
     """The cross-entropy of every next token of a collated batch, per position."""
     inputs = _inputs(batch, device)
-    _, following = headloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
-    hidden = headloss.last_hidden(model, inputs)
-    return headloss.token_losses(head, hidden, following[None])[0]
+    _, following = chunkedloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
+    hidden = chunkedloss.last_hidden(model, inputs)
+    return chunkedloss.token_losses(head, hidden, following[None])[0]
 
 
 def _per_row(values, group, layout: str, width: int) -> list:
@@ -336,7 +336,7 @@ def _changed_labels(head, hidden, group, layout: str, pad_id: int, width: int, d
         batch = (loader.collate_packed(rows) if layout == "packed"
                  else loader.collate_padded(rows, pad_id))
         inputs = loader.to_torch(batch)
-        return headloss.next_token_targets(inputs["input_ids"], inputs["labels"])[0].to(device)
+        return chunkedloss.next_token_targets(inputs["input_ids"], inputs["labels"])[0].to(device)
 
     unsupervised = [r._replace(input_ids=np.where(r.loss_mask == 1, r.input_ids,
                                                   (r.input_ids + 1) % vocab)) for r in group]
@@ -363,7 +363,7 @@ def _check_labels(losses, targets, per_row: list, group, loss: float,
     position, the labels, the following tokens, then the changed labels' (_changed_labels)."""
 
     def loss_with(k: int) -> float:
-        return headloss.mean_loss(losses[k], targets[k]).item()
+        return chunkedloss.mean_loss(losses[k], targets[k]).item()
 
     baseline = loss_with(0)
     changed = loss_with(2)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from stages.chat import engineids
+from stages.serving import engineids
 from stages.common import params
 from stages.common.errors import StageError, parse_json
 from stages.common.secrets import Redactor, strip_url_credentials
@@ -198,7 +198,7 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
     elif engine == "vllm":
         body["request_id"] = prompt["id"]
     # the engine's own token ids come back: tokenize checks its render against them, and
-    # may train on them (stages/chat/engineids.py)
+    # may train on them (stages/serving/engineids.py)
     body.update(engineids.request_fields(engine))
     body["stream"] = False
     return body

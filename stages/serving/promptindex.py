@@ -20,7 +20,7 @@ import numpy as np
 
 from stages.chat import conversation
 from stages.common.errors import StageError, json_object, open_regular
-from stages.serving.records import cached_record
+from stages.serving.cacherecords import cached_record
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
 log = logging.getLogger("stages.generate")

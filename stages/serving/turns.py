@@ -29,8 +29,8 @@ import xxhash
 from stages.chat import conversation, regenerate
 from stages.common import outputs, params
 from stages.common.errors import StageError, open_regular
-from stages.serving import fitting, records
-from stages.serving.breakers import BREAKER, BadBodyBreaker
+from stages.serving import cacherecords, fitting
+from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
 from stages.serving.progress import Latencies, Progress, speed
 from stages.serving.promptindex import PromptLocations
@@ -122,7 +122,7 @@ class CacheIndex:
         `retry_failed`); None when there is none."""
         failed = None
         for j in self.index.find(key):
-            rec = records.cached_record(self.cache.read_json(self.seg[j], self.off[j]))
+            rec = cacherecords.cached_record(self.cache.read_json(self.seg[j], self.off[j]))
             if rec is None:
                 continue
             if rec["ok"]:
@@ -161,7 +161,7 @@ class Regeneration:
     def __init__(self, cfg: params.Generate, plan: PromptLocations, cache: RequestCache,
                  server, namespace: str, meta: dict, row_of: Callable[..., dict]):
         self.cfg, self.plan, self.cache, self.namespace = cfg, plan, cache, namespace
-        self.server = server  # serving/handle.py's ServerHandle: the model name and dialect
+        self.server = server  # serving/server.py's ServerHandle: the model name and dialect
         self.meta, self.row_of = meta, row_of
         self.k = cfg.samples_per_prompt
         self.index = CacheIndex(cache, cfg.retry_failed)
@@ -283,7 +283,7 @@ class Regeneration:
         self.in_tokens += reply.prompt_tokens
         self.latencies.add(reply.latency)
         self.last_done = time.monotonic()
-        raw = records.success(reply)
+        raw = cacherecords.success(reply)
         self.index.add(key, raw)
         if not self.any_success:
             self.any_success = True
@@ -299,7 +299,7 @@ class Regeneration:
         self.done += 1
         self.failed += 1
         self.breaker.failure(f)
-        rec = records.failure(f)
+        rec = cacherecords.failure(f)
         if not f.permanent:
             self.transient[key] = rec
         elif self.any_success:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import outputs, params
-from stages.common import cpus
+from stages.process import cpus
 from stages.sources import decontam
 from stages.sources.checker import Checker
 

@@ -21,7 +21,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from stages.chat.controltokens import ESC
+from stages.chat.controltext import ESC
 from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 

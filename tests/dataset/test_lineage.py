@@ -348,8 +348,8 @@ SHAPED_BY = {
     "stages/models/tinymodel.py": {"validate"},  # the training check's model; never generate's
     "stages/models/tokenizer.py": {"generate", "tokenize", "validate"},  # validate: the demo model's
     "stages/process/cli.py": set(),
-    "stages/common/cpus.py": set(),  # how many processes: the output is the same for any count
-    "stages/dataset/headloss.py": {"validate"},
+    "stages/process/cpus.py": set(),  # how many processes: the output is the same for any count
+    "stages/dataset/chunkedloss.py": {"validate"},
     "stages/dataset/rowsummary.py": {"validate"},
     "stages/sources/decontam.py": {"prepare"},
     "stages/sources/ngrams.py": {"prepare"},
@@ -358,7 +358,7 @@ SHAPED_BY = {
     "stages/serving/logpipe.py": {"generate"},
     "stages/dataset/markdown.py": {"merge"},
     "stages/chat/encoder.py": {"generate", "tokenize"},  # generate counts prompts with it
-    "stages/chat/controltokens.py": {"generate", "tokenize"},  # the encoder's
+    "stages/chat/controltext.py": {"generate", "tokenize"},  # the encoder's
     # the demo model carries the template, but no byte validate writes depends on it
     "stages/models/templates/qwen3.6.jinja": {"generate", "tokenize"},
 }

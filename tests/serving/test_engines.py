@@ -25,7 +25,7 @@ from tests.helpers.fakeserver import get_json, post_json
 from tests.helpers.processes import fake_launch, gone, pgid, wait_gone
 from tests.helpers.repo import ROOT
 
-FAKE = str(ROOT / "tests" / "fakeserver.py")
+FAKE = str(ROOT / "tests" / "helpers" / "fakeserver.py")
 
 
 # ------------------------------------------------------------------------ commands

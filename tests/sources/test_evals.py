@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stages.common import params
-from stages.common import cpus
+from stages.process import cpus
 from stages.sources import checker, evals
 from tests.helpers.sources import evals as eval_sets
 

@@ -19,7 +19,7 @@ import logging
 import re
 from typing import Optional
 
-from stages.chat import engineids
+from stages.serving import engineids
 from stages.common import params
 from stages.serving import probes
 

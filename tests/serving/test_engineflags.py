@@ -1,4 +1,4 @@
-"""What a run's serving setup needs (stages/serving/servesetup.py): the tool-call parser of a
+"""What a run's serving setup needs (stages/serving/engineflags.py): the tool-call parser of a
 launched SGLang, and one warning line per param a run behind sglang-router misses."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stages.common import params
-from stages.serving import servesetup
+from stages.serving import engineflags
 from tests.helpers.fakeserver import FakeServer
 from tests.helpers.generation import here, launch_server, url_server, write_params
 
@@ -28,19 +28,19 @@ def launch(model: str, *args: str, engine: str = "sglang") -> params.Launch:
 ])  # fmt: skip
 def test_a_launched_sglang_gets_its_formats_tool_call_parser_when_prompts_carry_tools(model, parser):
     given = launch(model, "--reasoning-parser", "qwen3")
-    assert servesetup.launch_for(given, tools=True).args == [
+    assert engineflags.launch_for(given, tools=True).args == [
         "--reasoning-parser", "qwen3", "--tool-call-parser", parser]
-    assert servesetup.launch_for(given, tools=False) is given
+    assert engineflags.launch_for(given, tools=False) is given
 
 
 def test_the_users_own_parser_and_other_engines_are_left_alone(caplog):
     mine = launch("Qwen/Qwen3.6-35B-A3B", "--tool-call-parser=qwen25")
-    assert servesetup.launch_for(mine, tools=True) is mine
+    assert engineflags.launch_for(mine, tools=True) is mine
     vllm = launch("Qwen/Qwen3.6-35B-A3B", engine="vllm")
-    assert servesetup.launch_for(vllm, tools=True) is vllm
+    assert engineflags.launch_for(vllm, tools=True) is vllm
     other = launch("meta-llama/Llama-3.1-8B-Instruct")
     with caplog.at_level(logging.WARNING, "stages.generate"):
-        assert servesetup.launch_for(other, tools=True) is other
+        assert engineflags.launch_for(other, tools=True) is other
     warning, = [r.getMessage() for r in caplog.records]
     assert "--tool-call-parser" in warning and "Llama-3.1-8B" in warning
 
@@ -86,4 +86,4 @@ def test_behind_a_router_each_missing_param_is_one_warning(tmp_path, caplog):
     # the report says which checks fell back to counts, and why
     assert json.loads((tmp_path / "reports/generate.json").read_text())["engine_ids"] == {
         "rows_with_ids": 0, "rows_unusable_ids": 0, "rows_without_ids": 3,
-        "why_without": servesetup.engineids.ROUTER_WHY}
+        "why_without": engineflags.engineids.ROUTER_WHY}

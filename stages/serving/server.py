@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from stages.common import params, secrets
 from stages.common.errors import StageError
 from stages.common.secrets import Redactor, strip_url_credentials, url_credentials
-from stages.serving import fitting, probes, servesetup
+from stages.serving import engineflags, fitting, probes
 from stages.serving.engines import EngineProcess
 from stages.serving.watchdog import UrlWatchdog, Watchdog
 
@@ -139,7 +139,7 @@ class ServerHandle:
         if not self.urls:
             return False
         return await asyncio.to_thread(
-            servesetup.behind_router, self.cfg, self.urls, self.shown_urls(), self.key)
+            engineflags.behind_router, self.cfg, self.urls, self.shown_urls(), self.key)
 
     @contextlib.asynccontextmanager
     async def running(self, tools: bool) -> AsyncIterator[list[str]]:
@@ -152,7 +152,7 @@ class ServerHandle:
             self.live = self.urls
             yield self.live
             return
-        self.launched = EngineProcess(servesetup.launch_for(s.launch, tools), SERVER_LOG, self.key)
+        self.launched = EngineProcess(engineflags.launch_for(s.launch, tools), SERVER_LOG, self.key)
         try:
             # in a thread: an engine can take minutes to start and Ctrl-C must still work
             await asyncio.to_thread(self.launched.start)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from stages.chat.encoder import ChatEncoder, RenderedRow
-from stages.chat.engineids import Served
+from stages.serving.engineids import Served
 
 COMPLETION_SLACK_TOKENS = 4
 COMPLETION_SLACK_FRACTION = 0.02
@@ -48,7 +48,7 @@ def new_stats() -> dict:
 
 
 def answer_differs(stats: dict, kind: str, rid: str, where: str) -> None:
-    """Count a row whose engine answer ids are not its recorded answer (enginerows)."""
+    """Count a row whose engine answer ids are not its recorded answer (servedrows)."""
     a = stats["answers"]
     a["text_differs" if kind == "text" else "control_as_text"] += 1
     if len(a["examples"]) < EXAMPLES:

@@ -10,7 +10,7 @@ import pytest
 from stages.common import params
 from stages.common.errors import StageError
 from stages.common.secrets import Redactor
-from stages.serving.handle import SERVER_LOG, ServerHandle, server_urls
+from stages.serving.server import SERVER_LOG, ServerHandle, server_urls
 from stages.serving.watchdog import UrlWatchdog, Watchdog
 from tests.helpers.processes import fake_launch, gone
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stages import tokenize
-from stages.chat import conversation, servecheck
+from stages.chat import conversation, rendercheck
 from stages.common import params
 from stages.models import tokenizer
 from tests.helpers.fakeserver import FakeServer
@@ -147,7 +147,7 @@ def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, m
         tokenize.run(cfg, PATHS)
     report = json.loads((tmp_path / "reports/tokenize.json").read_text())
     assert report["serve_check"]["mismatches"] == 24 and len(
-        report["serve_check"]["examples"]) == servecheck.EXAMPLES
+        report["serve_check"]["examples"]) == rendercheck.EXAMPLES
     assert not (tmp_path / PATHS.out).exists()
 
 
@@ -161,8 +161,8 @@ def test_rows_without_engine_counts_are_counted_unchecked(tmp_path):
 
 
 def test_completion_slack():
-    assert servecheck.slack(10) == servecheck.COMPLETION_SLACK_TOKENS
-    assert servecheck.slack(1000) == 20
+    assert rendercheck.slack(10) == rendercheck.COMPLETION_SLACK_TOKENS
+    assert rendercheck.slack(1000) == 20
 
 
 def test_wrong_template_first_difference_shows_both_sides(tmp_path, bundled):

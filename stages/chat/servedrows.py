@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from stages.chat.engineids import Served
+from stages.serving.engineids import Served
 
 INT32 = 1 << 31  # the dataset stores input_ids as int32
 

@@ -6,7 +6,7 @@ is applied to the last hidden states a chunk of positions at a time (at most CHU
 of logits, float32 or the model's wider dtype), keeping each position's log-sum-exp; backward computes each chunk's
 logits again and turns them into their gradient in place. Memory grows with positions x
 hidden size, and the loss and gradients equal the model's own up to float rounding
-(tests/dataset/test_headloss.py holds them to it on the demo model).
+(tests/dataset/test_chunkedloss.py holds them to it on the demo model).
 
     head = Head(model, "validate.train_check.model: PATH")   # where, for its errors
     hidden = last_hidden(model, inputs)                # [positions, hidden size]

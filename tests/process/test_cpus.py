@@ -1,4 +1,4 @@
-"""The CPUs a stage may use, and how many of them sat idle (stages/common/cpus.py)."""
+"""The CPUs a stage may use, and how many of them sat idle (stages/process/cpus.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from stages.common import cpus
-from stages.common.cpus import CpuTimes
+from stages.process import cpus
+from stages.process.cpus import CpuTimes
 
 
 def test_idle_cpus_since_a_reading(monkeypatch):

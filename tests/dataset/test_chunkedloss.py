@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from stages.dataset import headloss, loader, traincheck
+from stages.dataset import chunkedloss, loader, traincheck
 from stages.models import tinymodel
 from tests.helpers.repo import ROOT
 
@@ -38,9 +38,9 @@ def rows(lengths, vocab: int, seed: int = 0) -> list[loader.Row]:
 
 def chunked(model, head, batch: dict):
     inputs = loader.to_torch(batch)
-    labels, _ = headloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
-    hidden = headloss.last_hidden(model, inputs)
-    return headloss.mean_loss(headloss.token_losses(head, hidden, labels[None])[0], labels)
+    labels, _ = chunkedloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
+    hidden = chunkedloss.last_hidden(model, inputs)
+    return chunkedloss.mean_loss(chunkedloss.token_losses(head, hidden, labels[None])[0], labels)
 
 
 def own(model, batch: dict):
@@ -49,7 +49,7 @@ def own(model, batch: dict):
     import torch.nn.functional as F
 
     inputs = loader.to_torch(batch)
-    labels, _ = headloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
+    labels, _ = chunkedloss.next_token_targets(inputs["input_ids"], inputs.pop("labels"))
     logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels,
                            ignore_index=loader.IGNORE)
@@ -89,7 +89,7 @@ def test_loss_and_gradients_equal_the_models_own(model64, monkeypatch, packed):
     wrong chunk, target or gradient term is off by many orders more."""
     import torch
 
-    head = headloss.Head(model64, "model")
+    head = chunkedloss.Head(model64, "model")
     monkeypatch.setattr(head, "rows", 7)  # many chunks, the last one short
     group = rows([24, 1, 13, 31], head.vocab)
     batch = loader.collate_packed(group) if packed else loader.collate_padded(group, 0)
@@ -111,7 +111,7 @@ def test_float32_keeps_at_least_half_its_digits(model, model64, monkeypatch):
     accidental half-precision step would be ~2**8 times further off)."""
     import torch
 
-    head = headloss.Head(model, "model")
+    head = chunkedloss.Head(model, "model")
     monkeypatch.setattr(head, "rows", 7)
     batch = loader.collate_packed(rows([24, 1, 13, 31], head.vocab))
     want_loss, want = step(model64, own, batch)
@@ -136,7 +136,7 @@ def test_an_untied_output_layer_with_a_bias_gets_its_own_gradients():
     model = Qwen3ForCausalLM(config).eval()
     model.lm_head = torch.nn.Linear(32, 500, bias=True)  # what the model's forward applies
     model.double()
-    head = headloss.Head(model, "model")
+    head = chunkedloss.Head(model, "model")
     head.rows = 5
     batch = loader.collate_packed(rows([12, 30], 500, seed=2))
     want_loss, want = step(model, own, batch)
@@ -153,15 +153,15 @@ def test_every_target_row_is_its_own_cross_entropy(model64):
     import torch
     import torch.nn.functional as F
 
-    head = headloss.Head(model64, "model")
+    head = chunkedloss.Head(model64, "model")
     (row,) = rows([30], head.vocab, seed=3)
-    hidden = headloss.last_hidden(model64, loader.to_torch({"input_ids": row.input_ids[None]
+    hidden = chunkedloss.last_hidden(model64, loader.to_torch({"input_ids": row.input_ids[None]
                                                             .astype(np.int64)}))
     rng = np.random.default_rng(1)
     targets = torch.from_numpy(rng.integers(0, head.vocab, (3, 30)))
     targets[1, ::4] = loader.IGNORE
     with torch.no_grad():
-        got = headloss.token_losses(head, hidden, targets)
+        got = chunkedloss.token_losses(head, hidden, targets)
         logits = head.logits(hidden)
         for k in range(3):
             want = F.cross_entropy(logits, targets[k], ignore_index=loader.IGNORE,
@@ -175,7 +175,7 @@ def test_memory_grows_with_hidden_size_not_vocabulary(model):
     """Peak memory over a step's own start, at 256 and at 1,024 tokens: the 768 tokens
     more would take ~730 MB of float32 logits alone (the model's own loss grows by ~4 MB a
     token here); chunked, they add what their hidden states take, a few MB."""
-    head = headloss.Head(model, "model")
+    head = chunkedloss.Head(model, "model")
 
     def growth(tokens: int) -> float:
         batch = loader.collate_packed(rows([tokens], head.vocab, seed=tokens))
@@ -202,5 +202,5 @@ def test_a_model_without_a_linear_output_layer_is_named(model, monkeypatch):
     import torch
 
     monkeypatch.setattr(model, "get_output_embeddings", lambda: torch.nn.Identity())
-    with pytest.raises(headloss.StageError, match="its output layer is Identity, not a linear"):
-        headloss.Head(model, "validate.train_check.model: m")
+    with pytest.raises(chunkedloss.StageError, match="its output layer is Identity, not a linear"):
+        chunkedloss.Head(model, "validate.train_check.model: m")

@@ -1,4 +1,4 @@
-"""Control-token spellings in message text kept text (stages/chat/controltokens.py)."""
+"""Control-token spellings in message text kept text (stages/chat/controltext.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stages.chat.controltokens import ESC, ControlTokenCodec
+from stages.chat.controltext import ESC, ControlTokenCodec
 from stages.common.errors import StageError
 
 # the bundled Qwen3.6 tokenizer's, as ChatEncoder orders them: longest first

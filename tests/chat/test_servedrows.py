@@ -1,4 +1,4 @@
-"""Engine-exact rows (`tokenize.ids: engine`, stages/chat/enginerows.py) end to end: generate
+"""Engine-exact rows (`tokenize.ids: engine`, stages/chat/servedrows.py) end to end: generate
 against the fake SGLang 0.5.23 (real template, bundled tokenizer, token ids where SGLang
 puts them), then every row must begin with exactly the served prompt ids and generated
 ids, and supervise exactly the generated ids."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from stages import tokenize
-from stages.chat import enginerows
-from stages.chat.engineids import Served
+from stages.chat import servedrows
+from stages.serving.engineids import Served
 from stages.common.errors import StageError
 from stages.models import tokenizer
 from tests.helpers.fakeserver import FakeServer
@@ -135,14 +135,14 @@ def test_an_answer_ended_by_a_stop_string_gets_the_end_of_turn_unsupervised():
     ids = np.array(prompt + [70, 80, IM_END, NEWLINE])
     mask = np.array([0, 0, 0, 1, 1, 1, 0], dtype=np.int8)
     row = Served({"engine_tokens": {"prompt_ids": prompt, "completion_ids": answer}})
-    out_ids, out_mask, unplaced = enginerows.engine_row(row, ids, mask, 3, False, {IM_END})
+    out_ids, out_mask, unplaced = servedrows.engine_row(row, ids, mask, 3, False, {IM_END})
     assert out_ids.tolist() == prompt + answer + [IM_END, NEWLINE]
     assert out_mask.tolist() == [0, 0, 0, 1, 1, 0, 0] and not unplaced
     # ids a 32-bit column cannot hold, or no completion ids: not an engine row
     big = Served({"engine_tokens": {"prompt_ids": [2 ** 31], "completion_ids": answer}})
-    assert enginerows.engine_row(big, ids, mask, 3, False, {IM_END}) is None
+    assert servedrows.engine_row(big, ids, mask, 3, False, {IM_END}) is None
     half = Served({"engine_tokens": {"prompt_ids": prompt, "completion_ids": None}})
-    assert enginerows.engine_row(half, ids, mask, 3, False, {IM_END}) is None
+    assert servedrows.engine_row(half, ids, mask, 3, False, {IM_END}) is None
 
 
 # ------------------------------------------ engine ids checked like prompts (issue 32)
@@ -250,5 +250,5 @@ def test_an_answer_spelled_with_other_whitespace_than_the_render_is_the_same_ans
                                    add_special_tokens=False))
     other = np.array(tok.encode("some thought\n</think>\n\nanother answer<|im_end|>",
                                 add_special_tokens=False))
-    assert enginerows.answer_check(generated, rendered, control, tok.decode) is None
-    assert enginerows.answer_check(generated, other, control, tok.decode) == "text"
+    assert servedrows.answer_check(generated, rendered, control, tok.decode) is None
+    assert servedrows.answer_check(generated, other, control, tok.decode) == "text"

@@ -1,13 +1,13 @@
-"""What a completion row keeps of the engine's token ids (stages/chat/engineids.py)."""
+"""What a completion row keeps of the engine's token ids (stages/serving/engineids.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stages.chat import engineids
+from stages.serving import engineids
 from stages.chat.conversation import token_ids_digest
-from stages.chat.engineids import Served, from_reply
+from stages.serving.engineids import Served, from_reply
 
 SGLANG = {"choices": [{"message": {}, "prompt_token_ids": [248045, 846, 198],
                        "response_token_ids": [5, 6, 248046]}]}

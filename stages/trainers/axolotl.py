@@ -45,7 +45,8 @@ class Axolotl(Trainer):
     def columns(part: Part) -> list[pa.Array]:
         """input_ids as they are, attention_mask all ones, labels the ids or IGNORE."""
         offsets = pa.array(part.offsets.astype(np.int32))
-        labels = np.where(part.mask == 1, part.ids, IGNORE).astype(np.int64)
+        # one pass straight to int64 (a bool view of the 0/1 mask, no comparison array)
+        labels = np.where(part.mask.view(np.bool_), part.ids, np.int64(IGNORE))
         return [part.input_ids,
                 pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(part.ids), np.int8))),
                 pa.ListArray.from_arrays(offsets, pa.array(labels))]

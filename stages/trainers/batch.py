@@ -3,8 +3,9 @@ which tokens a trainer trains on in each row's first max_length, and per row how
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -12,21 +13,65 @@ import pyarrow as pa
 from stages.common.errors import StageError
 
 
-class Part(NamedTuple):
+class Part:
     """One record batch of the merged set, checked, with what trainers decide rows by:
     its tokens as the trainer sees them, in each row's first max_length (all without a
-    max_length)."""
+    max_length). Each fact is worked out when a trainer's rule first asks for it."""
 
-    id: pa.Array
-    input_ids: pa.Array
-    loss_mask: pa.Array
-    offsets: np.ndarray  # row boundaries into ids/mask, from 0
-    ids: np.ndarray  # int32 token ids of the batch's rows back to back (zero-copy)
-    mask: np.ndarray  # int8
-    lengths: np.ndarray
-    trained: np.ndarray  # per token: supervised, and in its row's first max_length
-    trained_per_row: np.ndarray
-    adjacent: np.ndarray  # per row: two trained tokens next to each other
+    def __init__(self, id: pa.Array, input_ids: pa.Array, loss_mask: pa.Array,
+                 offsets: np.ndarray, ids: np.ndarray, mask: np.ndarray,
+                 max_length: Optional[int]):
+        self.id, self.input_ids, self.loss_mask = id, input_ids, loss_mask
+        self.offsets = offsets  # row boundaries into ids/mask, from 0
+        self.ids = ids  # int32 token ids of the batch's rows back to back (zero-copy)
+        self.mask = mask  # int8, 0 and 1 only
+        self.lengths = np.diff(offsets)
+        self.max_length = max_length
+
+    @functools.cached_property
+    def trained(self) -> np.ndarray:
+        """Per token: supervised, and in its row's first max_length."""
+        trained = self.mask.view(np.bool_)
+        if self.max_length is not None and (self.lengths > self.max_length).any():
+            trained = trained.copy()
+            for row in np.flatnonzero(self.lengths > self.max_length):
+                trained[self.offsets[row] + self.max_length:self.offsets[row + 1]] = False
+        return trained
+
+    @functools.cached_property
+    def trained_per_row(self) -> np.ndarray:
+        """How many tokens of each row are trained."""
+        rows, lengths = self._runs
+        return np.bincount(rows, lengths, minlength=len(self.lengths)).astype(np.int64)
+
+    @functools.cached_property
+    def adjacent(self) -> np.ndarray:
+        """Per row: two trained tokens next to each other."""
+        rows, lengths = self._runs
+        adjacent = np.zeros(len(self.lengths), bool)
+        adjacent[rows[lengths >= 2]] = True
+        return adjacent
+
+    @functools.cached_property
+    def _runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row, length) of each run of trained tokens: supervised tokens in a row, cut at
+        its max_length. Runs are few (a few per turn), so per-row facts cost a pass that
+        finds where the mask changes, not one over every supervised token."""
+        mask = self.mask.view(np.bool_)
+        changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+        # both sorted: a stable sort merges them in one pass; a run never crosses a row
+        cuts = np.sort(np.concatenate((changes, self.offsets)), kind="stable")
+        starts, ends = cuts[:-1], cuts[1:]
+        keep = starts < ends
+        starts, ends = starts[keep], ends[keep]
+        keep = mask[starts]
+        starts, ends = starts[keep], ends[keep]
+        rows = np.searchsorted(self.offsets, starts, side="right") - 1
+        if self.max_length is not None:
+            ends = np.minimum(ends, self.offsets[rows] + self.max_length)
+        lengths = ends - starts
+        keep = lengths > 0
+        return rows[keep], lengths[keep]
 
 
 def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> Part:
@@ -40,9 +85,8 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
                              f"{name} is null (run validate)")
     offsets, ids = _flat(ids_col)
     mask_offsets, mask = _flat(mask_col)
-    lengths = np.diff(offsets)
     if not np.array_equal(offsets, mask_offsets):
-        bad = _first(lengths != np.diff(mask_offsets))
+        bad = _first(np.diff(offsets) != np.diff(mask_offsets))
         raise StageError(f"{path}: row {_row_id(id_col, bad)}: "
                          "input_ids and loss_mask lengths differ (run validate)")
     # one pass per check; which row is bad is looked up only when one is
@@ -54,25 +98,7 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
         if len(ids) and wrong():
             row = int(np.searchsorted(offsets, _first(bad()), side="right")) - 1
             raise StageError(f"{path}: row {_row_id(id_col, row)} holds {what} (run validate)")
-    trained = mask.view(np.bool_)  # 0 and 1 only, checked above
-    if max_length is not None and (lengths > max_length).any():
-        trained = trained.copy()
-        for row in np.flatnonzero(lengths > max_length):
-            trained[offsets[row] + max_length:offsets[row + 1]] = False
-    pairs = np.zeros(len(ids), bool)  # pairs[i]: tokens i and i + 1 trained, in one row
-    if len(ids) > 1:
-        np.logical_and(trained[:-1], trained[1:], out=pairs[:-1])
-        pairs[offsets[1:-1] - 1] = False  # across a row boundary (pairs[-1] stays False)
-    return Part(
-        id_col, ids_col, mask_col, offsets, ids, mask, lengths, trained,
-        _per_row(trained, offsets), _per_row(pairs, offsets) > 0,
-    )
-
-
-def _per_row(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """How many flags are set in each row."""
-    at = np.flatnonzero(flags)  # sorted: each row's flags lie between two of its offsets
-    return np.searchsorted(at, offsets[1:]) - np.searchsorted(at, offsets[:-1])
+    return Part(id_col, ids_col, mask_col, offsets, ids, mask, max_length)
 
 
 def _first(flags) -> int:

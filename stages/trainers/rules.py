@@ -81,7 +81,7 @@ class Tally:
     def add(self, part: Part) -> None:
         self.rows += len(part.lengths)
         self.tokens += len(part.ids)
-        self.supervised += int(np.count_nonzero(part.mask == 1))
+        self.supervised += int(np.count_nonzero(part.mask))  # 0 and 1 only
         self.longest = max(self.longest, int(part.lengths.max(initial=0)))
         self.over_default += int(np.count_nonzero(part.lengths > self.default_max_length))
         limit = self._limit()

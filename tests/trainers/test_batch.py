@@ -65,3 +65,22 @@ def test_ids_and_mask_are_the_shard_bytes_not_copies():
     p = read_part(batch, Path("s"), None)
     assert np.shares_memory(p.ids, np.frombuffer(batch.column("input_ids").values.buffers()[1],
                                                  np.int32))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_per_row_facts_equal_a_row_by_row_count(seed):
+    """Random masks (empty rows, runs across row boundaries, every max_length): the
+    per-row facts equal counting each row's first max_length token by token."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(60):
+        n = int(rng.integers(0, 12))
+        mask = (rng.random(n) < rng.random()).astype(int).tolist()
+        rows.append((f"r{k}", [1] * n, mask))
+    for max_length in (None, 1, 2, 3, 7):
+        p = part(rows, max_length)
+        cut = [m[:max_length] for _, _, m in rows]
+        assert p.trained_per_row.tolist() == [sum(m) for m in cut]
+        assert p.adjacent.tolist() == [any(a and b for a, b in zip(m, m[1:])) for m in cut]
+        assert p.trained.tolist() == [bool(v) for m, (_, _, full) in zip(cut, rows)
+                                      for v in m + [0] * (len(full) - len(m))]

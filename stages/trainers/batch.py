@@ -45,6 +45,19 @@ class Part:
         return np.bincount(rows, lengths, minlength=len(self.lengths)).astype(np.int64)
 
     @functools.cached_property
+    def any_trained(self) -> np.ndarray:
+        """Per row: at least one token trained."""
+        if self.max_length is not None and (self.lengths > self.max_length).any():
+            return self.trained_per_row > 0
+        # no row cut: each row's largest mask value, in one vectorised pass
+        starts = self.offsets[:-1]
+        live = int(np.searchsorted(starts, len(self.mask)))  # rows after these are empty
+        out = np.zeros(len(starts), bool)
+        if live:
+            out[:live] = np.maximum.reduceat(self.mask, starts[:live]) > 0
+        return out & (self.lengths > 0)  # reduceat gives an empty row its next token
+
+    @functools.cached_property
     def adjacent(self) -> np.ndarray:
         """Per row: two trained tokens next to each other."""
         rows, lengths = self._runs

@@ -33,7 +33,7 @@ def longer(part: Part, max_length: int) -> np.ndarray:
 
 
 def none_supervised(part: Part, max_length: int) -> np.ndarray:
-    return part.trained_per_row == 0
+    return ~part.any_trained
 
 
 def no_two_adjacent(part: Part, max_length: int) -> np.ndarray:

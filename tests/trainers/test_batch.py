@@ -22,6 +22,7 @@ def test_trained_tokens_per_row_and_adjacent_pairs():
     assert p.lengths.tolist() == [4, 2, 3, 5]
     assert p.trained.tolist() == [bool(v) for _, _, m in ROWS for v in m]
     assert p.trained_per_row.tolist() == [2, 1, 0, 3]
+    assert p.any_trained.tolist() == [True, True, False, True]
     assert p.adjacent.tolist() == [True, False, False, False]
 
 
@@ -77,10 +78,12 @@ def test_per_row_facts_equal_a_row_by_row_count(seed):
         n = int(rng.integers(0, 12))
         mask = (rng.random(n) < rng.random()).astype(int).tolist()
         rows.append((f"r{k}", [1] * n, mask))
+    rows = [("first", [], [])] + rows + [("last", [1], [1]), ("e1", [], []), ("e2", [], [])]
     for max_length in (None, 1, 2, 3, 7):
         p = part(rows, max_length)
         cut = [m[:max_length] for _, _, m in rows]
         assert p.trained_per_row.tolist() == [sum(m) for m in cut]
+        assert p.any_trained.tolist() == [any(m) for m in cut]
         assert p.adjacent.tolist() == [any(a and b for a, b in zip(m, m[1:])) for m in cut]
         assert p.trained.tolist() == [bool(v) for m, (_, _, full) in zip(cut, rows)
                                       for v in m + [0] * (len(full) - len(m))]

@@ -8,6 +8,8 @@ Figures (each export in a process of its own; peak RSS is its VmHWM, bench/peak.
                                  and axolotl; polars' write_ndjson of the same three
                                  columns for specforge), in the same run / seconds of
                                  `python -m stages.export --for <trainer>` - goal >= 0.8
+  export_<trainer>_vs_writer_cpu the same with each process's own CPU seconds (threads
+                                 included), which other jobs on the machine move less
   export_<trainer>_vs_copy       export seconds / seconds of copying the set's shard files
   export_<trainer>_peak_rss_mb   peak RSS of that export
   export_<trainer>_peak_rss_half_mb  the same over a set half the size: flat means these match
@@ -36,11 +38,11 @@ TRAINERS = ("trl", "specforge", "axolotl")
 EXPORT = """
 import json, sys, time
 from stages import export
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 code = export.main(sys.argv[1:])
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-print(json.dumps({"rc": code, "seconds": seconds,
+print(json.dumps({"rc": code, "seconds": seconds, "cpu_seconds": cpu,
                   "peak_mb": int(status["VmHWM"].split()[0]) / 1024}))
 """
 COPY = """
@@ -66,7 +68,7 @@ tables = []
 for shard in sorted(src.glob("*.arrow")):
     with pa.memory_map(str(shard)) as source:
         tables.append((shard.name, pa.ipc.open_stream(source).read_all()))
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 if kind == "arrow":
     for name, table in tables:
         with pa.OSFile(str(dst / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
@@ -76,7 +78,8 @@ else:
     with open(dst / "train.jsonl", "wb") as f:
         for _, table in tables:
             pl.from_arrow(table.select(["input_ids", "loss_mask", "id"])).write_ndjson(f)
-print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start}))
+print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start,
+                  "cpu_seconds": time.process_time() - cpu}))
 """
 
 
@@ -88,6 +91,7 @@ def _export(trainer: str, merged: Path, out: Path, writer: bool = False) -> dict
         kind, src = ("ndjson", merged) if trainer == "specforge" else ("arrow", out)
         done = harness.python_json(WRITER, kind, str(src), str(out.with_name("writer")))
         result["writer_seconds"] = done["seconds"]
+        result["writer_cpu_seconds"] = done["cpu_seconds"]
         shutil.rmtree(out.with_name("writer"))
     shutil.rmtree(out)  # one export on disk at a time
     return result
@@ -110,6 +114,8 @@ def main(quick: bool | None = None) -> dict:
             done_half = _export(trainer, half, WORK / trainer)
             figures[f"export_{trainer}_vs_writer"] = round(done["writer_seconds"]
                                                            / done["seconds"], 2)
+            figures[f"export_{trainer}_vs_writer_cpu"] = round(done["writer_cpu_seconds"]
+                                                               / done["cpu_seconds"], 2)
             figures[f"export_{trainer}_writer_seconds"] = round(done["writer_seconds"], 2)
             figures[f"export_{trainer}_vs_copy"] = round(done["seconds"] / copy["seconds"], 2)
             figures[f"export_{trainer}_peak_rss_mb"] = round(done["peak_mb"], 1)

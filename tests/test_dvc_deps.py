@@ -37,6 +37,9 @@ LEFT_OUT = {
     # the demo model, for `demo:` model names: editing demo code must never rerun a
     # 15-hour generation (validate depends on it: its training check's default model)
     "stages/models/tinymodel.py": frozenset({"generate"}),
+    # the trainer formats, which the viewer's rows module reads for `stages.show` on an
+    # export: validate's samples page shows data/merged only, never an export
+    "stages/trainers": frozenset({"validate"}),
 }
 
 

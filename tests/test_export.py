@@ -22,9 +22,15 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from stages import demo, export
+from stages import demo
 from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
+from stages.trainers import REPORT, TRAINERS
+from stages.trainers.rules import MAX_NAMED
+from stages.trainers.specforge import JSONL
+from stages.trainers.vocab import VOCAB_MAPPING
 from tests.helpers import stagecli
+from tests.helpers.sets import EDGE_ROWS, L, edge_row as row, write_merged
+from tests.helpers.stagecli import export_fails as fails
 from tests.helpers.repo import ROOT, link_caches
 
 IGNORE = -100
@@ -112,7 +118,7 @@ def run_export(trainer: str, merged: Path, out: Path, *extra) -> tuple[dict, str
          "--out", str(out), *map(str, extra)],
         capture_output=True, text=True, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / export.REPORT).read_text()), proc.stdout
+    return json.loads((out / REPORT).read_text()), proc.stdout
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -197,7 +203,7 @@ def specforge_prompts(path: Path, max_length: int, dflash: bool = False) -> list
 def test_specforge_prompt_builder_reads_every_row_with_its_mask(pipeline_set, tmp_path):
     root, rows = pipeline_set
     report, stdout = run_export("specforge", root / "data/merged", tmp_path / "sf")
-    jsonl = tmp_path / "sf" / export.JSONL
+    jsonl = tmp_path / "sf" / JSONL
     assert f"data.prompts_path: {jsonl}" in stdout
     assert [json.loads(line)["id"] for line in jsonl.open()] == [r["id"] for r in rows]
     for dflash in (False, True):
@@ -217,8 +223,8 @@ def test_specforge_vocab_mapping_is_specforges_rule_on_these_counts(pipeline_set
     target = 248077  # the demo model's vocab_size
     report, stdout = run_export("specforge", root / "data/merged", tmp_path / "sf",
                                 "--draft-vocab-size", draft, "--target-vocab-size", target)
-    assert f"model.vocab_mapping_path: {tmp_path / 'sf' / export.VOCAB_MAPPING}" in stdout
-    saved = torch.load(tmp_path / "sf" / export.VOCAB_MAPPING)
+    assert f"model.vocab_mapping_path: {tmp_path / 'sf' / VOCAB_MAPPING}" in stdout
+    saved = torch.load(tmp_path / "sf" / VOCAB_MAPPING)
     counts = collections.Counter()
     for r in rows:
         counts.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
@@ -251,35 +257,6 @@ def test_axolotl_has_exactly_its_three_columns(pipeline_set, tmp_path):
 # ------------------------------------------------ rows a trainer cuts or drops, named
 
 
-def row(rid: str, mask: list[int]) -> dict:
-    return {"id": rid, "source": "s", "input_ids": [(7 * k + len(rid)) % 5000 + 10
-                                                   for k in range(len(mask))],
-            "loss_mask": mask, "num_tokens": len(mask), "num_loss_tokens": sum(mask)}
-
-
-L = 8
-EDGE_ROWS = [
-    row("fine", [0, 0, 0, 1, 1, 1]),
-    row("long", [0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]),  # cut at L, still trained
-    row("late", [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]),  # cut at L: nothing supervised left
-    row("lonely", [0, 1, 0, 1, 0, 1]),  # supervised, never two in a row
-    row("silent", [0, 0, 0, 0]),
-    row("one", [0]),
-    row("last-pair", [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]),  # the pair at positions 6-7 is in L
-]
-
-
-def write_merged(folder: Path, parts: list[list[dict]], batch_rows: int = 2) -> Path:
-    folder.mkdir(parents=True)
-    names = [shard_name(i, len(parts)) for i in range(len(parts))]
-    for name, part in zip(names, parts):
-        with ShardFile(folder / name) as f:
-            for batch in pa.Table.from_pylist(part, schema=ARROW_SCHEMA).to_batches(batch_rows):
-                f.write(batch)
-    write_metadata(folder, names, state="test")
-    return folder
-
-
 def named(report: dict) -> dict[str, list[str]]:
     return {key: effect["ids"] for key, effect in report["trainer_will"].items()
             if effect["rows"] or effect["ids"]}
@@ -288,7 +265,7 @@ def named(report: dict) -> dict[str, list[str]]:
 def test_what_each_trainer_cuts_or_drops_is_named(tmp_path):
     merged = write_merged(tmp_path / "merged", [EDGE_ROWS[:3], EDGE_ROWS[3:]])
     reports = {t: run_export(t, merged, tmp_path / t, "--max-length", L)[0]
-               for t in export.TRAINERS}
+               for t in TRAINERS}
     assert named(reports["trl"]) == {"longer_than_max_length": ["long", "late", "last-pair"],
                                      "no_supervised_token": ["late", "silent", "one"]}
     assert named(reports["specforge"]) == {
@@ -304,7 +281,7 @@ def test_what_each_trainer_cuts_or_drops_is_named(tmp_path):
         assert report["trainer_default_max_length"]["rows_longer"] == 0
     assert reports["trl"]["rows_the_trainer_does_not_take_whole"] == 5
     # the trainers' own code agrees on what it keeps
-    jsonl = tmp_path / "specforge" / export.JSONL
+    jsonl = tmp_path / "specforge" / JSONL
     for dflash, key in ((False, "eagle3_no_supervised_token"),
                         (True, "dflash_no_two_adjacent_supervised")):
         kept = specforge_prompts(jsonl, L, dflash)
@@ -323,7 +300,7 @@ def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
     id, and the trainer's own code then drops nothing (TRL's SFTTrainer, SpecForge's prompt
     builder for DFlash and EAGLE-3)."""
     merged = write_merged(tmp_path / "merged", [EDGE_ROWS[:3], EDGE_ROWS[3:]])
-    for trainer in export.TRAINERS:
+    for trainer in TRAINERS:
         whole, _ = run_export(trainer, merged, tmp_path / f"{trainer}-whole", "--max-length", L)
         report, stdout = run_export(trainer, merged, tmp_path / trainer, "--max-length", L,
                                     "--drop-refused")
@@ -336,7 +313,7 @@ def test_drop_refused_leaves_out_what_each_trainer_drops(tmp_path):
                    if effect["action"].startswith("dropped")), report["trainer_will"]
         assert "left out (--drop-refused)" in stdout
     kept = [r for r in EDGE_ROWS if r["id"] not in ("late", "lonely", "silent", "one")]
-    jsonl = tmp_path / "specforge" / export.JSONL
+    jsonl = tmp_path / "specforge" / JSONL
     assert [json.loads(line)["id"] for line in jsonl.open()] == [r["id"] for r in kept]
     for dflash in (False, True):
         assert [p["input_ids"] for p in specforge_prompts(jsonl, L, dflash)] == [
@@ -358,12 +335,12 @@ def test_drop_refused_of_every_row_is_a_one_line_error(tmp_path):
 
 
 def test_named_ids_are_capped_and_counts_whole(tmp_path):
-    rows = [row(f"r{k}", [0, 0]) for k in range(export.MAX_NAMED + 7)]
+    rows = [row(f"r{k}", [0, 0]) for k in range(MAX_NAMED + 7)]
     merged = write_merged(tmp_path / "merged", [rows[:11], rows[11:]], batch_rows=4)
     report, stdout = run_export("axolotl", merged, tmp_path / "out")
     effect = report["trainer_will"]["no_supervised_token"]
     assert effect["rows"] == len(rows)
-    assert effect["ids"] == [r["id"] for r in rows][: export.MAX_NAMED]
+    assert effect["ids"] == [r["id"] for r in rows][: MAX_NAMED]
     assert f"{len(rows)} dropped: no supervised token" in stdout
 
 
@@ -393,7 +370,7 @@ def synthetic(folder: Path, rows_per_shard: int, shards: int = 2, seed: int = 0)
     return folder
 
 
-@pytest.mark.parametrize("trainer", sorted(export.TRAINERS))
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
 def test_memory_stays_flat_as_the_set_doubles(tmp_path, trainer):
     half = synthetic(tmp_path / "half", 2000)  # 4,000 rows, ~4M tokens, ~20 MB
     full = synthetic(tmp_path / "full", 4000)  # twice as many rows in the same shards
@@ -413,7 +390,7 @@ def test_nothing_under_merged_changes(pipeline_set, tmp_path):
     root, _ = pipeline_set
     merged = root / "data/merged"
     before = digest(merged)
-    for trainer in export.TRAINERS:
+    for trainer in TRAINERS:
         run_export(trainer, merged, tmp_path / trainer)
     assert digest(merged) == before
 
@@ -426,17 +403,6 @@ def test_an_earlier_export_is_replaced_whole(tmp_path):
     report, _ = run_export("trl", merged, out)
     assert report["for"] == "trl" and not (out / "cache-stale.arrow").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "out"]  # no temporaries
-
-
-def fails(*argv, cwd: Path) -> str:
-    """The command's one `error:` line (exit 1, no traceback)."""
-    proc = subprocess.run([sys.executable, "-m", "stages.export", *map(str, argv)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, env=env())
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -585,11 +551,11 @@ def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforg
     left_out = [i for left in report["left_out"].values() for i in left["ids"]]
     assert refused["rows"] == len(refused["ids"]) > 0 and sorted(left_out) == sorted(refused["ids"])
     # SpecForge's own reading of the whole export drops exactly those rows
-    assert [p["input_ids"] for p in specforge_prompts(tmp_path / "sf-full" / export.JSONL,
+    assert [p["input_ids"] for p in specforge_prompts(tmp_path / "sf-full" / JSONL,
                                                       SF_LENGTH, dflash=True)] == [
         ids for ids, r in zip(cut, every) if r["id"] not in left_out]
     dflash = specforge_config(tmp_path, "dflash", specforge_target, batch_size(report["rows"]))
-    specforge(*features, out / export.JSONL, "--config", dflash, tmp=tmp_path)
+    specforge(*features, out / JSONL, "--config", dflash, tmp=tmp_path)
     assert features_of(tmp_path / "features-dflash") == [  # every exported row, none dropped
         ids for ids, r in zip(cut, every) if r["id"] not in left_out]
     assert report["rows"] == len(every) - len(left_out)
@@ -607,8 +573,8 @@ def test_specforge_trains_dflash_and_eagle3_on_the_export(pipeline_set, specforg
     kept = [ids for ids, r in zip(cut, every) if r["id"] not in dropped]
     eagle3 = specforge_config(tmp_path, "eagle3", specforge_target, batch_size(len(kept)),
                               aux_hidden_state_layer_ids=[0, 1, 2],
-                              vocab_mapping_path=str(out / export.VOCAB_MAPPING))
-    specforge(*features, out / export.JSONL, "--config", eagle3, tmp=tmp_path)
+                              vocab_mapping_path=str(out / VOCAB_MAPPING))
+    specforge(*features, out / JSONL, "--config", eagle3, tmp=tmp_path)
     assert features_of(tmp_path / "features-eagle3") == kept and len(kept) < len(every)
     output = specforge(sys.executable, "-m", "tests.helpers.specforgecpu", "train", "--config", eagle3,
                        tmp=tmp_path)

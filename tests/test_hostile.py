@@ -749,7 +749,8 @@ def test_a_fifo_named_parquet_in_a_base_is_one_line_with_or_without_adopt(tmp_pa
 @pytest.mark.parametrize("where", ["out/export.json", "merged/fingerprint.json",
                                    "merged/state.json"])
 def test_a_fifo_in_an_export_folder_is_one_line_not_a_hang(tmp_path, where):
-    from tests.test_export import EDGE_ROWS, fails, write_merged
+    from tests.helpers.sets import EDGE_ROWS, write_merged
+    from tests.helpers.stagecli import export_fails as fails
 
     write_merged(tmp_path / "merged", [EDGE_ROWS])
     if where.startswith("out/"):  # an earlier export's folder, its report a FIFO

@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 from stages.common.errors import StageError, json_file, open_regular
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import FINGERPRINT_FILE, list_shards, open_shard
+from stages.trainers import REPORT as EXPORT_REPORT
+from stages.trainers.specforge import JSONL
 
-JSONL = "train.jsonl"  # SpecForge's file (stages/export.py writes it)
-EXPORT_REPORT = "export.json"
 LINEAGE = "lineage.json"
 MAX_LINE = 1 << 30  # a JSONL row past this is not one a trainer reads
 

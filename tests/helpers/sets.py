@@ -141,3 +141,35 @@ def damaged_tokens_shard(path: Path) -> Path:
     assert raw.count(good) == 2  # input_ids' offsets, then loss_mask's
     path.write_bytes(raw.replace(good, np.array([0, 2, 99], np.int32).tobytes(), 1))
     return path
+
+
+# ------------------------------------------------ a merged set of rows trainers refuse
+
+
+def edge_row(rid: str, mask: list[int]) -> dict:
+    return {"id": rid, "source": "s", "input_ids": [(7 * k + len(rid)) % 5000 + 10
+                                                   for k in range(len(mask))],
+            "loss_mask": mask, "num_tokens": len(mask), "num_loss_tokens": sum(mask)}
+
+
+L = 8
+EDGE_ROWS = [
+    edge_row("fine", [0, 0, 0, 1, 1, 1]),
+    edge_row("long", [0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]),  # cut at L, still trained
+    edge_row("late", [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]),  # cut at L: nothing supervised left
+    edge_row("lonely", [0, 1, 0, 1, 0, 1]),  # supervised, never two in a row
+    edge_row("silent", [0, 0, 0, 0]),
+    edge_row("one", [0]),
+    edge_row("last-pair", [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]),  # the pair at positions 6-7 is in L
+]
+
+
+def write_merged(folder: Path, parts: list[list[dict]], batch_rows: int = 2) -> Path:
+    folder.mkdir(parents=True)
+    names = [shard_name(i, len(parts)) for i in range(len(parts))]
+    for name, part in zip(names, parts):
+        with ShardFile(folder / name) as f:
+            for batch in pa.Table.from_pylist(part, schema=ARROW_SCHEMA).to_batches(batch_rows):
+                f.write(batch)
+    write_metadata(folder, names, state="test")
+    return folder

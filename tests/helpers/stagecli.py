@@ -67,3 +67,15 @@ def fail(stage: str, cwd: Path, params: str | Path = "params.yaml",
 def covers(dep: str, path: str) -> bool:
     """Whether a dvc.yaml dep (a file or a folder) covers `path`, both relative to the repo."""
     return path == dep or path.startswith(dep.rstrip("/") + "/")
+
+
+def export_fails(*argv, cwd: Path) -> str:
+    """The command's one `error:` line (exit 1, no traceback)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "stages.export", *map(str, argv)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]

@@ -31,9 +31,9 @@ import pyarrow as pa
 
 from stages.common import outputs, secrets
 from stages.common.errors import StageError, json_file, regular
+from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import (
-    FINGERPRINT_FILE,
     STATE_FILE,
     ShardFile,
     list_shards,
@@ -503,8 +503,8 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
     report = {
         "for": trainer.name,
         "merged": str(merged),
-        "merged_state_hash": _state_hash(merged),
-        "fingerprint": _json_or_none(merged / FINGERPRINT_FILE),
+        "merged_state_hash": fingerprint.read_state_hash(merged / STATE_FILE),
+        "fingerprint": _json_or_none(merged / fingerprint.FILE),
         "out": str(out),
         **written,
         "rows": tally.rows,
@@ -524,11 +524,6 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
     }
     report["settings"] = trainer.settings(out, report)
     return report
-
-
-def _state_hash(merged: Path) -> Optional[str]:
-    state = _json_or_none(merged / STATE_FILE)
-    return state.get("_fingerprint") if isinstance(state, dict) else None
 
 
 def _json_or_none(path: Path):

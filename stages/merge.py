@@ -17,24 +17,22 @@ keep-new, error). The rules in full: docs/stages.md, "merge".
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common import outputs, params
-from stages.common.errors import StageError, json_file, json_type, writable
-from stages.dataset import adopt, lineage
+from stages.common.errors import StageError
+from stages.dataset import adopt, fingerprint, lineage
 from stages.dataset.schema import (
     ARROW_SCHEMA,
     FEATURES,
-    FINGERPRINT_FILE,
     ShardFile,
     castable,
     list_shards,
@@ -43,7 +41,6 @@ from stages.dataset.schema import (
     read_schema,
     schema_differences,
     shard_name,
-    state_hash,
     write_metadata,
 )
 from stages.process import cli
@@ -55,9 +52,6 @@ PATHS = {"tokenized": "tokenize's dataset (the new rows)",
          "reports": "folder of the stage reports (the earlier stages' are read for the card)",
          "prompts": "prepare's folder (for its dvc.lock hash)",
          "completions": "generate's folder (for its dvc.lock hash)"}
-FINGERPRINT_KEYS = ("tokenizer", "chat_template_sha256")
-# the tokenize limits a merged fingerprint widens to cover the base rows too
-POLICY_LIMITS = {"max_seq_len": max, "min_loss_tokens": min}
 
 
 @dataclasses.dataclass
@@ -82,7 +76,7 @@ def run(cfg: params.Merge, paths) -> dict:
     start = time.perf_counter()
     base = Path(cfg.base) if cfg.base else None
     _check_paths(base, paths, cfg.adopt)
-    new_fp_path = paths.tokenized / FINGERPRINT_FILE
+    new_fp_path = paths.tokenized / fingerprint.FILE
     new_fp, base_fp = _fingerprints(new_fp_path, base)
 
     new = [Shard(p) for p in list_shards(paths.tokenized)]
@@ -100,7 +94,7 @@ def run(cfg: params.Merge, paths) -> dict:
     with outputs.atomic_dir(paths.out) as tmp:
         adopted = None
         if foreign:
-            adopted = adopt.convert(foreign, tmp, _vocab_size(new_fp, new_fp_path))
+            adopted = adopt.convert(foreign, tmp, fingerprint.vocab_size(new_fp, new_fp_path))
             base_shards = [Shard(p, adopted=True) for p in adopted.shards]
             base_fp = {"policy": adopted.policy}  # widens the limits validate checks
         dup_ids = _scan_base(base_shards, new_ids)
@@ -110,17 +104,17 @@ def run(cfg: params.Merge, paths) -> dict:
                 f"merge: no rows to write: the base is empty and {paths.tokenized} has 0 rows")
 
         placed = _write(tmp, base_shards, new, cfg.link)
-        fingerprint = _merged_fingerprint(base_fp, new_fp)
-        if fingerprint == new_fp:
-            shutil.copyfile(new_fp_path, tmp / FINGERPRINT_FILE)
+        merged_fp = fingerprint.widened(base_fp, new_fp)
+        if merged_fp == new_fp:
+            shutil.copyfile(new_fp_path, tmp / fingerprint.FILE)
         else:
-            outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint)
+            outputs.write_json(tmp / fingerprint.FILE, merged_fp)
         names = [name for name, _, _ in placed if name is not None]
-        content = state_hash(tmp, names)
+        content = fingerprint.state_hash(tmp, names)
         write_metadata(tmp, names, content)
         report = _report(cfg, base, base_shards, new, placed, duplicates, paths.tokenized)
         report["adopted"] = adopted.report if adopted else None
-        lin = lineage.build(report, fingerprint, base, content, paths)
+        lin = lineage.build(report, merged_fp, base, content, paths)
         lineage.write(tmp, lin, paths)
         _check_loads(tmp, report["merged"]["rows"])
     report["version"] = lin["version"]
@@ -182,92 +176,17 @@ def _check_paths(base: Optional[Path], paths, adopting: bool) -> None:
 def _fingerprints(new_path: Path, base: Optional[Path]) -> tuple[dict, Optional[dict]]:
     """The new rows' fingerprint.json and the base's (None when it has none); StageError
     when they name another tokenizer or chat template."""
-    new = _read_fingerprint(new_path, required=True)
+    new = fingerprint.read(new_path, required=True)
     if base is None or not base.is_dir():
         if base is not None:
             log.warning("merge.base %s does not exist: writing a first version", base)
         return new, None
-    found = _read_fingerprint(base / FINGERPRINT_FILE, required=False)
+    found = fingerprint.read(base / fingerprint.FILE, required=False)
     if found is None:
-        log.warning("%s has no %s: tokenizer match not checked", base, FINGERPRINT_FILE)
+        log.warning("%s has no %s: tokenizer match not checked", base, fingerprint.FILE)
     else:
-        _compare_fingerprints(base / FINGERPRINT_FILE, found, new_path, new)
+        fingerprint.check_match(base / fingerprint.FILE, found, new_path, new)
     return new, found
-
-
-def _vocab_size(fingerprint: dict, path: Path) -> int:
-    """The new rows' vocabulary size, which every adopted token id must fall inside."""
-    size = (fingerprint.get("tokenizer") or {}).get("vocab_size")
-    if type(size) is not int or size < 1:
-        raise StageError(f"{path}: no tokenizer.vocab_size, which merge.adopt checks the "
-                         "base's token ids against (re-run the tokenize stage)")
-    return size
-
-
-def _read_fingerprint(path: Path, required: bool) -> Optional[dict]:
-    """fingerprint.json, its policy limits checked: they are carried into the merged one."""
-    try:
-        doc = json_file(path)
-    except FileNotFoundError:
-        if required:
-            raise StageError(f"{path}: not found (the tokenize stage writes it)") from None
-        return None
-    if not writable(doc):  # it is carried into the merged fingerprint and the card
-        raise StageError(f"{path}: holds a lone surrogate, which cannot be written as UTF-8")
-    policy = doc.get("policy")
-    for key in POLICY_LIMITS:
-        value = policy.get(key) if isinstance(policy, dict) else None
-        if value is None:
-            continue
-        why = (f"is {json_type(value)}, not a whole number" if type(value) is not int
-               else params.range_problem(params.Tokenize, key, value))
-        if why:
-            raise StageError(f"{path}: policy.{key} {why}")
-    return doc
-
-
-def _compare_fingerprints(base_path: Path, base: dict, new_path: Path, new: dict) -> None:
-    for key in FINGERPRINT_KEYS:
-        diff = _first_difference(base.get(key), new.get(key), key)
-        if diff:
-            where, a, b = diff
-            raise StageError(
-                f"fingerprint mismatch: {where} is {_short(a)} in {base_path} but "
-                f"{_short(b)} in {new_path} (the base was tokenized differently)"
-            )
-
-
-def _merged_fingerprint(base: Optional[dict], new: dict) -> dict:
-    """The new rows' fingerprint, its length and supervision limits widened to hold the
-    base rows too (validate checks the whole set against them)."""
-    policy, base_policy = new.get("policy"), (base or {}).get("policy")
-    if not isinstance(policy, dict) or not isinstance(base_policy, dict):
-        return new
-    widened = dict(policy)
-    for key, pick in POLICY_LIMITS.items():
-        values = [p.get(key) for p in (policy, base_policy)]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            widened[key] = pick(values)
-    if widened == policy:
-        return new
-    log.info("base limits differ: the merged fingerprint records max_seq_len %s, "
-             "min_loss_tokens %s", widened.get("max_seq_len"), widened.get("min_loss_tokens"))
-    return {**new, "policy": widened}
-
-
-def _first_difference(a: Any, b: Any, where: str):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            diff = _first_difference(a.get(key), b.get(key), f"{where}.{key}")
-            if diff:
-                return diff
-        return None
-    return None if a == b else (where, a, b)
-
-
-def _short(value: Any) -> str:
-    text = "missing" if value is None else json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_base_schema(path: Path, allow_cast: bool, new_dir: Path) -> bool:

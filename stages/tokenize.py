@@ -15,9 +15,7 @@ num_proc. Behaviour, params and the report: docs/stages.md, "tokenize".
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import functools
 import gc
 import logging
 import os
@@ -34,13 +32,14 @@ from stages.chat.encoder import ChatEncoder
 from stages.chat.engineids import Served
 from stages.common import cpus, outputs, params
 from stages.common.errors import StageError, json_object
+from stages.dataset import fingerprint
 from stages.dataset.schema import (
     ARROW_SCHEMA,
-    FINGERPRINT_FILE,
     ShardFile,
     shard_name,
     write_metadata,
 )
+from stages.models import tokenizer
 from stages.process import children, cli
 
 log = logging.getLogger(__name__)
@@ -86,8 +85,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
     started = time.monotonic()
     generation = generation_facts(src)
     cfg = dataclasses.replace(cfg, enable_thinking=thinking_of(cfg, generation, src))
-    tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
-                                  _file_stamp(cfg.chat_template))
+    tok, tok_id = tokenizer.load_once(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code)
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     log.info("tokenizing %s with %s (template %s), multi_turn=%s, enable_thinking=%s, "
              "ids=%s, %d process(es)", src, cfg.tokenizer, _template_name(cfg),
@@ -106,7 +104,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
             servecheck.answer_failure(totals.served, cfg.max_answer_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
-        outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint(tok_id, tok, cfg))
+        recorded = fingerprint.build(tok_id, tokenizer.template_sha256(tok), cfg)
+        outputs.write_json(tmp / fingerprint.FILE, recorded)
         write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
@@ -192,68 +191,6 @@ def thinking_of(cfg: params.Tokenize, generation: dict, src: Path) -> bool:
 
 def _template_name(cfg: params.Tokenize) -> str:
     return cfg.chat_template or f"{cfg.tokenizer} (its own template)"
-
-
-@functools.lru_cache(maxsize=2)
-def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
-                    stamp: Any):
-    """The tokenizer and its identity, once per process (loading takes seconds)."""
-    from stages.models import tokenizer
-
-    tok = tokenizer.load_tokenizer(spec, chat_template, trust_remote_code)
-    identity = tokenizer.identity(tok)
-    _release_free_heap()
-    return tok, identity
-
-
-def _release_free_heap() -> None:
-    """Give back the free pages that loading left in the C heap (glibc only).
-
-    Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
-    hundreds of MB of free but resident pages between the tokenizer's own data. Forked
-    workers inherit them; each page a worker's allocator then writes to is copied, so
-    the workers' private memory crept up with the rows they processed. A full garbage
-    collection first: it also empties the interpreter's free lists, which a worker's
-    first full collection would otherwise free into inherited pages."""
-    gc.collect()
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
-
-
-def _file_stamp(path: Optional[str]) -> Any:
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
-
-
-def fingerprint(tok_id: dict, tok, cfg: params.Tokenize) -> dict:
-    """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
-    import datasets
-    import tokenizers
-    import transformers
-
-    from stages.models import tokenizer
-
-    return {
-        "tokenizer": tok_id,
-        "chat_template_sha256": tokenizer.template_sha256(tok),
-        # num_proc and the mismatch limits do not change a byte of the output
-        "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
-                   if k not in ("num_proc", "max_render_mismatch", "max_answer_mismatch")},
-        "versions": {
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "datasets": datasets.__version__,
-            "pyarrow": pa.__version__,
-        },
-    }
 
 
 # ---------------------------------------------------------------- reading

@@ -36,8 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common import cpus, outputs, params
-from stages.common.errors import StageError, json_file, json_type
-from stages.dataset import charts, loader, rowsummary, traincheck
+from stages.common.errors import StageError, json_file
+from stages.dataset import charts, fingerprint, loader, rowsummary, traincheck
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.rowsummary import (
     FRACTION_BINS,
@@ -50,7 +50,6 @@ from stages.dataset.rowsummary import (
 )
 from stages.dataset.schema import (
     FEATURES,
-    FINGERPRINT_FILE,
     INFO_FILE,
     NOT_NULL_CHECKS,
     ROW_CHECKS,
@@ -207,28 +206,21 @@ def _failure_message(findings: Findings, failed: list, report: Path) -> str:
             f"(see {report})")
 
 
-# validate param -> where tokenize recorded it in fingerprint.json
-RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
-            "max_seq_len": ("policy", "max_seq_len"),
-            "min_loss_tokens": ("policy", "min_loss_tokens")}
-
-
-def _limits(cfg: params.Validate, findings: Findings, fingerprint: Optional[dict],
+def _limits(cfg: params.Validate, findings: Findings, recorded_fp: Optional[dict],
             data: Path) -> tuple[params.Validate, dict]:
     """`cfg` with each null limit taken from the data's fingerprint (None: missing or
     unreadable), and where each came from ("params" or the fingerprint's path and key). A
     recorded value that is no value of the param (a string, 2**70) fails the fingerprint
     check and is not used."""
-    path = data / FINGERPRINT_FILE
+    path = data / fingerprint.FILE
     values, used = {}, {}
-    for name, (section, key) in RECORDED.items():
-        part = (fingerprint or {}).get(section)
+    for name, (section, key) in fingerprint.RECORDED.items():
+        part = (recorded_fp or {}).get(section)
         recorded = part.get(key) if isinstance(part, dict) else None
-        problem = (f"{path} is missing or unreadable" if fingerprint is None
+        problem = (f"{path} is missing or unreadable" if recorded_fp is None
                    else f"{path} has no {section}.{key}")
         if recorded is not None:
-            why = (f"is {json_type(recorded)}, not a whole number" if type(recorded) is not int
-                   else params.range_problem(params.Validate, name, recorded))
+            why = fingerprint.limit_problem(recorded, params.Validate, name)
             if why:
                 findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
                 problem = f"{path}: {section}.{key} {why}"
@@ -296,16 +288,16 @@ def _training(cfg: params.Validate, findings: Findings, data: Path) -> tuple[Opt
 
 
 def _fingerprint(findings: Findings, data: Path) -> Optional[dict]:
-    path = data / FINGERPRINT_FILE
+    path = data / fingerprint.FILE
     try:
-        doc = json_file(path)
+        doc = fingerprint.load(path)
     except FileNotFoundError:
         findings.add("fingerprint", 1, [f"{path} is missing"])
         return None
     except StageError as e:  # not a regular file, too large, not a JSON object
         findings.add("fingerprint", 1, [str(e)])
         return None
-    missing = [k for k in ("tokenizer", "chat_template_sha256") if k not in doc]
+    missing = fingerprint.missing_keys(doc)
     if missing:
         findings.add("fingerprint", 1, [f"{path} lacks {', '.join(missing)}"])
     return doc

@@ -169,8 +169,8 @@ OPENS_ITSELF = {
     "stages/demo.py": (1, "the demo's own completions, written"),
     "stages/generate.py": (1, "failures.jsonl in its temporary output, written"),
     "stages/dataset/idhashes.py": (1, "its own scratch file, written"),
-    "stages/dataset/schema.py": (3, "open_shard maps what open_regular opened; state_hash "
-                                    "reads the temporary output it wrote"),
+    "stages/dataset/schema.py": (1, "open_shard maps what open_regular opened"),
+    "stages/dataset/fingerprint.py": (2, "state_hash reads the temporary output it wrote"),
     "stages/dataset/adopt.py": (5, "each after errors.regular (a FIFO refused first)"),
     "stages/sources/readers.py": (3, "each after errors.regular"),
     "stages/serving/requestcache.py": (2, "its lock and segments, listed as regular files"),

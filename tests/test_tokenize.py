@@ -32,9 +32,9 @@ IM_END = 248046
 @pytest.fixture(scope="module")
 def tok():
     # the stage's per-process cache: one load for every test module in the session
-    from stages.tokenize import _load_tokenizer
+    from stages.models.tokenizer import load_once
 
-    return _load_tokenizer("bundled:qwen3.6", None, False, None)[0]
+    return load_once("bundled:qwen3.6")[0]
 
 
 def completion(i, source, messages, truncated=False, tools=None):

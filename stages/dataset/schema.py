@@ -7,7 +7,6 @@ row rules validate checks row summaries with (as one polars pass and a pandera s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import mmap
 import os
@@ -19,6 +18,7 @@ import datasets
 import pyarrow as pa
 
 from stages.common.errors import StageError, json_file, open_regular
+from stages.dataset import fingerprint
 
 FEATURES = datasets.Features(
     {
@@ -32,12 +32,6 @@ FEATURES = datasets.Features(
 )
 
 ARROW_SCHEMA: pa.Schema = FEATURES.arrow_schema
-
-# What made a dataset's tokens (tokenizer, chat template, tokenize policy, versions): the
-# one thing "fingerprint" names here. Kept under this name: every dataset written so far
-# carries it, and merge reads the base's. (A folder's state hash is `state_hash`, stored
-# as state.json's `_fingerprint`, datasets' own key.)
-FINGERPRINT_FILE = "fingerprint.json"
 
 # ------------------------------------------------------------------- on disk
 # A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
@@ -87,7 +81,7 @@ def list_shards(folder: str | Path) -> list[Path]:
         _check_regular(path)
     if not shards:
         others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
-        meta = {INFO_FILE, FINGERPRINT_FILE}
+        meta = {INFO_FILE, fingerprint.FILE}
         if [name for name in others if name not in meta]:
             raise StageError(
                 f"{folder}: no state.json and no .arrow shards (found {', '.join(others[:5])}); "
@@ -275,37 +269,20 @@ class ShardFile:
         self.close()
 
 
-def state_hash(folder: str | Path, shard_names: list[str]) -> str:
-    """state.json's `_fingerprint` (datasets' name) for a folder: cheap, and the same
-    whenever the output is: a hash of fingerprint.json (where the folder has one), then
-    each shard's name, size, first and last 64 KiB."""
-    folder = Path(folder)
-    fingerprint = folder / FINGERPRINT_FILE
-    h = hashlib.sha256(fingerprint.read_bytes() if fingerprint.exists() else b"")
-    for name in shard_names:
-        with open(folder / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h.update(f"{name}\0{size}\0".encode())
-            h.update(f.read(1 << 16))
-            if size > 1 << 16:
-                f.seek(max(1 << 16, size - (1 << 16)))
-                h.update(f.read())
-    return h.hexdigest()[:16]
-
-
 def write_metadata(folder: str | Path, shard_names: list[str],
                    state: Optional[str] = None,
                    features: datasets.Features = FEATURES) -> None:
     """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder
     of rows with `features` (the contract's unless an export says otherwise).
 
-    `state` is state.json's `_fingerprint`; by default state_hash() of the folder, which
+    `state` is the state hash (dataset/fingerprint.py); by default the folder's, which
     then must already hold its shards (and its fingerprint.json, where it has one).
     """
     folder = Path(folder)
     doc = {
         "_data_files": [{"filename": name} for name in shard_names],
-        "_fingerprint": state if state is not None else state_hash(folder, shard_names),
+        fingerprint.STATE_KEY: state if state is not None else fingerprint.state_hash(
+            folder, shard_names),
         "_format_columns": None,
         "_format_kwargs": {},
         "_format_type": None,

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pytest
 
 from stages.common.errors import StageError
+from stages.dataset import fingerprint
 from stages.dataset.schema import (
     ARROW_SCHEMA,
     FEATURES,
-    FINGERPRINT_FILE,
     NOT_NULL_CHECKS,
     ROW_CHECKS,
     ShardFile,
@@ -26,7 +26,6 @@ from stages.dataset.schema import (
     rows_pass,
     schema_differences,
     shard_name,
-    state_hash,
     write_metadata,
 )
 
@@ -170,30 +169,9 @@ def test_shard_file_writes_a_whole_stream_under_the_shared_name(tmp_path):
             shard.write(batch)
     with open_shard(path) as reader:  # the end-of-stream marker is there
         assert pa.Table.from_batches(list(reader)).equals(_table(5))
-    (tmp_path / FINGERPRINT_FILE).write_text("{}")
+    (tmp_path / fingerprint.FILE).write_text("{}")
     write_metadata(tmp_path, [path.name])
     assert loaded_rows_and_features(tmp_path) == (5, FEATURES)
-
-
-def test_state_hash_follows_the_fingerprint_and_each_end_of_each_shard(tmp_path):
-    rng = np.random.default_rng(0)
-    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 1}')
-    data = bytearray(rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes())
-    (tmp_path / "s.arrow").write_bytes(data)
-    first = state_hash(tmp_path, ["s.arrow"])
-    assert state_hash(tmp_path, ["s.arrow"]) == first and len(first) == 16
-    write_metadata(tmp_path, ["s.arrow"])
-    assert json.loads((tmp_path / "state.json").read_text())["_fingerprint"] == first
-    seen = {first}
-    for at in (0, len(data) - 1):  # a byte of the head, a byte of the tail
-        changed = bytearray(data)
-        changed[at] ^= 1
-        (tmp_path / "s.arrow").write_bytes(changed)
-        seen.add(state_hash(tmp_path, ["s.arrow"]))
-    (tmp_path / "s.arrow").write_bytes(data)
-    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 2}')
-    seen.add(state_hash(tmp_path, ["s.arrow"]))
-    assert len(seen) == 4
 
 
 def _summary(n=4, **columns):

@@ -38,12 +38,8 @@ import harness  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.common import reports  # noqa: E402
 from stages.dataset import fingerprint  # noqa: E402
-from stages.dataset.schema import (  # noqa: E402
-    ARROW_SCHEMA,
-    ShardFile,
-    open_shard,
-    write_metadata,
-)
+from stages.dataset.schema import ARROW_SCHEMA  # noqa: E402
+from stages.dataset.shards import ShardFile, open_shard, write_metadata  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "merge"
 VOCAB = 248_077
@@ -107,7 +103,7 @@ def _batch(rng, first: int, n: int, prefix: str, span: tuple[int, int]) -> pa.Re
 
 def raw_scan(folder: Path) -> float:
     """The floor: min, max and lengths over the flattened lists, nothing else."""
-    from stages.dataset.schema import list_shards
+    from stages.dataset.shards import list_shards
 
     start = time.perf_counter()
     for path in list_shards(folder):

@@ -270,7 +270,7 @@ def _check_counts(path: Path, conv: Conversations, rows: int = 50) -> None:
 def write_base(folder: Path, rows: int, fingerprint: dict, vocab: int, foreign: bool) -> int:
     """`rows` rows of random ids in BASE_SHARDS files; returns their tokens."""
     from stages.dataset import fingerprint as fp_file
-    from stages.dataset.schema import write_metadata
+    from stages.dataset.shards import write_metadata
 
     rng = np.random.default_rng(7)
     folder.mkdir(parents=True)
@@ -326,7 +326,7 @@ def _write_shard(path: Path, batches: list, foreign: bool) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.dataset.schema import ShardFile
+    from stages.dataset.shards import ShardFile
 
     if foreign:
         pq.write_table(pa.Table.from_batches(batches), path, row_group_size=1000)

@@ -42,8 +42,8 @@ def write_set(folder: Path, rows: int) -> int:
     import pyarrow as pa
 
     from stages.dataset import fingerprint
-    from stages.dataset.schema import (ARROW_SCHEMA, ShardFile,
-                                       shard_name, write_metadata)
+    from stages.dataset.schema import ARROW_SCHEMA
+    from stages.dataset.shards import ShardFile, shard_name, write_metadata
     from stages.models.tokenizer import identity, load_tokenizer
 
     tok = load_tokenizer("bundled:qwen3.6")

@@ -33,12 +33,12 @@ from stages.common import outputs, secrets
 from stages.common.errors import StageError, json_file, regular
 from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
-from stages.dataset.schema import (
+from stages.dataset.schema import schema_differences
+from stages.dataset.shards import (
     STATE_FILE,
     ShardFile,
     list_shards,
     open_shard,
-    schema_differences,
     shard_name,
     write_metadata,
 )

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from stages import demo, export
-from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.dataset.shards import ShardFile, shard_name, write_metadata
 from tests import stagecli
 from tests.repo import ROOT, link_caches
 

@@ -32,8 +32,8 @@ from stages.common import outputs as stage_outputs
 from stages.common import secrets
 from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
-from stages.dataset import fingerprint, lineage
-from stages.dataset.schema import list_shards
+from stages.dataset import fingerprint, lineage, rowcheck
+from stages.dataset.shards import list_shards
 from stages.process import cli
 from stages.serving import probes
 from tests import stagecli
@@ -130,7 +130,7 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
     if any(isinstance(r, StageError) for r in read):
         return
     merged = fingerprint.widened(*read)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     (tmp_path / "fingerprint.json").write_text(json.dumps(merged))
     fp = validate._fingerprint(findings, tmp_path) or {}
     cfg = Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
@@ -143,7 +143,7 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
 @given(files({"features": {"id": {"dtype": "string", "_type": "Value"}}}))
 def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
     (tmp_path / "dataset_info.json").write_bytes(text)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     validate._check_info(findings, tmp_path)
 
 
@@ -151,7 +151,7 @@ def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
 @given(files({"merged": {"rows": 10}}))
 def test_any_merge_report_gives_a_row_count_or_a_finding(tmp_path, text):
     (tmp_path / "merge.json").write_bytes(text)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     expected = validate._check_row_count(findings, 10, tmp_path, tmp_path / "merge.json")
     assert (expected == 10) or not findings.checks["row_count"]["passed"]
     assert expected is None or (type(expected) is int and expected >= 0)

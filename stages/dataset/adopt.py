@@ -29,8 +29,8 @@ from stages.common import params
 from stages.common.errors import StageError, open_regular, regular
 from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
-from stages.dataset.schema import (
-    ARROW_SCHEMA,
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.dataset.shards import (
     INFO_FILE,
     STATE_FILE,
     ShardFile,
@@ -40,7 +40,7 @@ from stages.dataset.schema import (
     shard_name,
 )
 
-log = logging.getLogger("merge")
+log = logging.getLogger(__name__)
 
 MASK_NAMES = ("loss_mask", "labels", "assistant_masks", "completion_mask")
 IGNORED_LABEL = -100  # what labels hold where nothing is trained (PyTorch's ignore_index)

@@ -35,9 +35,9 @@ from stages.common.errors import (
     writable,
 )
 from stages.dataset import charts, fingerprint, markdown
-from stages.dataset.schema import STATE_FILE
+from stages.dataset.shards import STATE_FILE
 
-log = logging.getLogger("merge")
+log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 LINEAGE_FILE = "lineage.json"

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 LATENCY_KEYS = ("mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
                 "p99_e2e_latency_ms")

@@ -36,7 +36,7 @@ from stages.serving.progress import Latencies, Progress, speed
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 
 def wanted(cfg: params.Generate, plan: PromptLocations) -> bool:

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from stages.common.errors import StageError, json_file, open_regular
 from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
-from stages.dataset.schema import list_shards, open_shard
+from stages.dataset.shards import list_shards, open_shard
 
 JSONL = "train.jsonl"  # SpecForge's file (stages/export.py writes it)
 EXPORT_REPORT = "export.json"

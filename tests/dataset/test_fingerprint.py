@@ -10,7 +10,7 @@ import pytest
 from stages.common import params
 from stages.common.errors import StageError
 from stages.dataset import fingerprint
-from stages.dataset.schema import STATE_FILE, write_metadata
+from stages.dataset.shards import STATE_FILE, write_metadata
 
 TOK = {"name_or_path": "bundled:qwen3.6", "vocab_size": 151669}
 

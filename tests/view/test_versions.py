@@ -36,7 +36,8 @@ def test_identical_rows_differ_nowhere():
 
 
 def write_set(folder: Path, rows: dict[str, tuple[list[int], list[int]]]) -> None:
-    from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
+    from stages.dataset.schema import ARROW_SCHEMA
+    from stages.dataset.shards import ShardFile, shard_name, write_metadata
 
     folder.mkdir(parents=True, exist_ok=True)
     ids = list(rows)

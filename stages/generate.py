@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from stages.chat import conversation, engineids
-from stages.common import outputs, params
+from stages.chat import engineids
+from stages.common import outputs, params, stagefiles
 from stages.common.errors import StageError
 from stages.common import secrets
 from stages.common.secrets import Redactor, redacting_logs
@@ -125,7 +125,7 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
     sampling = Sampling.of(cfg)
     sampling_hash = short_hash(sampling.as_dict())
     namespace = short_hash({"model": label, "sampling": sampling.as_dict()})
-    plan = PromptLocations(paths.prompts / conversation.PROMPTS_FILE, cfg.limit, namespace)
+    plan = PromptLocations(paths.prompts / stagefiles.PROMPTS_FILE, cfg.limit, namespace)
     meta = {"model": label, "sampling": sampling.as_dict(), "sampling_hash": sampling_hash}
     if turns.wanted(cfg, plan):  # turns and samples: stages/serving/turns.py
         return await _run_turns(cfg, key, paths, plan, server, (router, seed_used, t0),
@@ -437,8 +437,8 @@ def write_outputs(
     by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     with outputs.atomic_dir(out) as tmp, open(plan.path, "rb") as src, open(
-        tmp / conversation.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
-    ) as comp, open(tmp / "failures.jsonl", "w", encoding="utf-8", newline="\n") as fail:
+        tmp / stagefiles.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
+    ) as comp, open(tmp / stagefiles.FAILURES_FILE, "w", encoding="utf-8", newline="\n") as fail:
         for i in range(plan.n):
             line = src.readline()
             if len(line) != plan.offsets[i + 1] - plan.offsets[i]:
@@ -469,7 +469,7 @@ def write_outputs(
         generation = dict(meta)
         if ids["rows_without_ids"]:
             ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-        outputs.write_json(tmp / conversation.GENERATION_FILE, generation)
+        outputs.write_json(tmp / stagefiles.GENERATION_FILE, generation)
     counts["engine_ids"] = ids
     counts["failed_by_kind"] = dict(sorted(kinds.items()))
     counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))

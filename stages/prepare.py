@@ -21,8 +21,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional, Sequence
 
-from stages.chat import conversation
-from stages.common import cpus, outputs, params
+from stages.common import cpus, outputs, params, stagefiles
 from stages.common.errors import StageError
 from stages.process import children, cli
 from stages.sources import layouts, prompts, readers, toolturns
@@ -54,7 +53,7 @@ def run(cfg: params.Prepare, paths) -> dict:
     evals = Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
-            with open(tmp / conversation.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
+            with open(tmp / stagefiles.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
                 for index, src in enumerate(cfg.sources):
                     per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers, evals)
             report = _report(cfg, per_source, len(seen), time.monotonic() - started)
@@ -71,7 +70,7 @@ def run(cfg: params.Prepare, paths) -> dict:
     t = report["totals"]
     log.info(
         "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
-        t["kept"], paths.out / conversation.PROMPTS_FILE, t["read"], t["dropped"],
+        t["kept"], paths.out / stagefiles.PROMPTS_FILE, t["read"], t["dropped"],
         report["seconds"],
     )
     return report

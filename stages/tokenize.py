@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from stages.chat import conversation, servecheck, tokenrows
+from stages.chat import servecheck, tokenrows
 from stages.chat.encoder import ChatEncoder
-from stages.common import cpus, outputs, params
+from stages.common import cpus, outputs, params, stagefiles
 from stages.common.errors import StageError, json_object
 from stages.dataset import fingerprint
 from stages.dataset.shards import ShardWriter, write_metadata
@@ -49,7 +49,7 @@ def run(cfg: params.Tokenize, paths) -> dict:
     outputs.check_apart({"--completions": paths.completions, "tokenize.tokenizer": cfg.tokenizer,
                          "tokenize.chat_template": cfg.chat_template}, [("--out", paths.out)])
     try:
-        report = tokenize_file(paths.completions / conversation.COMPLETIONS_FILE, paths.out, cfg)
+        report = tokenize_file(paths.completions / stagefiles.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
         outputs.write_report(paths.reports, "tokenize", e.report)
         raise
@@ -137,7 +137,7 @@ GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
 def generation_facts(src: Path) -> dict:
     """What generate recorded beside the completions (stages/generate.py write_outputs:
     model, sampling params, why rows may lack engine ids); {} when there is no such file."""
-    path = src.parent / conversation.GENERATION_FILE
+    path = src.parent / stagefiles.GENERATION_FILE
     if not os.path.lexists(path):
         return {}
     if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
@@ -167,7 +167,7 @@ def thinking_of(cfg: params.Tokenize, generation: dict, src: Path) -> bool:
             recorded = params.Generate.enable_thinking
             log.warning("%s is missing: tokenize.enable_thinking is null, so the completions "
                         "are taken as generated with generate's default, enable_thinking=%s",
-                        src.parent / conversation.GENERATION_FILE, recorded)
+                        src.parent / stagefiles.GENERATION_FILE, recorded)
         return recorded
     if recorded is not None and recorded != cfg.enable_thinking:
         log.warning("tokenize.enable_thinking=%s, but the completions were generated with "

@@ -27,6 +27,7 @@ import yaml
 
 from stages.common import outputs, params, secrets
 from stages.common.errors import (
+    MAX_DEPTH,
     StageError,
     json_file,
     json_type,
@@ -355,7 +356,7 @@ def _front_matter(text: str, path: Path) -> dict:
     try:
         doc = yaml.load(text[4:end], Loader=_HeaderLoader) if end > 0 else None
     except params.TooDeep:
-        why = f"nested deeper than {params.MAX_DEPTH} levels"
+        why = f"nested deeper than {MAX_DEPTH} levels"
     except (yaml.YAMLError, ValueError) as e:
         why = (str(e).splitlines() or [type(e).__name__])[0][:200]
     else:

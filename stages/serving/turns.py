@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import xxhash
 
 from stages.chat import conversation, regenerate
-from stages.common import outputs, params
+from stages.common import outputs, params, stagefiles
 from stages.common.errors import StageError, open_regular
 from stages.serving import fitting, records
 from stages.serving.breakers import BREAKER, BadBodyBreaker
@@ -413,8 +413,8 @@ class Regeneration:
         turn_transient_kinds: dict[str, int] = {}
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         with outputs.atomic_dir(out) as tmp, open(self.plan.path, "rb") as src, open(
-            tmp / conversation.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
-        ) as comp, open(tmp / "failures.jsonl", "w", encoding="utf-8", newline="\n") as fail:
+            tmp / stagefiles.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
+        ) as comp, open(tmp / stagefiles.FAILURES_FILE, "w", encoding="utf-8", newline="\n") as fail:
             for i in range(self.plan.n):
                 line = src.readline()
                 if len(line) != self.plan.offsets[i + 1] - self.plan.offsets[i]:
@@ -479,7 +479,7 @@ class Regeneration:
             generation["samples_per_prompt"] = self.k
             if ids["rows_without_ids"]:
                 ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-            (tmp / conversation.GENERATION_FILE).write_text(
+            (tmp / stagefiles.GENERATION_FILE).write_text(
                 json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         counts["engine_ids"] = ids
         counts["failed_by_kind"] = dict(sorted(kinds.items()))

@@ -135,7 +135,7 @@ GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
 
 
 def generation_facts(src: Path) -> dict:
-    """What generate recorded beside the completions (stages/generate.py write_outputs:
+    """What generate recorded beside the completions (stages/serving/completions.py:
     model, sampling params, why rows may lack engine ids); {} when there is no such file."""
     path = src.parent / stagefiles.GENERATION_FILE
     if not os.path.lexists(path):

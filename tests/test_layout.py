@@ -167,7 +167,7 @@ OPENS_ITSELF = {
     "stages/process/cli.py": (2, "the project's own dvc.yaml"),
     "stages/models/tokenizer.py": (3, "the bundled tokenizer's files, built by us"),
     "stages/demo.py": (1, "the demo's own completions, written"),
-    "stages/generate.py": (1, "failures.jsonl in its temporary output, written"),
+    "stages/serving/completions.py": (1, "failures.jsonl in its temporary output, written"),
     "stages/dataset/idhashes.py": (1, "its own scratch file, written"),
     "stages/dataset/shards.py": (1, "open_shard maps what open_regular opened"),
     "stages/dataset/fingerprint.py": (2, "state_hash reads the temporary output it wrote"),

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from array import array
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,7 +31,7 @@ from stages.common.errors import StageError, open_regular
 from stages.serving import fitting, records
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
-from stages.serving.progress import Latencies, Progress, speed
+from stages.serving.progress import Progress, Throughput
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
@@ -173,11 +172,8 @@ class Regeneration:
         self.any_success = False
         self.n_jobs = plan.n * self.k
         self.total_turns = self._count_turns()
-        self.sent = self.cached = self.finished = self.completed = 0
-        self.done = self.failed = self.out_tokens = self.in_tokens = 0
-        self.latencies = Latencies()
-        self.first_send: Optional[float] = None
-        self.last_done: Optional[float] = None
+        self.cached = self.done = self.failed = 0
+        self.tally = Throughput()
         self.client: Optional[ChatClient] = None
         self.budget: Optional[fitting.ContextBudget] = None
 
@@ -270,19 +266,14 @@ class Regeneration:
             f = Failure("context_overflow", None, fit.message(self.budget.counter.spec), 0, True)
             return self._failed(key, f)
         data = self.encoders[sample].encode(body_prompt, fit)
-        self.sent += 1
+        self.tally.sent += 1
         try:
             reply = await self.client.complete(data)
         except Failure as f:
             return self._failed(key, f)
-        self.finished += 1
-        self.completed += 1
+        self.tally.answered(reply.prompt_tokens, reply.completion_tokens, reply.latency)
         self.done += 1
         self.breaker.success()
-        self.out_tokens += reply.completion_tokens
-        self.in_tokens += reply.prompt_tokens
-        self.latencies.add(reply.latency)
-        self.last_done = time.monotonic()
         raw = records.success(reply)
         self.index.add(key, raw)
         if not self.any_success:
@@ -295,7 +286,7 @@ class Regeneration:
         return {"ok": True, "reply": json.loads(reply.raw)}
 
     def _failed(self, key: bytes, f: Failure) -> dict:
-        self.finished += 1
+        self.tally.gave_up()
         self.done += 1
         self.failed += 1
         self.breaker.failure(f)
@@ -360,15 +351,15 @@ class Regeneration:
                 await asyncio.sleep(tick)
                 if self.cache.sync_due():
                     await asyncio.to_thread(self.cache.sync)
-                progress.tick(self.done, self.failed, self.out_tokens, client.in_flight)
+                progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight)
 
-        self.first_send = time.monotonic()
+        self.tally.start()
         try:
             with progress.quiet_logs():
                 async with asyncio.TaskGroup() as tg:
                     background = [tg.create_task(ticker()),
                                   tg.create_task(watchdog.watch(
-                                      lambda: (self.finished, client.in_flight)))]
+                                      lambda: (self.tally.finished, client.in_flight)))]
                     n = min(self.cfg.concurrency, max(self.n_jobs, 1))
                     await asyncio.gather(*(tg.create_task(worker()) for _ in range(n)))
                     for task in background:
@@ -378,11 +369,8 @@ class Regeneration:
         finally:
             os.close(fd)
             self.held.clear()
-            progress.tick(self.done, self.failed, self.out_tokens, client.in_flight, final=True)
+            progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight, final=True)
 
-    def metrics(self) -> dict:
-        dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        return speed(dur, self.completed, self.in_tokens, self.out_tokens, self.latencies)
 
     # --------------------------------------------------------------------- writing
 

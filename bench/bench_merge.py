@@ -37,13 +37,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import harness  # noqa: E402
 from peak import outcome, stage_command  # noqa: E402
 from stages.common import reports  # noqa: E402
-from stages.dataset.schema import (  # noqa: E402
-    ARROW_SCHEMA,
-    FINGERPRINT_FILE,
-    ShardFile,
-    open_shard,
-    write_metadata,
-)
+from stages.dataset import fingerprint  # noqa: E402
+from stages.dataset.schema import ARROW_SCHEMA  # noqa: E402
+from stages.dataset.shards import ShardFile, open_shard, write_metadata  # noqa: E402
 
 WORK = ROOT / "bench" / "work" / "merge"
 VOCAB = 248_077
@@ -75,7 +71,7 @@ def generate(folder: Path, total_bytes: int, shard_bytes: int, prefix: str, seed
         written += (folder / name).stat().st_size
         names.append(name)
     write_metadata(folder, names, f"bench-{prefix}")
-    (folder / FINGERPRINT_FILE).write_text(json.dumps(FINGERPRINT))
+    (folder / fingerprint.FILE).write_text(json.dumps(FINGERPRINT))
     return rows
 
 
@@ -107,7 +103,7 @@ def _batch(rng, first: int, n: int, prefix: str, span: tuple[int, int]) -> pa.Re
 
 def raw_scan(folder: Path) -> float:
     """The floor: min, max and lengths over the flattened lists, nothing else."""
-    from stages.dataset.schema import list_shards
+    from stages.dataset.shards import list_shards
 
     start = time.perf_counter()
     for path in list_shards(folder):
@@ -146,7 +142,7 @@ def _half_size(repo: Path, params: str) -> dict:
     half = WORK / "half"
     (half / "data" / "base").mkdir(parents=True)
     base = sorted((repo / "data/base").glob("*.arrow"))
-    for path in base[: max(1, len(base) // 2)] + [repo / "data/base" / FINGERPRINT_FILE]:
+    for path in base[: max(1, len(base) // 2)] + [repo / "data/base" / fingerprint.FILE]:
         os.link(path, half / "data/base" / path.name)
     shutil.copytree(repo / "data/tokenized", half / "data/tokenized", copy_function=os.link)
     (half / "params.yaml").write_text(params)

@@ -86,9 +86,9 @@ def main() -> dict:
             raise SystemExit("BENCH_SEED_BASE=foreign needs merge.adopt (issue 21), "
                              "not in this tree")
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
-    from stages.tokenize import _file_stamp, _load_tokenizer
+    from stages.models.tokenizer import load_once
 
-    tok, _ = _load_tokenizer("bundled:qwen3.6", None, False, _file_stamp(None))
+    tok, _ = load_once("bundled:qwen3.6")
     pool = Pool(tok)
     figures = {"seed_scale": scale, "seed_base": "foreign" if foreign else "contract"}
     half = _run(scale / 2, pool, tok, foreign, floor=False)
@@ -270,7 +270,8 @@ def _check_counts(path: Path, conv: Conversations, rows: int = 50) -> None:
 
 def write_base(folder: Path, rows: int, fingerprint: dict, vocab: int, foreign: bool) -> int:
     """`rows` rows of random ids in BASE_SHARDS files; returns their tokens."""
-    from stages.dataset.schema import FINGERPRINT_FILE, write_metadata
+    from stages.dataset import fingerprint as fp_file
+    from stages.dataset.shards import write_metadata
 
     rng = np.random.default_rng(7)
     folder.mkdir(parents=True)
@@ -293,7 +294,7 @@ def write_base(folder: Path, rows: int, fingerprint: dict, vocab: int, foreign: 
         names.append(name)
     if not foreign:
         write_metadata(folder, names, "bench-seed-base")
-        (folder / FINGERPRINT_FILE).write_text(json.dumps(fingerprint))
+        (folder / fp_file.FILE).write_text(json.dumps(fingerprint))
     return tokens
 
 
@@ -326,7 +327,7 @@ def _write_shard(path: Path, batches: list, foreign: bool) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.dataset.schema import ShardFile
+    from stages.dataset.shards import ShardFile
 
     if foreign:
         pq.write_table(pa.Table.from_batches(batches), path, row_group_size=1000)
@@ -341,9 +342,10 @@ def _write_shard(path: Path, batches: list, foreign: bool) -> None:
 
 def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
     """One whole job at `scale` in a fresh repo under WORK (removed after)."""
-    from stages import tokenize
     from stages.common import params
-    from stages.tokenize import _load_tokenizer
+    from stages.dataset import fingerprint as fp_file
+    from stages.models import tokenizer
+    from stages.models.tokenizer import load_once
 
     shutil.rmtree(WORK, ignore_errors=True)
     repo = WORK / "repo"
@@ -351,9 +353,9 @@ def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
         config = _setup(repo, foreign)
         facts = write_completions(repo, scale, tok, pool)
         cfg = params.load("tokenize", repo / "params.yaml")
-        _, tok_id = _load_tokenizer(cfg.tokenizer, None, False, None)
+        _, tok_id = load_once(cfg.tokenizer)
         base_tokens = write_base(repo / "data/base", round(BASE_ROWS * scale),
-                                 tokenize.fingerprint(tok_id, tok, cfg), len(tok), foreign)
+                                 fp_file.build(tok_id, tokenizer.template_sha256(tok), cfg), len(tok), foreign)
         harness.sh(["dvc", "add", "-q", "data/base"], repo)
         out = {"scale": scale, "prompts": facts["prompts"], "answers": facts["answers"],
                "output_tokens_mean": round(facts["output_tokens"] / facts["answers"]),

@@ -41,14 +41,15 @@ SHARDS, MEAN, BATCH = 40, 600, 1000
 def write_set(folder: Path, rows: int) -> int:
     import pyarrow as pa
 
-    from stages.dataset.schema import (ARROW_SCHEMA, FINGERPRINT_FILE, ShardFile,
-                                       shard_name, write_metadata)
+    from stages.dataset import fingerprint
+    from stages.dataset.schema import ARROW_SCHEMA
+    from stages.dataset.shards import ShardFile, shard_name, write_metadata
     from stages.models.tokenizer import identity, load_tokenizer
 
     tok = load_tokenizer("bundled:qwen3.6")
     rng = np.random.default_rng(3)
     folder.mkdir(parents=True)
-    (folder / FINGERPRINT_FILE).write_text(json.dumps({"tokenizer": identity(tok)}))
+    (folder / fingerprint.FILE).write_text(json.dumps({"tokenizer": identity(tok)}))
     names, first, tokens = [], 0, 0
     for k in range(SHARDS):
         n = rows // SHARDS + (k < rows % SHARDS)

@@ -195,9 +195,9 @@ _TEXTS: list[str] = []
 
 def _encode_part(part: tuple[int, int]) -> None:
     from stages.chat.encoder import off_main_thread
-    from stages.tokenize import _load_tokenizer
+    from stages.models.tokenizer import load_once
 
-    tok = _load_tokenizer("bundled:qwen3.6", None, False, None)[0]  # inherited through fork
+    tok = load_once("bundled:qwen3.6")[0]  # inherited through fork
     # off the main thread, as the stage does (the main thread's heap is slower)
     off_main_thread(tok.backend_tokenizer.encode_batch_fast, _TEXTS[part[0]:part[1]],
                     add_special_tokens=False)
@@ -284,11 +284,12 @@ def main(quick: bool | None = None) -> dict:
     if quick is None:
         quick = harness.quick()
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
-    from stages.tokenize import _file_stamp, _load_tokenizer, tokenize_file
+    from stages.models.tokenizer import load_once
+    from stages.tokenize import tokenize_file
 
     n = 300 if quick else 1000
     n_naive = 60 if quick else 150
-    tok, _ = _load_tokenizer("bundled:qwen3.6", None, False, _file_stamp(None))
+    tok, _ = load_once("bundled:qwen3.6")
     path = WORK / f"realistic-v3-{n}.jsonl"  # v3: Qwen3.6 format, engine token ids kept
     make_completions(path, n, tok=tok)
     rows = [json.loads(line) for line in path.open(encoding="utf-8")]

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages.common import params, reports
+from stages.common import params, reports, stagefiles
 from stages.common.errors import StageError
 from stages.dataset import charts
 from stages.process import cli
@@ -75,7 +75,7 @@ def build_base(target: Path) -> None:
     from stages import tokenize
 
     with tokenize_scratch() as scratch:
-        completions = scratch / "completions.jsonl"
+        completions = scratch / stagefiles.COMPLETIONS_FILE
         with completions.open("w", encoding="utf-8") as f:
             for row in base_conversations():
                 row.update(finish_reason="stop", truncated=False)

@@ -25,13 +25,9 @@ import pyarrow as pa
 
 from stages.common import outputs, secrets
 from stages.common.errors import StageError, json_file, regular
-from stages.dataset.schema import (
-    FINGERPRINT_FILE,
-    STATE_FILE,
-    list_shards,
-    open_shard,
-    schema_differences,
-)
+from stages.dataset import fingerprint
+from stages.dataset.schema import schema_differences
+from stages.dataset.shards import STATE_FILE, list_shards, open_shard
 from stages.process import cli
 from stages.trainers import REPORT, TRAINERS, Trainer
 from stages.trainers.batch import read_part
@@ -83,8 +79,8 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
     report = {
         "for": trainer.name,
         "merged": str(merged),
-        "merged_state_hash": _state_hash(merged),
-        "fingerprint": _json_or_none(merged / FINGERPRINT_FILE),
+        "merged_state_hash": fingerprint.read_state_hash(merged / STATE_FILE),
+        "fingerprint": _json_or_none(merged / fingerprint.FILE),
         "out": str(out),
         **written,
         "rows": tally.rows,
@@ -104,11 +100,6 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
     }
     report["settings"] = trainer.settings(out, report)
     return report
-
-
-def _state_hash(merged: Path) -> Optional[str]:
-    state = _json_or_none(merged / STATE_FILE)
-    return state.get("_fingerprint") if isinstance(state, dict) else None
 
 
 def _json_or_none(path: Path):

@@ -21,8 +21,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional, Sequence
 
-from stages.chat import conversation
-from stages.common import outputs, params
+from stages.common import outputs, params, stagefiles
+
 from stages.process import cpus
 from stages.common.errors import StageError
 from stages.process import children, cli
@@ -51,11 +51,11 @@ def run(cfg: params.Prepare, paths) -> dict:
     started = time.monotonic()
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
-    workers = _Workers(cfg.num_proc or cpus.workers_beside_reader())
+    workers = _Workers(cfg.num_proc or _auto_workers())
     evals = Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
-            with open(tmp / conversation.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
+            with open(tmp / stagefiles.PROMPTS_FILE, "wb", buffering=1 << 20) as out:
                 for index, src in enumerate(cfg.sources):
                     per_source[src.name] = _one_source(index, src, cfg, seen, out, tmp, workers, evals)
             report = _report(cfg, per_source, len(seen), time.monotonic() - started)
@@ -72,7 +72,7 @@ def run(cfg: params.Prepare, paths) -> dict:
     t = report["totals"]
     log.info(
         "wrote %d prompts to %s (read %d, dropped %d) in %.1fs",
-        t["kept"], paths.out / conversation.PROMPTS_FILE, t["read"], t["dropped"],
+        t["kept"], paths.out / stagefiles.PROMPTS_FILE, t["read"], t["dropped"],
         report["seconds"],
     )
     return report
@@ -307,6 +307,14 @@ def _one_source(
     if unknown_roles:
         stats["unknown_roles"] = dict(unknown_roles.most_common(20))
     return stats
+
+
+def _auto_workers() -> int:
+    """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
+    or fewer that is a single process, because workers would only compete with it (a
+    decontamination checker, which takes less of a core, may run beside it)."""
+    n = min(cpus.usable() - 1, 8)
+    return n if n >= 2 else 1
 
 
 def _report(cfg: params.Prepare, per_source: dict, unique: int, seconds: float) -> dict:

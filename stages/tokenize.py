@@ -1,11 +1,10 @@
 """Tokenize completions into input_ids and assistant-only loss masks (data/tokenized/).
 
-`python -m stages.tokenize` streams data/completions/completions.jsonl, renders each
-conversation with the tokenizer's chat template (stages/chat/encoder.py: one render, one
-batch encode, the mask from the pieces), filters (truncated, empty_content, too_long,
-too_few_loss_tokens, no_engine_ids), checks every row's prompt against the tokens the
-engine served (stages/chat/rendercheck.py), and writes a save_to_disk folder in bounded
-shards, data/tokenized/fingerprint.json and reports/tokenize.json.
+`python -m stages.tokenize` streams data/completions/completions.jsonl in chunks; each
+chunk's lines are parsed, filtered, rendered with the tokenizer's chat template, encoded
+and checked against the tokens the engine served (stages/chat/tokenrows.py); the rows are
+written as a save_to_disk folder in bounded shards (stages/dataset/shards.py) with its
+fingerprint.json (stages/dataset/fingerprint.py), and the counts as reports/tokenize.json.
 
 num_proc worker processes (0: one per usable CPU) take chunks of about equal bytes from a
 shared queue; results are written in input order, so the output does not depend on
@@ -15,41 +14,28 @@ num_proc. Behaviour, params and the report: docs/stages.md, "tokenize".
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import functools
 import gc
 import logging
 import os
 import time
-from array import array
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import numpy as np
-import pyarrow as pa
-
-from stages.chat import conversation, regenerate, rendercheck, servedrows
+from stages.chat import rendercheck, tokenrows
 from stages.chat.encoder import ChatEncoder
-from stages.serving.engineids import Served
-from stages.common import outputs, params
+from stages.common import outputs, params, stagefiles
 from stages.process import cpus
 from stages.common.errors import StageError, json_object
-from stages.dataset.schema import (
-    ARROW_SCHEMA,
-    FINGERPRINT_FILE,
-    ShardFile,
-    shard_name,
-    write_metadata,
-)
+from stages.dataset import fingerprint
+from stages.dataset.shards import ShardWriter, write_metadata
+from stages.models import tokenizer
 from stages.process import children, cli
 
 log = logging.getLogger(__name__)
 
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
-COMPLETION_DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens",
-                           "no_engine_ids", "answer_mismatch")
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
 # the file (a quarter of each worker's share of what is left) so that the last chunks
 # do not leave a worker idle while another finishes a big one; never under
@@ -64,7 +50,7 @@ def run(cfg: params.Tokenize, paths) -> dict:
     outputs.check_apart({"--completions": paths.completions, "tokenize.tokenizer": cfg.tokenizer,
                          "tokenize.chat_template": cfg.chat_template}, [("--out", paths.out)])
     try:
-        report = tokenize_file(paths.completions / conversation.COMPLETIONS_FILE, paths.out, cfg)
+        report = tokenize_file(paths.completions / stagefiles.COMPLETIONS_FILE, paths.out, cfg)
     except RenderMismatch as e:  # the report shows the examples; no dataset is written
         outputs.write_report(paths.reports, "tokenize", e.report)
         raise
@@ -87,13 +73,12 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
     started = time.monotonic()
     generation = generation_facts(src)
     cfg = dataclasses.replace(cfg, enable_thinking=thinking_of(cfg, generation, src))
-    tok, tok_id = _load_tokenizer(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code,
-                                  _file_stamp(cfg.chat_template))
+    tok, tok_id = tokenizer.load_once(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code)
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     log.info("tokenizing %s with %s (template %s), multi_turn=%s, enable_thinking=%s, "
              "ids=%s, %d process(es)", src, cfg.tokenizer, _template_name(cfg),
              cfg.multi_turn, cfg.enable_thinking, cfg.ids, cfg.num_proc)
-    totals = Totals()
+    totals = tokenrows.Totals()
     why = generation.get("engine_ids_missing", rendercheck.NO_IDS)
     with outputs.atomic_dir(dst) as tmp:
         writer = ShardWriter(tmp, cfg.shard_rows, cfg.shard_max_mb << 20)
@@ -107,7 +92,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
             rendercheck.answer_failure(totals.served, cfg.max_answer_mismatch)
         if problem:
             raise RenderMismatch(problem, totals.report(cfg, 0, time.monotonic() - started))
-        outputs.write_json(tmp / FINGERPRINT_FILE, fingerprint(tok_id, tok, cfg))
+        recorded = fingerprint.build(tok_id, tokenizer.template_sha256(tok), cfg)
+        outputs.write_json(tmp / fingerprint.FILE, recorded)
         write_metadata(tmp, names)
     report = totals.report(cfg, len(names), time.monotonic() - started)
     log.info("%d rows, %d tokens (%d supervised) in %d shards -> %s", report["rows"],
@@ -150,9 +136,9 @@ GENERATION_MAX_BYTES = 1 << 20  # generate writes a few hundred bytes
 
 
 def generation_facts(src: Path) -> dict:
-    """What generate recorded beside the completions (stages/generate.py write_outputs:
+    """What generate recorded beside the completions (stages/serving/completions.py:
     model, sampling params, why rows may lack engine ids); {} when there is no such file."""
-    path = src.parent / conversation.GENERATION_FILE
+    path = src.parent / stagefiles.GENERATION_FILE
     if not os.path.lexists(path):
         return {}
     if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
@@ -182,7 +168,7 @@ def thinking_of(cfg: params.Tokenize, generation: dict, src: Path) -> bool:
             recorded = params.Generate.enable_thinking
             log.warning("%s is missing: tokenize.enable_thinking is null, so the completions "
                         "are taken as generated with generate's default, enable_thinking=%s",
-                        src.parent / conversation.GENERATION_FILE, recorded)
+                        src.parent / stagefiles.GENERATION_FILE, recorded)
         return recorded
     if recorded is not None and recorded != cfg.enable_thinking:
         log.warning("tokenize.enable_thinking=%s, but the completions were generated with "
@@ -193,68 +179,6 @@ def thinking_of(cfg: params.Tokenize, generation: dict, src: Path) -> bool:
 
 def _template_name(cfg: params.Tokenize) -> str:
     return cfg.chat_template or f"{cfg.tokenizer} (its own template)"
-
-
-@functools.lru_cache(maxsize=2)
-def _load_tokenizer(spec: str, chat_template: Optional[str], trust_remote_code: bool,
-                    stamp: Any):
-    """The tokenizer and its identity, once per process (loading takes seconds)."""
-    from stages.models import tokenizer
-
-    tok = tokenizer.load_tokenizer(spec, chat_template, trust_remote_code)
-    identity = tokenizer.identity(tok)
-    _release_free_heap()
-    return tok, identity
-
-
-def _release_free_heap() -> None:
-    """Give back the free pages that loading left in the C heap (glibc only).
-
-    Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
-    hundreds of MB of free but resident pages between the tokenizer's own data. Forked
-    workers inherit them; each page a worker's allocator then writes to is copied, so
-    the workers' private memory crept up with the rows they processed. A full garbage
-    collection first: it also empties the interpreter's free lists, which a worker's
-    first full collection would otherwise free into inherited pages."""
-    gc.collect()
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
-
-
-def _file_stamp(path: Optional[str]) -> Any:
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
-
-
-def fingerprint(tok_id: dict, tok, cfg: params.Tokenize) -> dict:
-    """The dataset's fingerprint.json: what made its tokens (merge refuses to mix others)."""
-    import datasets
-    import tokenizers
-    import transformers
-
-    from stages.models import tokenizer
-
-    return {
-        "tokenizer": tok_id,
-        "chat_template_sha256": tokenizer.template_sha256(tok),
-        # num_proc and the mismatch limits do not change a byte of the output
-        "policy": {k: v for k, v in dataclasses.asdict(cfg).items()
-                   if k not in ("num_proc", "max_render_mismatch", "max_answer_mismatch")},
-        "versions": {
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "datasets": datasets.__version__,
-            "pyarrow": pa.__version__,
-        },
-    }
 
 
 # ---------------------------------------------------------------- reading
@@ -287,7 +211,7 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
 
 
 def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
-             why_without: str = rendercheck.NO_IDS) -> Iterator["ChunkResult"]:
+             why_without: str = rendercheck.NO_IDS) -> Iterator[tokenrows.ChunkResult]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
     global _STATE
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -316,7 +240,7 @@ def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
-def _pooled(src: Path, cfg: params.Tokenize) -> Iterator["ChunkResult"]:
+def _pooled(src: Path, cfg: params.Tokenize) -> Iterator[tokenrows.ChunkResult]:
     """Chunk results in input order from `num_proc` forked workers (forked: they
     inherit the loaded tokenizer instead of loading it again)."""
     window = collections.deque()
@@ -336,336 +260,13 @@ def _pooled(src: Path, cfg: params.Tokenize) -> Iterator["ChunkResult"]:
         raise
 
 
-# ---------------------------------------------------------------- one chunk
-
-_STATE: Optional[tuple] = None
+_STATE: Optional[tuple] = None  # what `work` needs, set before the workers fork
 
 
-def _new_stats() -> dict:
-    return {"conversations": 0, "rows": 0, "tokens": 0, "loss_tokens": 0,
-            "dropped": dict.fromkeys(COMPLETION_DROP_REASONS, 0), "cut_to_max_seq_len": 0,
-            "lookalike_rows": 0, "engine_rows": 0, "engine_ids_missing": 0,
-            "engine_history_unsupervised": 0}
-
-
-def _add_counts(into: dict, st: dict) -> None:
-    """Add one source's counts `st` (as _new_stats makes them) into `into`."""
-    for key, value in st.items():
-        if key == "dropped":
-            for reason, n in value.items():
-                into["dropped"][reason] += n
-        else:
-            into[key] += value
-
-
-@dataclasses.dataclass
-class ChunkResult:
-    batch: Optional[pa.RecordBatch]
-    stats: dict  # source -> counters
-    lengths: dict  # source -> array('i') of kept row lengths
-    served: dict  # rendercheck stats
-
-
-def work(chunk: tuple[int, list[bytes]]) -> ChunkResult:
-    """Parse, filter, render, encode and check one chunk of completion lines."""
+def work(chunk: tuple[int, list[bytes]]) -> tokenrows.ChunkResult:
+    """One chunk of completion lines made rows (stages/chat/tokenrows.py)."""
     encoder, cfg, path, why_without = _STATE
-    stats: dict = collections.defaultdict(_new_stats)
-    plans, meta = _plan_chunk(chunk, encoder, cfg, path, stats)
-    check = rendercheck.ServeCheck(encoder, why_without)
-    if not plans:
-        return ChunkResult(None, dict(stats), {}, check.stats)
-    batch = encoder.encode_plans(plans)
-    record, lengths = _kept_rows(plans, meta, batch, check, cfg, path, stats)
-    return ChunkResult(record, dict(stats), lengths, check.stats)
-
-
-def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: params.Tokenize,
-                path: str, stats: dict) -> tuple[list, list]:
-    """The render plans of a chunk's rows that are kept, and (row id, source, line, row
-    when the plan ends with the engine's answer) for each; drops counted in `stats`."""
-    first, lines = chunk
-    plans, meta = [], []
-    for no, raw in enumerate(lines, first):
-        if not raw.strip():
-            continue
-        row = _parse(raw, path, no)
-        src = row["source"]
-        st = stats[src]
-        st["conversations"] += 1
-        final = row["messages"][-1]
-        truncated = row["truncated"]
-        if truncated and not cfg.keep_truncated:
-            st["dropped"]["truncated"] += 1
-            continue
-        if not _has_answer(final, allow_reasoning=truncated):
-            st["dropped"]["empty_content"] += 1
-            continue
-        try:
-            row_plans = encoder.plan(row["messages"], row.get("tools"),
-                                     policy=cfg.multi_turn, truncated=truncated,
-                                     lookalikes=None if encoder.codec.json_may_spell(raw) else False)
-        except StageError as e:
-            raise StageError(f"{path}:{no}: row {row['id']!r}: {e}") from None
-        for p in row_plans:
-            if p.n_messages < len(row["messages"]) and not _has_answer(
-                    row["messages"][p.n_messages - 1], allow_reasoning=False):
-                st["dropped"]["empty_content"] += 1
-                continue
-            plans.append(p)
-            whole = p.n_messages == len(row["messages"])
-            rid = row["id"] if whole else f"{row['id']}#{p.turn}"
-            # only the final answer came from the engine, unless every turn did
-            meta.append((rid, src, no, row if whole else regenerate.turn_view(row, p.n_messages)))
-    return plans, meta
-
-
-def _kept_rows(plans: list, meta: list, batch, check: "rendercheck.ServeCheck",
-               cfg: params.Tokenize, path: str, stats: dict
-               ) -> tuple[Optional[pa.RecordBatch], dict]:
-    """The encoded rows within the length and supervision limits, as one record batch,
-    and their lengths per source; each answer checked against the engine's tokens."""
-    keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses = [], [], [], [], [], []
-    lengths: dict = collections.defaultdict(lambda: array("i"))
-    control = set(check.encoder.control.values())
-    vocab_size = len(check.encoder.tok)  # as the fingerprint records it
-    for i, (p, (rid, src, no, row)) in enumerate(zip(plans, meta)):
-        ids, mask = batch.row(i)
-        st = stats[src]
-        if row is not None:
-            served = Served(row)
-            check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
-            if cfg.ids == "engine":
-                bad = servedrows.out_of_vocab(served, vocab_size)
-                if bad is not None:
-                    raise StageError(f"{path}:{no}: row {rid!r}: engine token id {bad} is "
-                                     f"outside the vocabulary [0, {vocab_size}) (tokenize.ids: "
-                                     "engine; the completions name another model's tokens)")
-                n = batch.prompt_lens[i]
-                exact = servedrows.engine_row(served, ids, mask, n, row["truncated"], control)
-                differs = exact and servedrows.answer_check(
-                    served.completion_ids, ids[n:][mask[n:] == 1], control,
-                    check.encoder.tok.decode)
-                if differs:
-                    rendercheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
-                    log.warning("%s:%d: row %r: the engine's answer ids %s", path, no, rid,
-                                "decode to other text than the recorded answer: dropped"
-                                if differs == "text" else "hold a control token the "
-                                "recorded text spells: tokenized as text, as rendered")
-                    if differs == "text":
-                        st["dropped"]["answer_mismatch"] += 1
-                        continue
-                    exact = None  # the text path's ids: the spelling stays text
-                if exact is not None:
-                    ids, mask, unsupervised = exact
-                    st["engine_rows"] += 1
-                    st["engine_history_unsupervised"] += unsupervised
-                elif not differs:
-                    st["engine_ids_missing"] += 1
-                    if cfg.on_missing_ids == "drop":
-                        st["dropped"]["no_engine_ids"] += 1
-                        continue
-        st["lookalike_rows"] += p.lookalikes
-        if len(ids) > cfg.max_seq_len:
-            if cfg.on_too_long == "drop":
-                st["dropped"]["too_long"] += 1
-                continue
-            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-            st["cut_to_max_seq_len"] += 1
-        n_loss = int(np.count_nonzero(mask))
-        if n_loss < cfg.min_loss_tokens:
-            st["dropped"]["too_few_loss_tokens"] += 1
-            continue
-        st["rows"] += 1
-        st["tokens"] += len(ids)
-        st["loss_tokens"] += n_loss
-        lengths[src].append(len(ids))
-        keep_ids.append(rid)
-        keep_src.append(src)
-        pieces_ids.append(ids)
-        pieces_mask.append(mask)
-        lens.append(len(ids))
-        losses.append(n_loss)
-    return _record_batch(keep_ids, keep_src, pieces_ids, pieces_mask, lens, losses), dict(lengths)
-
-
-def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):
-    if not ids_col:
-        return None
-    offsets = np.zeros(len(lens) + 1, dtype=np.int32)
-    np.cumsum(lens, out=offsets[1:])
-    off = pa.array(offsets, type=pa.int32())
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(ids_col, type=pa.string()),
-            pa.array(src_col, type=pa.string()),
-            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_ids), pa.int32())),
-            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_mask), pa.int8())),
-            pa.array(np.asarray(lens, dtype=np.int32), type=pa.int32()),
-            pa.array(np.asarray(losses, dtype=np.int32), type=pa.int32()),
-        ],
-        schema=ARROW_SCHEMA,
-    )
-
-
-def _has_answer(message: dict, allow_reasoning: bool) -> bool:
-    if message.get("tool_calls"):
-        return True
-    if _text(message.get("content")).strip():
-        return True
-    return allow_reasoning and bool(_text(message.get("reasoning_content")).strip())
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
-    return ""
-
-
-def _parse(raw: bytes, path: str, no: int) -> dict:
-    """One completion line, checked enough that rendering cannot misread it."""
-    where = f"{path}:{no}"
-    row = json_object(raw, where)
-    for key in ("id", "source"):
-        if not isinstance(row.get(key), str) or not row[key]:
-            raise StageError(f"{where}: '{key}' must be a non-empty string")
-    bad = conversation.problem(row.get("messages"), row.get("tools")) or \
-        conversation.unicode_problem(raw, row)
-    if bad:
-        raise StageError(f"{where}: {bad}")
-    msgs = row["messages"]
-    if msgs[-1]["role"] != "assistant":
-        raise StageError(f"{where}: the last message must be the assistant's answer, "
-                         f"got role {msgs[-1]['role']!r}")
-    truncated = row.get("truncated")
-    if truncated is None:
-        truncated = row.get("finish_reason") == "length"
-    elif not isinstance(truncated, bool):
-        raise StageError(f"{where}: 'truncated' must be true or false")
-    row["truncated"] = truncated
-    return row
-
-
-# ---------------------------------------------------------------- writing
-
-
-class ShardWriter:
-    """Arrow stream shards of at most `max_rows` rows and about `max_bytes` bytes."""
-
-    def __init__(self, folder: Path, max_rows: int, max_bytes: int):
-        self.folder = folder
-        self.max_rows = max_rows
-        self.max_bytes = max_bytes
-        self.paths: list[Path] = []
-        self._shard: Optional[ShardFile] = None
-        self._rows = 0
-        self._bytes = 0
-
-    def _open(self) -> None:
-        path = self.folder / f".shard-{len(self.paths):05d}.arrow"
-        self.paths.append(path)
-        self._shard = ShardFile(path)
-        self._rows = self._bytes = 0
-
-    def _close_current(self) -> None:
-        if self._shard is not None:
-            self._shard.close()
-            self._shard = None
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        while batch.num_rows:
-            if self._shard is None:
-                self._open()
-            per_row = max(1, batch.nbytes // batch.num_rows)
-            fit = (self.max_bytes - self._bytes) // per_row
-            # an empty shard takes at least one row, whatever its size
-            take = min(self.max_rows - self._rows, batch.num_rows, max(fit, 0 if self._rows else 1))
-            if take <= 0:
-                self._close_current()
-                continue
-            part = batch.slice(0, take)
-            self._shard.write(part)
-            self._rows += take
-            self._bytes += part.nbytes
-            batch = batch.slice(take)
-            if self._rows >= self.max_rows or self._bytes >= self.max_bytes:
-                self._close_current()
-
-    def close(self) -> list[str]:
-        """Finish the last shard and give the shards their final names."""
-        if not self.paths:  # no rows: one empty shard, so the folder still loads
-            self._open()
-        self._close_current()
-        n = len(self.paths)
-        names = []
-        for i, path in enumerate(self.paths):
-            name = shard_name(i, n)
-            os.replace(path, self.folder / name)
-            names.append(name)
-        return names
-
-
-# ---------------------------------------------------------------- report
-
-
-class Totals:
-    """Counters merged from chunk results, and the report made from them."""
-
-    def __init__(self) -> None:
-        self.stats: dict = collections.defaultdict(_new_stats)
-        self.lengths: dict = collections.defaultdict(lambda: array("i"))
-        self.served = rendercheck.new_stats()
-        self._last_log = time.monotonic()
-
-    def add(self, r: ChunkResult) -> None:
-        for src, st in r.stats.items():
-            _add_counts(self.stats[src], st)
-        for src, values in r.lengths.items():
-            self.lengths[src].extend(values)
-        rendercheck.merge(self.served, r.served)
-
-    def progress(self, started: float) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= 30:
-            self._last_log = now
-            conv = sum(s["conversations"] for s in self.stats.values())
-            tokens = sum(s["tokens"] for s in self.stats.values())
-            log.info("%d conversations, %d tokens, %.0f tokens/s", conv, tokens,
-                     tokens / max(now - started, 1e-9))
-
-    def report(self, cfg: params.Tokenize, shards: int, seconds: float) -> dict:
-        sources = {}
-        for src in sorted(self.stats):
-            st = self.stats[src]
-            sources[src] = {**st, "dropped": dict(st["dropped"]),
-                            "length": _percentiles(self.lengths.get(src))}
-        total = _new_stats()
-        for st in self.stats.values():
-            _add_counts(total, st)
-        all_lengths = array("i")
-        for values in self.lengths.values():
-            all_lengths.extend(values)
-        return {
-            **total,
-            "dropped_total": sum(total["dropped"].values()),
-            "length": _percentiles(all_lengths),
-            "shards": shards,
-            "serve_check": rendercheck.summary(self.served),
-            "multi_turn": cfg.multi_turn,
-            "seconds": round(seconds, 2),
-            "tokens_per_second": round(total["tokens"] / max(seconds, 1e-9)),
-            "sources": sources,
-        }
-
-
-def _percentiles(values) -> dict:
-    if not values:
-        return {"mean": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
-    a = np.frombuffer(values, dtype=np.int32) if isinstance(values, array) else np.asarray(values)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": round(float(a.mean()), 1), "p50": int(p50), "p90": int(p90),
-            "p99": int(p99), "max": int(a.max())}
+    return tokenrows.tokenize_chunk(chunk, encoder, cfg, path, why_without)
 
 
 if __name__ == "__main__":

@@ -15,54 +15,28 @@ memory bound: docs/stages.md ("validate") and docs/params.md.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import datasets
-import numpy as np
-import pandera.errors
-import pandera.polars  # noqa: F401 - imported here, not on the clock inside run()
-import polars as pl
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from stages.common import outputs, params
 
 from stages.process import cpus
-from stages.common.errors import StageError, json_file, json_type
-from stages.dataset import charts, loader, rowsummary, traincheck
+from stages.common.errors import StageError, json_file
+from stages.dataset import (charts, fingerprint, histograms, loader, rowcheck, rowsummary,
+                            traincheck)
 from stages.dataset.idhashes import IdHashes
-from stages.dataset.rowsummary import (
-    FRACTION_BINS,
-    FRACTIONS,
-    LENGTH_BINS,
-    LENGTHS,
-    ROWS,
-    SUPERVISED,
-    TOKENS,
-)
-from stages.dataset.schema import (
-    FEATURES,
-    FINGERPRINT_FILE,
-    INFO_FILE,
-    NOT_NULL_CHECKS,
-    ROW_CHECKS,
-    list_shards,
-    loaded_rows_and_features,
-    open_shard,
-    row_rules,
-    row_schema,
-    rows_pass,
-)
+from stages.dataset.rowsummary import ROWS, SUPERVISED, TOKENS
+from stages.dataset.schema import FEATURES, ROW_CHECKS
+from stages.dataset.shards import INFO_FILE, list_shards, loaded_rows_and_features
 from stages.process import cli
 from stages.view import page
 
@@ -72,31 +46,6 @@ PATHS = {"merged": "merge's dataset", "reports": "folder of the stage reports (m
          "this stage's and its plots are written)"}
 DATASET_CHECKS = ["fingerprint", "features", "shards_readable", "loads", "row_count",
                   "id_unique"]
-CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
-
-
-class Findings:
-    """Failures per check: a count and the first few examples."""
-
-    def __init__(self, names: list[str], max_examples: int):
-        self.max_examples = max_examples
-        self.checks: dict[str, dict] = {}
-        for name in names:
-            self.expect(name)
-
-    def expect(self, name: str) -> None:
-        self.checks[name] = {"passed": True, "failures": 0, "examples": []}
-
-    def add(self, name: str, count: int, examples: list[str]) -> None:
-        check = self.checks[name]
-        check["passed"] = False
-        check["failures"] += count
-        room = max(self.max_examples - len(check["examples"]), 0)
-        # one line each: library messages (load_from_disk's) span several
-        check["examples"].extend(re.sub(r"\s*\n\s*", " ", str(e)) for e in examples[:room])
-
-    def failed(self) -> list[str]:
-        return [name for name, c in self.checks.items() if not c["passed"]]
 
 
 def run(cfg: params.Validate, paths) -> dict:
@@ -107,7 +56,7 @@ def run(cfg: params.Validate, paths) -> dict:
     outputs.check_apart({"--merged": data}, [("the plots folder", charts.plots(paths.reports))])
     if not data.is_dir():
         raise StageError(f"{data}: not found (run the merge stage first)")
-    findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
+    findings = rowcheck.Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     read = _fingerprint(findings, data)
     cfg, used = _limits(cfg, findings, read, data)  # vocab_size, limits resolved here
     try:
@@ -125,7 +74,7 @@ def run(cfg: params.Validate, paths) -> dict:
     expected = _check_row_count(findings, scan.rows, data, paths.reports / "merge.json")
     budget, train_check = _training(cfg, findings, data)
 
-    _write_plots(scan.stats, scan.width, paths.reports)
+    histograms.write_plots(scan.stats, scan.width, paths.reports)
     _write_samples(data, paths.reports)
     report = _report(cfg, findings, scan, shards, expected, used, budget, train_check)
     report["seconds"] = round(time.perf_counter() - start, 3)
@@ -138,8 +87,8 @@ def run(cfg: params.Validate, paths) -> dict:
     return report
 
 
-def _scan(cfg: params.Validate, findings: Findings, shards: list, data: Path,
-          loadable: bool) -> "Scanner":
+def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data: Path,
+          loadable: bool) -> rowcheck.Scanner:
     """Every row check over every shard, and the `datasets` load beside it (if
     `loadable`: else that check fails, not tried)."""
     vocab = cfg.vocab_size
@@ -148,7 +97,7 @@ def _scan(cfg: params.Validate, findings: Findings, shards: list, data: Path,
     with IdHashes() as ids, \
             ThreadPoolExecutor(1, thread_name_prefix="load") as side, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
-        scan = Scanner(cfg, vocab, findings, ids)
+        scan = rowcheck.Scanner(cfg, vocab, findings, ids)
         # mostly waiting on files: beside the scan
         loads = side.submit(_load, data) if loadable else None
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
@@ -171,7 +120,7 @@ def _scan(cfg: params.Validate, findings: Findings, shards: list, data: Path,
     return scan
 
 
-def _report(cfg: params.Validate, findings: Findings, scan: "Scanner", shards: list, expected,
+def _report(cfg: params.Validate, findings: rowcheck.Findings, scan: rowcheck.Scanner, shards: list, expected,
             used: dict, budget, train_check) -> dict:
     """reports/validate.json, but for `seconds`."""
     sources = {
@@ -199,7 +148,7 @@ def _report(cfg: params.Validate, findings: Findings, scan: "Scanner", shards: l
     }
 
 
-def _failure_message(findings: Findings, failed: list, report: Path) -> str:
+def _failure_message(findings: rowcheck.Findings, failed: list, report: Path) -> str:
     parts = []
     for name in failed:
         c = findings.checks[name]
@@ -209,28 +158,21 @@ def _failure_message(findings: Findings, failed: list, report: Path) -> str:
             f"(see {report})")
 
 
-# validate param -> where tokenize recorded it in fingerprint.json
-RECORDED = {"vocab_size": ("tokenizer", "vocab_size"),
-            "max_seq_len": ("policy", "max_seq_len"),
-            "min_loss_tokens": ("policy", "min_loss_tokens")}
-
-
-def _limits(cfg: params.Validate, findings: Findings, fingerprint: Optional[dict],
+def _limits(cfg: params.Validate, findings: rowcheck.Findings, recorded_fp: Optional[dict],
             data: Path) -> tuple[params.Validate, dict]:
     """`cfg` with each null limit taken from the data's fingerprint (None: missing or
     unreadable), and where each came from ("params" or the fingerprint's path and key). A
     recorded value that is no value of the param (a string, 2**70) fails the fingerprint
     check and is not used."""
-    path = data / FINGERPRINT_FILE
+    path = data / fingerprint.FILE
     values, used = {}, {}
-    for name, (section, key) in RECORDED.items():
-        part = (fingerprint or {}).get(section)
+    for name, (section, key) in fingerprint.RECORDED.items():
+        part = (recorded_fp or {}).get(section)
         recorded = part.get(key) if isinstance(part, dict) else None
-        problem = (f"{path} is missing or unreadable" if fingerprint is None
+        problem = (f"{path} is missing or unreadable" if recorded_fp is None
                    else f"{path} has no {section}.{key}")
         if recorded is not None:
-            why = (f"is {json_type(recorded)}, not a whole number" if type(recorded) is not int
-                   else params.range_problem(params.Validate, name, recorded))
+            why = fingerprint.limit_problem(recorded, params.Validate, name)
             if why:
                 findings.add("fingerprint", 1, [f"{path}: {section}.{key} {why}"])
                 problem = f"{path}: {section}.{key} {why}"
@@ -261,7 +203,7 @@ def _idle_cpus() -> int:
 # ---------------------------------------------------------------- dataset checks
 
 
-def _training(cfg: params.Validate, findings: Findings, data: Path) -> tuple[Optional[dict], dict]:
+def _training(cfg: params.Validate, findings: rowcheck.Findings, data: Path) -> tuple[Optional[dict], dict]:
     """The token budget (dataset/loader.py) and the training check (dataset/traincheck.py), on
     data that passed every other check: a trainer would stop at a broken row first."""
     tc = cfg.train_check
@@ -297,23 +239,23 @@ def _training(cfg: params.Validate, findings: Findings, data: Path) -> tuple[Opt
 
 
 
-def _fingerprint(findings: Findings, data: Path) -> Optional[dict]:
-    path = data / FINGERPRINT_FILE
+def _fingerprint(findings: rowcheck.Findings, data: Path) -> Optional[dict]:
+    path = data / fingerprint.FILE
     try:
-        doc = json_file(path)
+        doc = fingerprint.load(path)
     except FileNotFoundError:
         findings.add("fingerprint", 1, [f"{path} is missing"])
         return None
     except StageError as e:  # not a regular file, too large, not a JSON object
         findings.add("fingerprint", 1, [str(e)])
         return None
-    missing = [k for k in ("tokenizer", "chat_template_sha256") if k not in doc]
+    missing = fingerprint.missing_keys(doc)
     if missing:
         findings.add("fingerprint", 1, [f"{path} lacks {', '.join(missing)}"])
     return doc
 
 
-def _check_info(findings: Findings, data: Path) -> bool:
+def _check_info(findings: rowcheck.Findings, data: Path) -> bool:
     """Check dataset_info.json's features; whether the file could be read at all."""
     path = data / INFO_FILE
     try:
@@ -339,7 +281,7 @@ def _load(folder: Path):
         return e
 
 
-def _check_loads(findings: Findings, loaded, rows: int) -> None:
+def _check_loads(findings: rowcheck.Findings, loaded, rows: int) -> None:
     if isinstance(loaded, Exception):
         findings.add("loads", 1, [f"load_from_disk: {type(loaded).__name__}: {loaded}"[:300]])
         return
@@ -348,7 +290,7 @@ def _check_loads(findings: Findings, loaded, rows: int) -> None:
         findings.add("loads", 1, [f"load_from_disk: {loaded_rows} rows, features {features}"])
 
 
-def _check_row_count(findings: Findings, rows: int, data: Path,
+def _check_row_count(findings: rowcheck.Findings, rows: int, data: Path,
                      merge_report: Path) -> Optional[int]:
     try:
         merged = json_file(merge_report).get("merged")
@@ -366,152 +308,6 @@ def _check_row_count(findings: Findings, rows: int, data: Path,
     return expected
 
 
-# ------------------------------------------------------------------ row summary
-
-
-class Scanner:
-    """Summarises rows batch by batch and checks the summaries chunk by chunk."""
-
-    def __init__(self, cfg: params.Validate, vocab: int, findings: Findings, ids: IdHashes):
-        self.vocab = vocab
-        self.findings = findings
-        self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
-        self.schema = row_schema(self.rules)
-        self.width = rowsummary.bin_width(cfg.max_seq_len)
-        self.rows = 0
-        self.pending: list[pa.RecordBatch] = []
-        self.pending_rows = 0
-        self.ids = ids  # 64-bit id hashes and row numbers, dataset-wide
-        self.shard_rows: list[int] = []
-        self.stats: dict[str, np.ndarray] = {}  # per source: see rowsummary.source_stats
-
-    def add(self, path: Path, future: Future) -> None:
-        """Take one shard's summaries (in dataset order) and check them chunk by chunk."""
-        try:
-            shard = future.result()
-        except StageError as e:
-            self.findings.add("shards_readable", 1, [str(e)[:300]])
-            self.shard_rows.append(0)
-            return
-        if shard.diffs:
-            self.findings.add("features", len(shard.diffs),
-                              [f"{path.name}: {d}" for d in shard.diffs])
-        for summary in shard.summaries:
-            first = pc.add(summary.column("row"), self.rows)
-            self.pending.append(summary.set_column(0, "row", first))
-            self.pending_rows += summary.num_rows
-            if self.pending_rows >= CHUNK_ROWS:
-                self.flush()
-        self.rows += shard.rows
-        self.shard_rows.append(shard.rows)
-        rowsummary.add_stats(self.stats, shard.stats)
-        log.info("shard %d %s: %d rows, %d in all", len(self.shard_rows), path.name,
-                 shard.rows, self.rows)
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        frame = pl.from_arrow(pa.Table.from_batches(self.pending))
-        self.pending, self.pending_rows = [], 0
-        if not rows_pass(frame, self.rules):
-            try:
-                self.schema.validate(frame, lazy=True)
-            except pandera.errors.SchemaErrors as e:
-                self._record(frame, e.failure_cases)
-        ids = frame.filter(pl.col("id").is_not_null())
-        self.ids.add(ids.get_column("id").hash(seed=0).to_numpy(),
-                     ids.get_column("row").to_numpy())
-
-    def _record(self, frame, failures) -> None:
-        names = pl.col("column").replace_strict(NOT_NULL_CHECKS, default=None)
-        failures = failures.with_columns(
-            name=pl.when(pl.col("check") == "not_nullable").then(names)
-            .otherwise(pl.col("check"))
-        )
-        for (name,), group in failures.group_by(["name"], maintain_order=True):
-            if name not in self.findings.checks:  # a schema-level error: our own bug
-                raise StageError(f"validate: summary schema error: {group.row(0)}")
-            index = group.get_column("index").unique(maintain_order=True)
-            rows = frame[index.head(self.findings.max_examples).to_list()]
-            examples = [
-                i if i is not None and i.strip() else
-                f"row {r} ({'null' if i is None else repr(i)} id)"
-                for i, r in zip(rows.get_column("id"), rows.get_column("row"))
-            ]
-            self.findings.add(name, len(index), examples)
-
-    def check_unique_ids(self, shards: list[Path]) -> None:
-        """Hash-level duplicates (stages/dataset/idhashes.py), then confirmed on the id strings."""
-        suspects = self.ids.repeated_rows()
-        if not len(suspects):
-            return
-        ids = _ids_at(shards, self.shard_rows, suspects)
-        counts = pc.value_counts(ids)
-        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
-        if len(repeated):
-            total = pc.sum(repeated.field("counts")).as_py()
-            self.findings.add("id_unique", total, repeated.field("values").to_pylist())
-
-
-def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.Array:
-    """The ids at dataset-wide row numbers `rows` (sorted), reading only those shards."""
-    starts = np.concatenate(([0], np.cumsum(shard_rows)))
-    out = []
-    for i, path in enumerate(shards):
-        lo, hi = np.searchsorted(rows, [starts[i], starts[i + 1]])
-        if lo == hi:
-            continue
-        with open_shard(path) as reader:
-            ids = pa.chunked_array([pc.cast(b.column("id"), pa.large_string()) for b in reader],
-                                   pa.large_string())
-        out.append(ids.take(pa.array(rows[lo:hi] - starts[i])).combine_chunks())
-    return pa.concat_arrays(out) if out else pa.array([], pa.large_string())
-
-
-# ------------------------------------------------------------------------- plots
-
-
-def _write_plots(stats: dict[str, np.ndarray], width: int, reports: Path) -> None:
-    """One CSV per source and plot, under reports/plots/ (declared as DVC plots), and
-    one SVG per plot beside them, all rows then each source (stages/dataset/charts.py).
-
-    token_length: rows per bin of `width` = max_seq_len / 64 tokens, x = the bin's upper
-    edge (one more bin past max_seq_len when any row is longer); supervised_fraction: rows
-    per 0.05 of supervised tokens / tokens, x = the bin's upper edge.
-    """
-    names = _file_names(sorted(stats))
-    lengths = [(b + 1) * width for b in range(LENGTH_BINS + 1)]
-    fractions = [round((b + 1) / FRACTION_BINS, 4) for b in range(FRACTION_BINS)]
-    for folder, column, edges, part in (
-        ("token_length", "tokens", lengths, LENGTHS),
-        ("supervised_fraction", "supervised_fraction", fractions, FRACTIONS),
-    ):
-        _write_svg(reports, folder, [0] + edges,
-                   {s: stats[s][part].tolist() for s in sorted(stats)})
-        with outputs.atomic_dir(charts.plots(reports) / folder) as tmp:
-            for source, file in names.items():
-                counts = stats[source][part].tolist()
-                if folder == "token_length" and counts[-1] == 0:
-                    counts = counts[:-1]  # nobody over max_seq_len: no overflow bin
-                with (tmp / file).open("w", newline="", encoding="utf-8") as f:
-                    w = csv.writer(f, lineterminator="\n")
-                    w.writerow([column, "rows"])
-                    w.writerows(zip(edges, counts))
-
-
-def _write_svg(reports: Path, name: str, edges: list, counts: dict[str, list[int]]) -> None:
-    """reports/plots/NAME.svg: a panel for all rows, then one per source."""
-    overall = [sum(column) for column in zip(*counts.values())]
-    if name == "token_length":  # up to the longest rows, not max_seq_len: readable bars
-        keep = max([8] + [b + 1 for b, n in enumerate(overall) if n])
-        overall, edges = overall[:keep], edges[: keep + 1]
-        counts = {s: c[:keep] for s, c in counts.items()}
-    panels = [("all sources", overall)] + list(counts.items())
-    title, x_label = charts.PICTURES[name]
-    with outputs.atomic_file(charts.picture(reports, name)) as f:
-        f.write(charts.histogram_svg(title, x_label, edges, panels))
-
-
 def _write_samples(data: Path, reports: Path) -> None:
     """reports/samples.html: seeded rows of every source, supervised tokens marked (a
     view, not a check: when rows cannot be drawn the page says why)."""
@@ -524,19 +320,6 @@ def _write_samples(data: Path, reports: Path) -> None:
             f.write(page.page(f"Sample rows of {data}", [], f"No sample rows: {e}"))
         return
     log.info("%s: %d sample rows", target, rows)
-
-
-def _file_names(sources: list[str]) -> dict[str, str]:
-    out, taken = {}, set()
-    for source in sources:
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", source).strip("._") or "source"
-        name, k = f"{stem}.csv", 1
-        while name in taken:
-            k += 1
-            name = f"{stem}-{k}.csv"
-        taken.add(name)
-        out[source] = name
-    return out
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from stages import demo
-from stages.dataset.schema import ARROW_SCHEMA, ShardFile, shard_name, write_metadata
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.dataset.shards import ShardFile, shard_name, write_metadata
 from stages.trainers import REPORT, TRAINERS
 from stages.trainers.rules import MAX_NAMED
 from stages.trainers.specforge import JSONL

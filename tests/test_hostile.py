@@ -32,8 +32,8 @@ from stages.common import outputs as stage_outputs
 from stages.common import secrets
 from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
-from stages.dataset import lineage
-from stages.dataset.schema import list_shards
+from stages.dataset import fingerprint, lineage, rowcheck
+from stages.dataset.shards import list_shards
 from stages.process import cli
 from stages.serving import probes
 from tests.helpers import stagecli
@@ -125,12 +125,12 @@ def test_any_state_json_lists_regular_files_of_its_folder_or_is_one_line(tmp_pat
 def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base, new):
     (tmp_path / "base.json").write_bytes(base)
     (tmp_path / "new.json").write_bytes(new)
-    read = [one_line_or_value(lambda p=p: merge._read_fingerprint(tmp_path / p, True))
+    read = [one_line_or_value(lambda p=p: fingerprint.read(tmp_path / p, True))
             for p in ("base.json", "new.json")]
     if any(isinstance(r, StageError) for r in read):
         return
-    merged = merge._merged_fingerprint(*read)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    merged = fingerprint.widened(*read)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     (tmp_path / "fingerprint.json").write_text(json.dumps(merged))
     fp = validate._fingerprint(findings, tmp_path) or {}
     cfg = Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
@@ -143,7 +143,7 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
 @given(files({"features": {"id": {"dtype": "string", "_type": "Value"}}}))
 def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
     (tmp_path / "dataset_info.json").write_bytes(text)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     validate._check_info(findings, tmp_path)
 
 
@@ -151,7 +151,7 @@ def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
 @given(files({"merged": {"rows": 10}}))
 def test_any_merge_report_gives_a_row_count_or_a_finding(tmp_path, text):
     (tmp_path / "merge.json").write_bytes(text)
-    findings = validate.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
     expected = validate._check_row_count(findings, 10, tmp_path, tmp_path / "merge.json")
     assert (expected == 10) or not findings.checks["row_count"]["passed"]
     assert expected is None or (type(expected) is int and expected >= 0)
@@ -205,11 +205,11 @@ def write_card_inputs(root: Path, generate, prepare, tokenize, history, lock) ->
     (root / "dvc.lock").write_bytes(lock)
 
 
-def build_card(root: Path, fingerprint: dict):
+def build_card(root: Path, recorded: dict):
     path = root / "fingerprint.json"  # read as merge reads the new rows' fingerprint
-    path.write_text(json.dumps(fingerprint))
-    fingerprint = merge._read_fingerprint(path, required=True)
-    lin = lineage.build(copy.deepcopy(MERGE_REPORT), fingerprint, Path("base"), "st", MERGE_PATHS)
+    path.write_text(json.dumps(recorded))
+    read = fingerprint.read(path, required=True)
+    lin = lineage.build(copy.deepcopy(MERGE_REPORT), read, Path("base"), "st", MERGE_PATHS)
     text = lineage.card(lin, MERGE_PATHS)
     json.dumps(lin, ensure_ascii=False).encode("utf-8")  # lineage.write can write both
     text.encode("utf-8")

@@ -113,7 +113,7 @@ def calls(module: str) -> list[tuple[str, int]]:
 OWN_METADATA = {
     "stages/models/tokenizer.py": "the bundled tokenizer's config and stamp",
     "stages/models/tinymodel.py": "the demo model's stamp",
-    "stages/dataset/schema.py": "datasets' state.json/dataset_info.json: file names, features",
+    "stages/dataset/shards.py": "datasets' state.json/dataset_info.json: file names, features",
     "stages/sources/decontam.py": "the n-gram index's scratch metadata, never shared",
 }
 
@@ -167,10 +167,10 @@ OPENS_ITSELF = {
     "stages/process/cli.py": (2, "the project's own dvc.yaml"),
     "stages/models/tokenizer.py": (3, "the bundled tokenizer's files, built by us"),
     "stages/demo.py": (1, "the demo's own completions, written"),
-    "stages/generate.py": (1, "failures.jsonl in its temporary output, written"),
+    "stages/serving/completions.py": (1, "failures.jsonl in its temporary output, written"),
     "stages/dataset/idhashes.py": (1, "its own scratch file, written"),
-    "stages/dataset/schema.py": (3, "open_shard maps what open_regular opened; state_hash "
-                                    "reads the temporary output it wrote"),
+    "stages/dataset/shards.py": (1, "open_shard maps what open_regular opened"),
+    "stages/dataset/fingerprint.py": (2, "state_hash reads the temporary output it wrote"),
     "stages/dataset/adopt.py": (5, "each after errors.regular (a FIFO refused first)"),
     "stages/sources/readers.py": (3, "each after errors.regular"),
     "stages/serving/requestcache.py": (2, "its lock and segments, listed as regular files"),

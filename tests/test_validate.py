@@ -17,6 +17,7 @@ from stages import validate
 from stages.common import params, reports
 from stages.process import cpus
 from stages.common.errors import StageError
+from stages.dataset import rowcheck
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
 from stages.process import cli
 from tests.helpers import stagecli
@@ -194,7 +195,7 @@ def test_duplicate_id_across_shards(repo):
 def test_duplicate_ids_found_after_spilling_id_hashes_to_disk(repo, monkeypatch):
     from stages.dataset import idhashes
 
-    monkeypatch.setattr(validate, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(rowcheck, "CHUNK_ROWS", 4)
     monkeypatch.setattr(idhashes, "SPILL_ROWS", 5)
     monkeypatch.setattr(idhashes, "GROUP_ROWS", 3)
     parts = shards(4, 9)
@@ -318,7 +319,7 @@ def test_limits_come_from_the_data_unless_params_set_them(repo):
 
 
 def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
-    monkeypatch.setattr(validate, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(rowcheck, "CHUNK_ROWS", 3)
     parts = shards(3, 7)
     bad = [r for p in parts for r in p][::4]
     for r in bad:
@@ -331,7 +332,7 @@ def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
 
 
 def test_the_report_is_the_same_whatever_the_threads(repo, monkeypatch):
-    monkeypatch.setattr(validate, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(rowcheck, "CHUNK_ROWS", 3)
     monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither 1 nor 2
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     parts = shards(5, 7)

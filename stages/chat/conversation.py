@@ -14,22 +14,13 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from stages.common.errors import json_type
+from stages.common.errors import MAX_DEPTH, deeper_than, json_type
 
 ROLES = ("system", "user", "assistant", "tool")
-
-# the files that carry these rows between stages, in the folders dvc.yaml names
-PROMPTS_FILE = "prompts.jsonl"  # prepare writes it, generate reads it
-COMPLETIONS_FILE = "completions.jsonl"  # generate writes it, tokenize reads it
-# beside it: the model and sampling params the rows were generated with (tokenize follows
-# their enable_thinking) and why rows may lack the engine's token ids
-GENERATION_FILE = "generation.json"
 
 # optional keys of a message and the types they may hold (besides null)
 _OPTIONAL = {"reasoning_content": str, "name": str, "tool_call_id": str, "tool_calls": list}
 _NAMES = {str: "string", list: "list"}
-
-MAX_DEPTH = 64  # JSON schemas of real tools nest a few levels; templates recurse per level
 
 # a JSON escape of a UTF-16 surrogate: only these can decode to a lone surrogate
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
@@ -73,7 +64,7 @@ def objects_problem(value: Any) -> Optional[str]:
     MAX_DEPTH levels, or None."""
     if type(value) is not list or not all(type(t) is dict for t in value):
         return "must be a list of objects"
-    if _deeper_than(value, MAX_DEPTH):
+    if deeper_than(value, MAX_DEPTH):
         return f"nest deeper than {MAX_DEPTH} levels"
     return None
 
@@ -100,7 +91,7 @@ def tool_call_problem(call: Any) -> Optional[str]:
             return f"function.arguments is not JSON: {_quoted(fn['arguments'])}"
     if type(args) is not dict:
         return f"function.arguments is {json_type(args)}, not a JSON object"
-    if _deeper_than(args, MAX_DEPTH):
+    if deeper_than(args, MAX_DEPTH):
         return f"function.arguments nest deeper than {MAX_DEPTH} levels"
     return None
 
@@ -134,16 +125,6 @@ def _content_problem(content: Any) -> Optional[str]:
                 or type(part.get("text")) is not str:
             return f"[{j}] must be a string or {{\"type\": \"text\", \"text\": <string>}}"
     return None
-
-
-def _deeper_than(value: Any, levels: int) -> bool:
-    if levels < 0:
-        return True
-    if type(value) is dict:
-        return any(_deeper_than(v, levels - 1) for v in value.values())
-    if type(value) is list:
-        return any(_deeper_than(v, levels - 1) for v in value)
-    return False
 
 
 # ------------------------------------------------- what a completion keeps of the engine

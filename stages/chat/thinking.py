@@ -1,4 +1,5 @@
-"""Thinking written inline in an assistant's `content`, as the Qwen chat formats read it.
+"""Thinking written inline in an assistant's `content`, as the Qwen chat formats read it
+(and, by `split_reply`, as an engine's reasoning parser cuts a raw reply).
 
 When a message has no `reasoning_content` string and its trimmed content holds `</think>`:
 
@@ -30,6 +31,26 @@ def split_inline(text: str) -> Optional[tuple[str, str]]:
         return None
     before, after = text.split(CLOSE, 1)[0], text.rsplit(CLOSE, 1)[-1]
     return before.rstrip("\n").rsplit(OPEN, 1)[-1].lstrip("\n"), after.lstrip("\n")
+
+
+def split_reply(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(reasoning, content) of an engine's raw reply text, when the server has no
+    reasoning parser: SGLang's qwen3 parser's rule, not the templates'. Text before the
+    first `</think>` is reasoning (the opening `<think>` may be in the prompt or the
+    reply); an opened, never closed block is all reasoning and no content."""
+    if not content:
+        return None, content
+    text = content
+    stripped = text.lstrip()
+    opened = stripped.startswith(OPEN)
+    if opened:
+        text = stripped[len(OPEN):]
+    if CLOSE in text:
+        reasoning, _, rest = text.partition(CLOSE)
+        return reasoning.strip("\n") or None, rest.lstrip("\n") or None
+    if opened:
+        return text.strip("\n") or None, None
+    return None, content
 
 
 def content_text(content: Any) -> Optional[str]:

@@ -4,7 +4,7 @@ shares, and whether a JSON value can be written back as UTF-8.
 
 What a stage reads but does not control is read within bounds: a file only when it is a
 regular file (a FIFO or a device named like a shard or a metadata file would block its
-reader or never end), only up to a size, and JSON only to MAX_DEPTH levels of nesting
+reader or never end), only up to a size, and JSON only to MAX_FILE_DEPTH levels of nesting
 (a deeper value parses, then makes every recursive walk of it -- redaction, comparison,
 encoding -- raise RecursionError far from where it was read).
 """
@@ -18,9 +18,13 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-# levels of nesting a JSON value may have: a row's tools and tool calls may nest 64
-# (stages/chat/conversation.py) inside the row's own few; far below Python's recursion limit
-MAX_DEPTH = 100
+# levels of nesting a value may have (params, a row's tools and tool calls): params need 5,
+# real tool schemas a few; chat templates recurse per level
+MAX_DEPTH = 64
+# a JSON document: such a value inside its file's own few levels (a row around its tools,
+# a reply around its tool calls), so the value's check names what is too deep; far below
+# Python's recursion limit
+MAX_FILE_DEPTH = MAX_DEPTH + 36
 # a metadata file (state.json, fingerprint.json, a report, lineage.json, dvc.lock) is
 # kilobytes to a few MB; past this it is not one
 MAX_METADATA_BYTES = 64 << 20
@@ -42,7 +46,7 @@ def json_object(text: bytes | str, where: str) -> dict:
 
 
 def parse_json(text: bytes | str) -> Any:
-    """`text` parsed as JSON nested at most MAX_DEPTH levels, else ValueError."""
+    """`text` parsed as JSON nested at most MAX_FILE_DEPTH levels, else ValueError."""
     try:
         doc = json.loads(text)
     except RecursionError:
@@ -50,7 +54,7 @@ def parse_json(text: bytes | str) -> Any:
     # a value cannot nest deeper than it has brackets: most text needs no walk at all
     brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
         text.count(b"{" if isinstance(text, bytes) else "{")
-    if brackets > MAX_DEPTH and deeper_than(doc, MAX_DEPTH):
+    if brackets > MAX_FILE_DEPTH and deeper_than(doc, MAX_FILE_DEPTH):
         raise ValueError("nested too deeply")
     return doc
 

@@ -25,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from stages.common.errors import StageError, open_regular
+from stages.common.errors import MAX_DEPTH, StageError, open_regular
 
 
 class ParamError(StageError):
@@ -341,7 +341,6 @@ SECTIONS: dict[str, type] = {
 
 
 MAX_FILE_BYTES = 1 << 20  # a params file is a few KiB; this bounds reading a wrong one
-MAX_DEPTH = 64  # nesting levels; params need 5
 
 
 def load(section: str, path: str | Path = "params.yaml"):

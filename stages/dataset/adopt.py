@@ -27,10 +27,10 @@ import xxhash
 
 from stages.common import params
 from stages.common.errors import StageError, open_regular, regular
+from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
-from stages.dataset.schema import (
-    ARROW_SCHEMA,
-    FINGERPRINT_FILE,
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.dataset.shards import (
     INFO_FILE,
     STATE_FILE,
     ShardFile,
@@ -40,7 +40,7 @@ from stages.dataset.schema import (
     shard_name,
 )
 
-log = logging.getLogger("merge")
+log = logging.getLogger(__name__)
 
 MASK_NAMES = ("loss_mask", "labels", "assistant_masks", "completion_mask")
 IGNORED_LABEL = -100  # what labels hold where nothing is trained (PyTorch's ignore_index)
@@ -73,7 +73,7 @@ def base_files(folder: Path) -> list[Path]:
 def _check_empty(folder: Path) -> None:
     """A folder without data files is an empty base if it holds nothing else either."""
     others = sorted(p.name for p in folder.iterdir()
-                    if not p.name.startswith(".") and p.name not in (INFO_FILE, FINGERPRINT_FILE))
+                    if not p.name.startswith(".") and p.name not in (INFO_FILE, fingerprint.FILE))
     if not others:
         return
     nested = sorted({str(p.parent.relative_to(folder)) for p in folder.glob("*/*.parquet")})

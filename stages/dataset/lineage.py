@@ -27,6 +27,7 @@ import yaml
 
 from stages.common import outputs, params, secrets
 from stages.common.errors import (
+    MAX_DEPTH,
     StageError,
     json_file,
     json_type,
@@ -34,10 +35,10 @@ from stages.common.errors import (
     read_regular,
     writable,
 )
-from stages.dataset import charts, markdown
-from stages.dataset.schema import STATE_FILE
+from stages.dataset import charts, fingerprint, markdown
+from stages.dataset.shards import STATE_FILE
 
-log = logging.getLogger("merge")
+log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 LINEAGE_FILE = "lineage.json"
@@ -87,7 +88,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
         "shards": merged["shards"],
         "state_hash": state_hash,
         "base": {**merge_report["base"], "lineage": bool(earlier),
-                 "state_hash": _state_hash(base)},
+                 "state_hash": _state_hash_of(base)},
         "new": merge_report["new"],
         "duplicates": merge_report["duplicates"],
         "sources": sources(reports),
@@ -277,7 +278,7 @@ def base_history(base: Optional[Path], base_totals: dict,
         return []
     return [{"version": 0, "created": None, "git_commit": None, "rows": base_totals["rows"],
              "base_rows": None, "new_rows": None, "tokens": base_totals.get("tokens"),
-             "model": None, "state_hash": _state_hash(base),
+             "model": None, "state_hash": _state_hash_of(base),
              "note": f"base {base} had no lineage card"}]
 
 
@@ -355,7 +356,7 @@ def front_matter(text: str, path: Path) -> dict:
     try:
         doc = yaml.load(text[4:end], Loader=_HeaderLoader) if end > 0 else None
     except params.TooDeep:
-        why = f"nested deeper than {params.MAX_DEPTH} levels"
+        why = f"nested deeper than {MAX_DEPTH} levels"
     except (yaml.YAMLError, ValueError) as e:
         why = (str(e).splitlines() or [type(e).__name__])[0][:200]
     else:
@@ -365,15 +366,8 @@ def front_matter(text: str, path: Path) -> dict:
     return {}
 
 
-def _state_hash(folder: Optional[Path]) -> Optional[str]:
-    """state.json's `_fingerprint` (datasets' name for it)."""
-    if folder is None:
-        return None
-    try:
-        value = json_file(folder / STATE_FILE).get("_fingerprint")
-    except (OSError, StageError):
-        return None
-    return value if isinstance(value, str) and writable(value) else None
+def _state_hash_of(folder: Optional[Path]) -> Optional[str]:
+    return None if folder is None else fingerprint.read_state_hash(folder / STATE_FILE)
 
 
 # ------------------------------------------------------------------------ write

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
-from stages.dataset.schema import list_shards, open_shard
+from stages.dataset.shards import list_shards, open_shard
 
 IGNORE = -100  # label value the loss skips
 

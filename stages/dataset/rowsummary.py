@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
-from stages.dataset.schema import open_shard, schema_differences
+from stages.dataset.schema import schema_differences
+from stages.dataset.shards import open_shard
 
 LENGTH_BINS = 64
 FRACTION_BINS = 20

@@ -28,7 +28,7 @@ from stages.common.errors import StageError
 from stages.dataset import chunkedloss, loader
 from stages.models import tinymodel
 
-log = logging.getLogger("validate")
+log = logging.getLogger(__name__)
 
 # Largest per-token loss difference between layouts that counts as the same: float32
 # differs by ~1e-6 from summation order; a row that attends into another moves by ~0.1+.

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import fcntl
+import functools
+import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from stages.common.errors import StageError
 from stages.common.outputs import atomic_dir
@@ -88,6 +92,49 @@ def load_tokenizer(
             )
         tok.chat_template = tok.chat_template["default"]
     return tok
+
+
+def load_once(spec: str, chat_template: str | None = None, trust_remote_code: bool = False
+              ) -> tuple["PreTrainedTokenizerFast", dict]:
+    """`load_tokenizer`'s tokenizer and its `identity`, loaded once per process (loading
+    takes seconds) for a spec, template and version of the template file."""
+    return _load_cached(spec, chat_template, trust_remote_code, _file_stamp(chat_template))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_cached(spec: str, chat_template: str | None, trust_remote_code: bool, stamp: Any):
+    tok = load_tokenizer(spec, chat_template, trust_remote_code)
+    ident = identity(tok)
+    _release_free_heap()
+    return tok, ident
+
+
+def _release_free_heap() -> None:
+    """Give back the free pages that loading left in the C heap (glibc only).
+
+    Loading a large tokenizer parses its JSON into temporaries that are freed, leaving
+    hundreds of MB of free but resident pages between the tokenizer's own data. Forked
+    workers inherit them; each page a worker's allocator then writes to is copied, so
+    the workers' private memory crept up with the rows they processed. A full garbage
+    collection first: it also empties the interpreter's free lists, which a worker's
+    first full collection would otherwise free into inherited pages."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def _file_stamp(path: str | None) -> Any:
+    """What tells a template file edited since it was loaded (None: no file)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
 
 
 def template_path(spec: str) -> Path:

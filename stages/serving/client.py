@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from stages.chat import thinking
+
 from stages.serving import engineids
 from stages.common import params
 from stages.common.errors import StageError, parse_json
@@ -245,28 +247,6 @@ class BodyEncoder:
         return "".join(parts).encode()
 
 
-def split_think(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(reasoning, content) from raw text when the server has no reasoning parser.
-
-    Mirrors SGLang's qwen3 parser: text before `</think>` is reasoning (the opening
-    `<think>` may be in the prompt or the reply); an opened, never closed block is
-    all reasoning and no content.
-    """
-    if not content:
-        return None, content
-    text = content
-    stripped = text.lstrip()
-    opened = stripped.startswith("<think>")
-    if opened:
-        text = stripped[len("<think>") :]
-    if "</think>" in text:
-        reasoning, _, rest = text.partition("</think>")
-        return reasoning.strip("\n") or None, rest.lstrip("\n") or None
-    if opened:
-        return text.strip("\n") or None, None
-    return None, content
-
-
 def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
     """The parts of a reply body that replies.check accepted."""
     choice = data["choices"][0]
@@ -274,7 +254,7 @@ def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
     content = msg.get("content") or None
     reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
     if reasoning is None and enable_thinking:
-        reasoning, content = split_think(content)
+        reasoning, content = thinking.split_reply(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
     return ReplyParts(

@@ -23,7 +23,7 @@ from stages.serving import engineids
 from stages.common import params
 from stages.serving import probes
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 ROUTER_DEFAULT_TIMEOUT = 1800  # sglang-router's --request-timeout-secs default
 TOOL_PARSER_FLAG = "--tool-call-parser"

@@ -56,10 +56,10 @@ class PromptCounter:
 
     def __init__(self, spec: str, enable_thinking: bool):
         from stages.chat.encoder import ChatEncoder, is_nfc
-        from stages.models.tokenizer import load_tokenizer
+        from stages.models.tokenizer import load_once
 
         self.spec = spec
-        tok = load_tokenizer(spec)
+        tok = load_once(spec)[0]
         self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
         norm = tok.backend_tokenizer.normalizer
         self._normalize = norm.normalize_str if norm else None

@@ -4,7 +4,7 @@
 every `interval` seconds; call `tick` as requests finish, inside `quiet_logs()` so log
 lines print above the bar. `Latencies` keeps each completed request's end-to-end seconds
 and summarises them as sglang.bench_serving names them; `speed` gives a run's throughput
-in the same names. docs/stages.md, generate,
+in the same names; `Throughput` is a send loop's tally (plain or turn by turn) and its speed. docs/stages.md, generate,
 "Progress" and "Report".
 """
 
@@ -15,12 +15,13 @@ import logging
 import sys
 import time
 from array import array
+from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 LATENCY_KEYS = ("mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
                 "p99_e2e_latency_ms")
@@ -120,3 +121,38 @@ def speed(seconds: float, completed: int, in_tokens: int, out_tokens: int,
         **latencies.summary(),
         "concurrency": round(busy / seconds, 2) if seconds > 0 and completed else 0.0,
     }
+
+
+class Throughput:
+    """A send loop's tally: requests sent, finished (answered or given up) and answered,
+    the answers' tokens and latencies, and its speed from the first send to the last
+    answer (`metrics`). The plain and the turn-by-turn loop each keep one."""
+
+    def __init__(self) -> None:
+        self.sent = self.finished = self.completed = 0
+        self.out_tokens = self.in_tokens = 0
+        self.latencies = Latencies()
+        self.first_send: Optional[float] = None
+        self.last_done: Optional[float] = None
+
+    def start(self) -> None:
+        self.first_send = time.monotonic()
+
+    def answered(self, prompt_tokens: int, completion_tokens: int, latency: float) -> None:
+        self.finished += 1
+        self.completed += 1
+        self.out_tokens += completion_tokens
+        self.in_tokens += prompt_tokens
+        self.latencies.add(latency)
+        self.last_done = time.monotonic()
+
+    def gave_up(self) -> None:
+        self.finished += 1
+
+    def metrics(self) -> dict:
+        dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
+        return speed(dur, self.completed, self.in_tokens, self.out_tokens, self.latencies)
+
+    @staticmethod
+    def metrics_empty() -> dict:
+        return dict.fromkeys(SPEED_KEYS, 0.0)

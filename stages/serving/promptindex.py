@@ -23,7 +23,7 @@ from stages.common.errors import StageError, json_object, open_regular
 from stages.serving.cacherecords import cached_record
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 
 class PromptLocations:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from stages.chat import conversation
-from stages.common.errors import json_type, writable
+from stages.common.errors import MAX_DEPTH, json_type, writable
 
 MAX_TOKENS = 2**31  # usage counts above this are not token counts
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
@@ -75,7 +75,7 @@ def _tool_calls(calls: Any) -> Optional[tuple[str, str]]:
         return None
     if not isinstance(calls, list):
         return BAD_REPLY, f"message.tool_calls is {json_type(calls)}, not an array"
-    too_deep = f"nest deeper than {conversation.MAX_DEPTH} levels"
+    too_deep = f"nest deeper than {MAX_DEPTH} levels"
     if calls and conversation.objects_problem(calls) == too_deep:
         # tokenize refuses such a row: cached, it would stop every later run there
         return BAD_REPLY, f"message.tool_calls {too_deep}"

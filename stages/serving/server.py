@@ -26,7 +26,7 @@ from stages.serving import engineflags, fitting, probes
 from stages.serving.engines import EngineProcess
 from stages.serving.watchdog import UrlWatchdog, Watchdog
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 SERVER_LOG = Path(".cache/logs/generate-server.log")
 

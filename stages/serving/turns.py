@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from array import array
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,16 +26,16 @@ from typing import Callable, Optional
 import xxhash
 
 from stages.chat import conversation, regenerate
-from stages.common import outputs, params
+from stages.common import outputs, params, stagefiles
 from stages.common.errors import StageError, open_regular
 from stages.serving import cacherecords, fitting
 from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
-from stages.serving.progress import Latencies, Progress, speed
+from stages.serving.progress import Progress, Throughput
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger(__name__)
 
 
 def wanted(cfg: params.Generate, plan: PromptLocations) -> bool:
@@ -173,11 +172,8 @@ class Regeneration:
         self.any_success = False
         self.n_jobs = plan.n * self.k
         self.total_turns = self._count_turns()
-        self.sent = self.cached = self.finished = self.completed = 0
-        self.done = self.failed = self.out_tokens = self.in_tokens = 0
-        self.latencies = Latencies()
-        self.first_send: Optional[float] = None
-        self.last_done: Optional[float] = None
+        self.cached = self.done = self.failed = 0
+        self.tally = Throughput()
         self.client: Optional[ChatClient] = None
         self.budget: Optional[fitting.ContextBudget] = None
 
@@ -270,19 +266,14 @@ class Regeneration:
             f = Failure("context_overflow", None, fit.message(self.budget.counter.spec), 0, True)
             return self._failed(key, f)
         data = self.encoders[sample].encode(body_prompt, fit)
-        self.sent += 1
+        self.tally.sent += 1
         try:
             reply = await self.client.complete(data)
         except Failure as f:
             return self._failed(key, f)
-        self.finished += 1
-        self.completed += 1
+        self.tally.answered(reply.prompt_tokens, reply.completion_tokens, reply.latency)
         self.done += 1
         self.breaker.success()
-        self.out_tokens += reply.completion_tokens
-        self.in_tokens += reply.prompt_tokens
-        self.latencies.add(reply.latency)
-        self.last_done = time.monotonic()
         raw = cacherecords.success(reply)
         self.index.add(key, raw)
         if not self.any_success:
@@ -295,7 +286,7 @@ class Regeneration:
         return {"ok": True, "reply": json.loads(reply.raw)}
 
     def _failed(self, key: bytes, f: Failure) -> dict:
-        self.finished += 1
+        self.tally.gave_up()
         self.done += 1
         self.failed += 1
         self.breaker.failure(f)
@@ -360,15 +351,15 @@ class Regeneration:
                 await asyncio.sleep(tick)
                 if self.cache.sync_due():
                     await asyncio.to_thread(self.cache.sync)
-                progress.tick(self.done, self.failed, self.out_tokens, client.in_flight)
+                progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight)
 
-        self.first_send = time.monotonic()
+        self.tally.start()
         try:
             with progress.quiet_logs():
                 async with asyncio.TaskGroup() as tg:
                     background = [tg.create_task(ticker()),
                                   tg.create_task(watchdog.watch(
-                                      lambda: (self.finished, client.in_flight)))]
+                                      lambda: (self.tally.finished, client.in_flight)))]
                     n = min(self.cfg.concurrency, max(self.n_jobs, 1))
                     await asyncio.gather(*(tg.create_task(worker()) for _ in range(n)))
                     for task in background:
@@ -378,11 +369,8 @@ class Regeneration:
         finally:
             os.close(fd)
             self.held.clear()
-            progress.tick(self.done, self.failed, self.out_tokens, client.in_flight, final=True)
+            progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight, final=True)
 
-    def metrics(self) -> dict:
-        dur = (self.last_done - self.first_send) if self.last_done and self.first_send else 0.0
-        return speed(dur, self.completed, self.in_tokens, self.out_tokens, self.latencies)
 
     # --------------------------------------------------------------------- writing
 
@@ -413,8 +401,8 @@ class Regeneration:
         turn_transient_kinds: dict[str, int] = {}
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         with outputs.atomic_dir(out) as tmp, open(self.plan.path, "rb") as src, open(
-            tmp / conversation.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
-        ) as comp, open(tmp / "failures.jsonl", "w", encoding="utf-8", newline="\n") as fail:
+            tmp / stagefiles.COMPLETIONS_FILE, "w", encoding="utf-8", newline="\n"
+        ) as comp, open(tmp / stagefiles.FAILURES_FILE, "w", encoding="utf-8", newline="\n") as fail:
             for i in range(self.plan.n):
                 line = src.readline()
                 if len(line) != self.plan.offsets[i + 1] - self.plan.offsets[i]:
@@ -479,7 +467,7 @@ class Regeneration:
             generation["samples_per_prompt"] = self.k
             if ids["rows_without_ids"]:
                 ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-            (tmp / conversation.GENERATION_FILE).write_text(
+            (tmp / stagefiles.GENERATION_FILE).write_text(
                 json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         counts["engine_ids"] = ids
         counts["failed_by_kind"] = dict(sorted(kinds.items()))

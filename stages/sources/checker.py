@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 from stages.common.errors import StageError
 from stages.sources import decontam, ngrams
 
-log = logging.getLogger("prepare")
+log = logging.getLogger(__name__)
 
 CHECK_AHEAD = 4  # batches sent to the checker and not yet answered, at most
 # a batch is checked in milliseconds to a second; this long without an answer, the

@@ -27,7 +27,7 @@ from stages.common.errors import StageError, writable
 from stages.sources import layouts, readers
 from stages.sources.ngrams import Words, remix
 
-log = logging.getLogger("prepare")
+log = logging.getLogger(__name__)
 
 # Two filters of the probed runs before the sorted n-gram hashes: a small one (4 bits per
 # run, ~1 in 5 absent runs pass) that stays in the CPU caches beside the dedup set of a

@@ -21,7 +21,7 @@ from stages.process import cpus
 from stages.sources import decontam
 from stages.sources.checker import Checker
 
-log = logging.getLogger("prepare")
+log = logging.getLogger(__name__)
 
 # CPUs that must have sat idle for a checker to start: on a busy machine it would only
 # take CPU time from prepare and add its own costs (the pipe, its start)

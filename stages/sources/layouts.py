@@ -24,7 +24,7 @@ from stages.sources import toolturns
 from stages.sources import readers
 from stages.sources.readers import BadRow
 
-log = logging.getLogger("prepare")
+log = logging.getLogger(__name__)
 PROBE_ROWS = 1000  # rows of a schemaless source checked for the configured fields
 
 # Role names seen in public chat datasets, lower-cased, mapped to OpenAI roles.

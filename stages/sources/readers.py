@@ -278,7 +278,7 @@ def _folder_files(src: Source, path: Path) -> list[Path]:
     return files
 
 def _saved(path: Path) -> list[Path]:
-    from stages.dataset.schema import list_shards  # pyarrow: imported only when needed
+    from stages.dataset.shards import list_shards
 
     return list_shards(path)
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import datasets
 import pyarrow as pa
 
-from stages.dataset.schema import ShardFile, shard_name, write_metadata
+from stages.dataset.shards import ShardFile, shard_name, write_metadata
 from stages.trainers.batch import Part
 
 

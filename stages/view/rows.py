@@ -20,8 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError, json_file, open_regular
+from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
-from stages.dataset.schema import FINGERPRINT_FILE, list_shards, open_shard
+from stages.dataset.shards import list_shards, open_shard
 from stages.trainers import REPORT as EXPORT_REPORT
 from stages.trainers.specforge import JSONL
 
@@ -50,7 +51,7 @@ class Dataset:
         report = self._json(EXPORT_REPORT)
         self.trainer = report.get("for") if isinstance(report.get("for"), str) else None
         self.fingerprint = (report.get("fingerprint") if self.trainer
-                            else self._json(FINGERPRINT_FILE)) or {}
+                            else self._json(fingerprint.FILE)) or {}
         self.lineage = self._json(LINEAGE)
         if (self.folder / JSONL).is_file():
             self.kind, self.shards, self.columns = "specforge", [self.folder / JSONL], None

@@ -32,9 +32,9 @@ N_CONVERSATIONS = 1000
 @pytest.fixture(scope="module")
 def tok():
     # the stage's per-process cache: one load for every test module in the session
-    from stages.tokenize import _load_tokenizer
+    from stages.models.tokenizer import load_once
 
-    return _load_tokenizer("bundled:qwen3.6", None, False, None)[0]
+    return load_once("bundled:qwen3.6")[0]
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,9 @@ def test_the_request_renders_as_the_template_renders_the_row_up_to_that_turn():
     """What lets expand's rows equal the requests: the template drops reasoning of turns
     before the last user query, so the row (reasoning kept) renders each turn's prompt
     exactly as its request (reasoning left out)."""
-    from stages.tokenize import _load_tokenizer  # the stage's per-process cache
+    from stages.models.tokenizer import load_once  # the per-process cache the stage uses
 
-    enc = ChatEncoder(_load_tokenizer("bundled:qwen3.6", None, False, None)[0])
+    enc = ChatEncoder(load_once("bundled:qwen3.6")[0])
     prompt = {"messages": [user("a")], "turns": [[user("b")], [user("c")]]}
     row_msgs = [user("a"), answer("A", "r1"), user("b"), answer("B", "r2"), user("c")]
     request = regenerate.next_request(prompt["messages"], answer("A", "r1"), prompt, 1)

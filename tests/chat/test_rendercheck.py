@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from stages import tokenize
-from stages.chat import conversation, rendercheck
-from stages.common import params
+from stages.chat import rendercheck
+from stages.common import params, stagefiles
 from stages.models import tokenizer
 from tests.helpers.fakeserver import FakeServer
 from tests.helpers.generation import here, url_server, write_params
@@ -141,7 +141,7 @@ def test_enable_thinking_flipped_is_named(tmp_path, bundled):
 def test_run_writes_the_report_with_examples_and_no_dataset(tmp_path, bundled, monkeypatch):
     src = generate(tmp_path, bundled)
     monkeypatch.chdir(tmp_path)
-    assert src == tmp_path / PATHS.completions / conversation.COMPLETIONS_FILE
+    assert src == tmp_path / PATHS.completions / stagefiles.COMPLETIONS_FILE
     cfg = params.Tokenize(chat_template=str(tokenizer.template_path("bundled:qwen3")))
     with pytest.raises(tokenize.RenderMismatch):
         tokenize.run(cfg, PATHS)

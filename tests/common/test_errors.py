@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stages.common.errors import (
-    MAX_DEPTH,
+    MAX_FILE_DEPTH,
     StageError,
     deeper_than,
     json_file,
@@ -56,7 +56,7 @@ def test_any_value_within_the_depth_parses_as_json_loads_does(value):
 
 
 @FEW
-@given(st.integers(MAX_DEPTH + 1, 20_000), st.sampled_from(["[", "{\"a\":"]))
+@given(st.integers(MAX_FILE_DEPTH + 1, 20_000), st.sampled_from(["[", "{\"a\":"]))
 def test_anything_deeper_is_a_value_error_never_a_recursion_error(depth, opener):
     closer = "]" if opener == "[" else "}"
     text = opener * depth + "1" + closer * depth
@@ -67,9 +67,9 @@ def test_anything_deeper_is_a_value_error_never_a_recursion_error(depth, opener)
 
 
 def test_the_depth_limit_itself_is_accepted():
-    assert parse_json(json.dumps(nest(MAX_DEPTH))) == nest(MAX_DEPTH)
+    assert parse_json(json.dumps(nest(MAX_FILE_DEPTH))) == nest(MAX_FILE_DEPTH)
     with pytest.raises(ValueError):
-        parse_json(json.dumps(nest(MAX_DEPTH + 1)))
+        parse_json(json.dumps(nest(MAX_FILE_DEPTH + 1)))
 
 
 def test_a_fifo_is_refused_at_once_and_a_folder_is_a_folder(tmp_path):

@@ -18,7 +18,8 @@ from stages.dataset.rowsummary import (
     summarize,
     summarize_shard,
 )
-from stages.dataset.schema import ARROW_SCHEMA, ShardFile
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.dataset.shards import ShardFile
 
 VOCAB = 1000
 

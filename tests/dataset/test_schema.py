@@ -1,35 +1,20 @@
-"""The row contract and the shard helpers merge and validate share."""
+"""The row contract, how a schema differs from it, and validate's row rules."""
 
 from __future__ import annotations
 
-import json
-
-import datasets
-import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages.common.errors import StageError
 from stages.dataset.schema import (
     ARROW_SCHEMA,
-    FEATURES,
-    FINGERPRINT_FILE,
     NOT_NULL_CHECKS,
     ROW_CHECKS,
-    ShardFile,
     castable,
-    list_shards,
-    loaded_rows_and_features,
-    open_shard,
     row_rules,
     row_schema,
     rows_pass,
     schema_differences,
-    shard_name,
-    state_hash,
-    write_metadata,
 )
-from tests.helpers.sets import damaged_tokens_shard
 
 
 def test_contract_types_are_explicit():
@@ -68,133 +53,11 @@ def test_schema_differences_name_column_and_both_types():
 def test_castable(src, dst, ok):
     assert castable(src, dst) is ok
 
-
-def test_shard_reader_reads_everything_while_dropping_pages(tmp_path):
-    path = tmp_path / "x.arrow"
-    n = 5000
-    table = pa.table({"id": [str(i) for i in range(n)], "source": ["s"] * n,
-                      "input_ids": [list(range(i % 50)) for i in range(n)],
-                      "loss_mask": [[1] * (i % 50) for i in range(n)],
-                      "num_tokens": [i % 50 for i in range(n)],
-                      "num_loss_tokens": [i % 50 for i in range(n)]}).cast(ARROW_SCHEMA)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
-        w.write_table(table, max_chunksize=100)
-    with open_shard(path, drop_behind=True) as reader:
-        batches = list(reader)  # earlier batches' pages are dropped, then touched again
-    assert pa.Table.from_batches(batches).equals(table)
-    first = table.slice(0, 100).column("input_ids").combine_chunks()
-    assert batches[0].column("input_ids").equals(first)  # dropped pages fault back in
-
-
-def test_list_shards_orders_and_refuses(tmp_path):
-    for name in ("b-10.arrow", "b-9.arrow", "a.arrow"):
-        (tmp_path / name).write_bytes(b"")
-    assert [p.name for p in list_shards(tmp_path)] == ["a.arrow", "b-9.arrow", "b-10.arrow"]
-    (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "gone.arrow"}]}))
-    with pytest.raises(StageError, match="lists gone.arrow, which does not exist"):
-        list_shards(tmp_path)
-    (tmp_path / "state.json").write_text("{")
-    with pytest.raises(StageError, match="state.json: not valid JSON"):
-        list_shards(tmp_path)
-
-
-def test_write_metadata_makes_a_loadable_folder(tmp_path):
-    table = pa.Table.from_pydict(
-        {"id": ["a"], "source": ["s"], "input_ids": [[1, 2]], "loss_mask": [[0, 1]],
-         "num_tokens": [2], "num_loss_tokens": [1]}, schema=ARROW_SCHEMA)
-    with pa.OSFile(str(tmp_path / "z.arrow"), "wb") as sink, \
-            pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
-        w.write_table(table)
-    write_metadata(tmp_path, ["z.arrow"], "abc")
-    ds = datasets.load_from_disk(str(tmp_path))
-    assert ds.features == FEATURES and ds[0]["input_ids"] == [1, 2]
-
-
-def _stream(path, table, chunk=2):
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table, max_chunksize=chunk)
-
-
-def _table(n=6):
-    return pa.Table.from_pydict(
-        {"id": [f"r{i}" for i in range(n)], "source": ["s"] * n,
-         "input_ids": [[1, 2, 3]] * n, "loss_mask": [[0, 1, 1]] * n,
-         "num_tokens": [3] * n, "num_loss_tokens": [2] * n}, schema=ARROW_SCHEMA)
-
-
-def test_a_shard_cut_at_a_batch_boundary_is_refused(tmp_path):
-    first = tmp_path / "first.arrow"
-    _stream(first, _table(2))
-    cut = tmp_path / "cut.arrow"
-    cut.write_bytes(first.read_bytes()[:-8])  # a stream cut right after a batch
-    assert pa.ipc.open_stream(cut.read_bytes()).read_all().num_rows == 2  # pyarrow takes it
-    with pytest.raises(StageError, match="cut.arrow: no end-of-stream marker"):
-        with open_shard(cut) as reader:
-            list(reader)
-    with open_shard(first) as reader:
-        assert sum(b.num_rows for b in reader) == 2
-
-
-def test_damaged_offsets_are_an_error_not_a_crash(tmp_path):
-    path = tmp_path / "bad.arrow"
-    _stream(path, _table(), chunk=6)
-    data = path.read_bytes()
-    offsets = np.arange(0, 21, 3, dtype="<i4").tobytes()  # input_ids' (and loss_mask's)
-    at = data.index(offsets)
-    damaged = np.frombuffer(offsets, "<i4").copy()
-    damaged[-1] = 1 << 30  # far past the values: reading it unchecked would crash
-    path.write_bytes(data[:at] + damaged.tobytes() + data[at + len(offsets):])
-    with pytest.raises(StageError, match="bad.arrow: damaged record batch"):
-        with open_shard(path) as reader:
-            list(reader)
-
-
-def test_state_json_listing_a_shard_twice_is_refused(tmp_path):
-    _stream(tmp_path / "a.arrow", _table())
-    (tmp_path / "state.json").write_text(json.dumps(
-        {"_data_files": [{"filename": "a.arrow"}, {"filename": "a.arrow"}]}))
-    with pytest.raises(StageError, match="lists a.arrow more than once"):
-        list_shards(tmp_path)
-
-
 def test_item_nullability_is_not_a_difference():
     strict = pa.schema([pa.field(f.name, pa.list_(pa.field("item", f.type.value_type, False)))
                         if pa.types.is_list(f.type) else f for f in ARROW_SCHEMA])
     assert schema_differences(strict) == []
 
-
-def test_shard_file_writes_a_whole_stream_under_the_shared_name(tmp_path):
-    assert shard_name(3, 12) == "data-00003-of-00012.arrow"
-    path = tmp_path / shard_name(0, 1)
-    with ShardFile(path) as shard:
-        for batch in _table(5).to_batches(max_chunksize=2):
-            shard.write(batch)
-    with open_shard(path) as reader:  # the end-of-stream marker is there
-        assert pa.Table.from_batches(list(reader)).equals(_table(5))
-    (tmp_path / FINGERPRINT_FILE).write_text("{}")
-    write_metadata(tmp_path, [path.name])
-    assert loaded_rows_and_features(tmp_path) == (5, FEATURES)
-
-
-def test_state_hash_follows_the_fingerprint_and_each_end_of_each_shard(tmp_path):
-    rng = np.random.default_rng(0)
-    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 1}')
-    data = bytearray(rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes())
-    (tmp_path / "s.arrow").write_bytes(data)
-    first = state_hash(tmp_path, ["s.arrow"])
-    assert state_hash(tmp_path, ["s.arrow"]) == first and len(first) == 16
-    write_metadata(tmp_path, ["s.arrow"])
-    assert json.loads((tmp_path / "state.json").read_text())["_fingerprint"] == first
-    seen = {first}
-    for at in (0, len(data) - 1):  # a byte of the head, a byte of the tail
-        changed = bytearray(data)
-        changed[at] ^= 1
-        (tmp_path / "s.arrow").write_bytes(changed)
-        seen.add(state_hash(tmp_path, ["s.arrow"]))
-    (tmp_path / "s.arrow").write_bytes(data)
-    (tmp_path / FINGERPRINT_FILE).write_text('{"a": 2}')
-    seen.add(state_hash(tmp_path, ["s.arrow"]))
-    assert len(seen) == 4
 
 
 def _summary(n=4, **columns):
@@ -234,15 +97,3 @@ def test_the_quick_pass_test_says_yes_only_where_pandera_finds_nothing(column, v
     if rows_pass(frame, rules):
         assert clean
     assert rows_pass(frame, rules) == (column is None)  # a null goes the long way too
-
-
-def test_a_reader_checks_only_the_columns_it_is_given(tmp_path):
-    from stages.common.errors import StageError
-    from stages.dataset.schema import open_shard
-
-    path = damaged_tokens_shard(tmp_path / "data-00000-of-00001.arrow")
-    with open_shard(path, check=("id",)) as reader:
-        assert [b.column("id").to_pylist() for b in reader] == [["a", "b"]]
-    with pytest.raises(StageError, match="damaged record batch"):
-        with open_shard(path) as reader:
-            list(reader)

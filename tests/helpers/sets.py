@@ -11,8 +11,9 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from stages.dataset.schema import (ARROW_SCHEMA, FEATURES, ShardFile, shard_name,
-                                   write_metadata)
+from stages.dataset.schema import ARROW_SCHEMA, FEATURES
+
+from stages.dataset.shards import ShardFile, shard_name, write_metadata
 
 # ----------------------------------------------------------- a base, as datasets saves it
 

@@ -29,9 +29,9 @@ USER = "<|im_start|>user\n{}<|im_end|>\n"
 
 @pytest.fixture(scope="module")
 def tok():
-    from stages.tokenize import _load_tokenizer
+    from stages.models.tokenizer import load_once
 
-    return _load_tokenizer("bundled:qwen3.6", None, False, None)[0]
+    return load_once("bundled:qwen3.6")[0]
 
 
 def render(tok, messages, tools=None, gen=False, **kwargs):

@@ -18,7 +18,6 @@ from stages.serving.client import (
     build_body,
     classify,
     context_numbers,
-    split_think,
     with_attempt_id,
 )
 from tests.helpers.fakeserver import FakeServer, free_port, secret_pieces
@@ -126,13 +125,6 @@ def test_error_classes():
     assert classify(500, "Out of memory even after retracting requests.") == ("oom", "permanent")
     assert classify(500, "Internal server error.") == ("server_error", "t500")
     assert classify(401, "")[1] == classify(404, "")[1] == classify(307, "")[1] == "fatal"
-
-
-def test_split_think_for_servers_without_a_reasoning_parser():
-    assert split_think("<think>\nhmm\n</think>\n\nYes.") == ("hmm", "Yes.")
-    assert split_think("hmm\n</think>\n\nYes.") == ("hmm", "Yes.")  # <think> was in the prompt
-    assert split_think("<think>\nstill going") == ("still going", None)
-    assert split_think("Plain answer.") == (None, "Plain answer.")
 
 
 # ----------------------------------------------------------------- against the fake

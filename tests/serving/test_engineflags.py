@@ -39,7 +39,7 @@ def test_the_users_own_parser_and_other_engines_are_left_alone(caplog):
     vllm = launch("Qwen/Qwen3.6-35B-A3B", engine="vllm")
     assert engineflags.launch_for(vllm, tools=True) is vllm
     other = launch("meta-llama/Llama-3.1-8B-Instruct")
-    with caplog.at_level(logging.WARNING, "stages.generate"):
+    with caplog.at_level(logging.WARNING, "stages.serving.engineflags"):
         assert engineflags.launch_for(other, tools=True) is other
     warning, = [r.getMessage() for r in caplog.records]
     assert "--tool-call-parser" in warning and "Llama-3.1-8B" in warning
@@ -68,7 +68,7 @@ def test_behind_a_router_each_missing_param_is_one_warning(tmp_path, caplog):
     write_prompts(tmp_path, tools=False)
     with FakeServer({"router": True}).start() as router:
         write_params(tmp_path, server=url_server(router.url), request_timeout=3600)
-        with caplog.at_level(logging.WARNING, "stages.generate"):
+        with caplog.at_level(logging.WARNING, "stages.serving.engineflags"):
             here(tmp_path)
         said = [r.getMessage() for r in caplog.records if "sglang-router" in r.getMessage()]
         assert len(said) == 4 and all("\n" not in line for line in said)
@@ -79,7 +79,7 @@ def test_behind_a_router_each_missing_param_is_one_warning(tmp_path, caplog):
         write_params(tmp_path, server=url_server(router.url, model="fake-model",
                                                  router_timeout=3700),
                      request_timeout=3600, context_length=4096)
-        with caplog.at_level(logging.WARNING, "stages.generate"):
+        with caplog.at_level(logging.WARNING, "stages.serving.engineflags"):
             here(tmp_path)
         said = [r.getMessage() for r in caplog.records if "sglang-router" in r.getMessage()]
         assert len(said) == 1 and "return_token_ids" in said[0]

@@ -73,7 +73,7 @@ def test_the_seed_is_honoured_by_vllm_and_by_sglang_only_when_deterministic(fake
              ({"url": plain.url, "model": "m", "engine": "vllm"}, 5, True),
              ({"launch": launched}, 5, True),
              ({"url": plain.url, "model": "m"}, None, None)]
-    with caplog.at_level(logging.WARNING, "stages.generate"):
+    with caplog.at_level(logging.WARNING, "stages.serving.server"):
         for server, seed, used in cases:
             assert asyncio.run(handle(generate_params(server, seed=seed)).seed_used()) is used
     (warning,) = [r.getMessage() for r in caplog.records]

@@ -53,7 +53,7 @@ def test_a_long_row_is_capped_with_a_note(text):
 def test_validates_samples_page_has_seeded_rows_and_the_longest_of_every_source(tmp_path):
     import pyarrow as pa
 
-    from stages.dataset.schema import ShardFile, list_shards, open_shard
+    from stages.dataset.shards import ShardFile, list_shards, open_shard
     from tests.helpers.repo import ROOT
     from tests.helpers.sets import write_set
 

@@ -83,7 +83,7 @@ def test_exports_are_read_as_their_trainer_reads_them(rowset, tmp_path):
 
 
 def test_a_lookup_checks_the_row_it_returns_and_no_other(tmp_path):
-    from stages.dataset.schema import write_metadata
+    from stages.dataset.shards import write_metadata
     from tests.helpers.sets import damaged_tokens_shard
 
     folder = tmp_path / "set"

@@ -1,0 +1,303 @@
+"""A dataset folder on disk: its shards listed in order, read (read-only, memory-mapped)
+and written (`ShardFile` one stream, `ShardWriter` bounded shards under datasets' names),
+the save_to_disk metadata that makes the folder load, and the load_from_disk check. The
+row contract the shards hold is stages/dataset/schema.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+import datasets
+import pyarrow as pa
+
+from stages.common.errors import StageError, json_file, open_regular
+from stages.dataset import fingerprint
+from stages.dataset.schema import ARROW_SCHEMA, FEATURES
+
+# A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
+# order) or a plain folder of `.arrow` shards (taken in natural name order). Shards are
+# Arrow IPC *stream* files, which is what `datasets` writes and memory-maps.
+
+STATE_FILE = "state.json"
+INFO_FILE = "dataset_info.json"
+_FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets cannot load
+# A stream ends with an end-of-stream marker (continuation + zero length), right after
+# its last message. Without it a shard cut at a batch boundary reads as whole.
+_END_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def list_shards(folder: str | Path) -> list[Path]:
+    """The shard files of a dataset folder, in dataset order (StageError if unusable)."""
+    folder = Path(folder)
+    if (folder / "dataset_dict.json").exists():
+        raise StageError(
+            f"{folder}: is a DatasetDict folder (dataset_dict.json); name one split's "
+            f"folder instead, e.g. {folder}/train"
+        )
+    state_path = folder / STATE_FILE
+    if state_path.exists():
+        state = json_file(state_path)
+        try:
+            names = [entry["filename"] for entry in state["_data_files"]]
+        except (KeyError, TypeError) as e:
+            raise StageError(f"{state_path}: not a datasets state file ({e!r})") from None
+        for name in names:
+            if not _plain_file_name(name):  # never read a file outside the folder
+                raise StageError(f"{state_path}: lists {str(name)[:100]!r}, which is not a file "
+                                 "name in this folder")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise StageError(f"{state_path}: lists {', '.join(map(str, twice))} more than once")
+        if state.get("_indices_data_files"):
+            raise StageError(f"{state_path}: has an indices mapping; save it flattened")
+        shards = [folder / name for name in names]
+        for path in shards:
+            if not path.exists():
+                raise StageError(f"{state_path}: lists {path.name}, which does not exist")
+            _check_regular(path)
+        return shards
+    shards = sorted(folder.glob("*.arrow"), key=lambda p: natural_key(p.name))
+    for path in shards:
+        _check_regular(path)
+    if not shards:
+        others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+        meta = {INFO_FILE, fingerprint.FILE}
+        if [name for name in others if name not in meta]:
+            raise StageError(
+                f"{folder}: no state.json and no .arrow shards (found {', '.join(others[:5])}); "
+                "expected a datasets save_to_disk folder or a folder of .arrow shards"
+            )
+    return shards
+
+
+def _check_regular(shard: Path) -> None:
+    """StageError unless `shard` is a regular file (a FIFO would block every reader)."""
+    if not shard.is_file():
+        raise StageError(f"{shard}: not a regular file, so not a shard")
+
+
+def _plain_file_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0"))
+
+
+def natural_key(name: str) -> list:
+    """Sort key that puts shard-2 before shard-10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+class ShardReader:
+    """Record batches of one shard, read from a read-only memory map.
+
+    With `drop_behind`, pages of batches already handed out are dropped from this
+    process's resident set as the next batch is read (they stay in the page cache and
+    fault back in if an array of an earlier batch is touched again), so memory stays flat
+    whatever the shard size, for readers that touch every page.
+    """
+
+    def __init__(self, path: Path, source: pa.BufferReader, mapped: mmap.mmap,
+                 drop_behind: bool, check: Optional[tuple[str, ...]] = None):
+        self.path = path
+        self._check = check
+        if check is not None:  # a few columns of each batch: no read-around of the rest
+            mapped.madvise(mmap.MADV_RANDOM)
+        self._source = source
+        self._mapped = mapped
+        self._drop_behind = drop_behind
+        try:
+            self._reader = pa.ipc.open_stream(source)
+            self.schema: pa.Schema = self._reader.schema
+            self.schema.names  # field names that are not UTF-8 raise here, not later
+        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+            raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        """Every batch, checked; StageError at the end if the stream was cut short."""
+        dropped = 0
+        end = self._source.tell()  # where the last message read ends
+        while True:
+            try:
+                batch = self._reader.read_next_batch()
+                end = self._source.tell()
+                # offsets and lengths are checked against the buffers before any reader
+                # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
+                if self._check is None:
+                    batch.validate(full=True)
+                else:  # only the columns this reader will touch: the others stay unread
+                    for name in self._check:
+                        batch.column(name).validate(full=True)
+            except StopIteration:
+                if self._mapped[end : end + 9] != _END_MARKER:  # marker, then nothing
+                    raise StageError(
+                        f"{self.path}: no end-of-stream marker after its last record batch: "
+                        "the shard is truncated"
+                    ) from None
+                return
+            except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+                raise StageError(f"{self.path}: damaged record batch ({e})") from None
+            yield batch
+            if not self._drop_behind:
+                continue
+            done = self._source.tell() // mmap.PAGESIZE * mmap.PAGESIZE
+            if done > dropped:
+                self._mapped.madvise(mmap.MADV_DONTNEED, 0, done)
+                dropped = done
+
+
+@contextlib.contextmanager
+def open_shard(path: str | Path, drop_behind: bool = False,
+               check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
+    """Open a shard read-only (never for writing: it may be a link into the DVC cache).
+    `check`: the only columns whose bytes are checked (and so read: the file is then
+    mapped for random access, with no read-around); default all."""
+    path = Path(path)
+    try:
+        with open_regular(path) as f:
+            if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
+                raise StageError(
+                    f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+                    "datasets writes; re-save it with datasets' save_to_disk"
+                )
+            if os.fstat(f.fileno()).st_size == 0:
+                raise StageError(f"{path}: empty file, not an Arrow stream shard")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind, check)
+
+
+def read_schema(path: str | Path) -> pa.Schema:
+    with open_shard(path) as reader:
+        return reader.schema
+
+
+def shard_name(index: int, total: int) -> str:
+    """The file name of shard `index` of `total`, as datasets' save_to_disk names them."""
+    return f"data-{index:05d}-of-{total:05d}.arrow"
+
+
+class ShardFile:
+    """One shard being written: an Arrow IPC stream of the contract's schema (or of
+    `schema`: an export's columns).
+
+    Closing it writes the end-of-stream marker that tells a whole shard from a cut one.
+    """
+
+    def __init__(self, path: str | Path, schema: pa.Schema = ARROW_SCHEMA):
+        self.path = Path(path)
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, schema)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+    def __enter__(self) -> "ShardFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_metadata(folder: str | Path, shard_names: list[str],
+                   state: Optional[str] = None,
+                   features: datasets.Features = FEATURES) -> None:
+    """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder
+    of rows with `features` (the contract's unless an export says otherwise).
+
+    `state` is the state hash (dataset/fingerprint.py); by default the folder's, which
+    then must already hold its shards (and its fingerprint.json, where it has one).
+    """
+    folder = Path(folder)
+    doc = {
+        "_data_files": [{"filename": name} for name in shard_names],
+        fingerprint.STATE_KEY: state if state is not None else fingerprint.state_hash(
+            folder, shard_names),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = {"citation": "", "description": "", "features": features.to_dict(),
+            "homepage": "", "license": ""}
+    for name, obj in ((STATE_FILE, doc), (INFO_FILE, info)):
+        (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def loaded_rows_and_features(folder: str | Path) -> tuple[int, datasets.Features]:
+    """(rows, features) of `folder` opened with `datasets.load_from_disk`, as training
+    opens it; raises whatever stops that.
+
+    The dataset itself is dropped at once: opening it maps a page or more of every record
+    batch, memory that grows with the dataset, so it is held only for the moment it takes.
+    """
+    loaded = datasets.load_from_disk(str(folder))
+    return len(loaded), loaded.features
+
+
+class ShardWriter:
+    """Arrow stream shards of at most `max_rows` rows and about `max_bytes` bytes."""
+
+    def __init__(self, folder: Path, max_rows: int, max_bytes: int):
+        self.folder = folder
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self.paths: list[Path] = []
+        self._shard: Optional[ShardFile] = None
+        self._rows = 0
+        self._bytes = 0
+
+    def _open(self) -> None:
+        path = self.folder / f".shard-{len(self.paths):05d}.arrow"
+        self.paths.append(path)
+        self._shard = ShardFile(path)
+        self._rows = self._bytes = 0
+
+    def _close_current(self) -> None:
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        while batch.num_rows:
+            if self._shard is None:
+                self._open()
+            per_row = max(1, batch.nbytes // batch.num_rows)
+            fit = (self.max_bytes - self._bytes) // per_row
+            # an empty shard takes at least one row, whatever its size
+            take = min(self.max_rows - self._rows, batch.num_rows, max(fit, 0 if self._rows else 1))
+            if take <= 0:
+                self._close_current()
+                continue
+            part = batch.slice(0, take)
+            self._shard.write(part)
+            self._rows += take
+            self._bytes += part.nbytes
+            batch = batch.slice(take)
+            if self._rows >= self.max_rows or self._bytes >= self.max_bytes:
+                self._close_current()
+
+    def close(self) -> list[str]:
+        """Finish the last shard and give the shards their final names."""
+        if not self.paths:  # no rows: one empty shard, so the folder still loads
+            self._open()
+        self._close_current()
+        n = len(self.paths)
+        names = []
+        for i, path in enumerate(self.paths):
+            name = shard_name(i, n)
+            os.replace(path, self.folder / name)
+            names.append(name)
+        return names

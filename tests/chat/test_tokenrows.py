@@ -1,0 +1,60 @@
+"""A chunk of completion lines made rows: filters, counts per source, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.chat import rendercheck, tokenrows
+from stages.chat.encoder import ChatEncoder
+from stages.common.errors import StageError
+from stages.common.params import Tokenize
+from stages.dataset.schema import ARROW_SCHEMA
+from stages.models.tokenizer import load_once
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return ChatEncoder(load_once("bundled:qwen3.6")[0], enable_thinking=True)
+
+
+def line(i: int, source: str, answer: str, **extra) -> bytes:
+    row = {"id": f"r{i}", "source": source, "finish_reason": "stop", **extra,
+           "messages": [{"role": "user", "content": f"question {i}"},
+                        {"role": "assistant", "content": answer}]}
+    return (json.dumps(row) + "\n").encode()
+
+
+def chunk(cfg: Tokenize, encoder, lines: list[bytes]) -> tokenrows.ChunkResult:
+    return tokenrows.tokenize_chunk((1, lines), encoder, cfg, "c.jsonl", rendercheck.NO_IDS)
+
+
+def test_a_chunk_keeps_rows_of_the_contract_and_counts_each_drop(encoder):
+    cfg = Tokenize(ids="render", min_loss_tokens=2)
+    lines = [line(0, "a", "four"), line(1, "a", "   "), line(2, "b", "cut", truncated=True),
+             b"\n", line(3, "b", "x" * 20)]
+    result = chunk(cfg, encoder, lines)
+    assert result.batch.schema == ARROW_SCHEMA
+    assert result.batch.column("id").to_pylist() == ["r0", "r3"]
+    assert result.stats["a"]["dropped"]["empty_content"] == 1
+    assert result.stats["b"]["dropped"]["truncated"] == 1
+    assert set(result.stats["a"]["dropped"]) == set(tokenrows.DROP_REASONS)
+    assert [len(v) for v in result.lengths.values()] == [1, 1]
+
+
+def test_a_bad_line_names_its_file_and_line(encoder):
+    with pytest.raises(StageError, match=r"c\.jsonl:2: 'source' must be a non-empty string"):
+        chunk(Tokenize(ids="render"), encoder, [line(0, "a", "ok"), line(1, "", "ok")])
+
+
+def test_totals_add_chunks_up_per_source_and_in_all(encoder):
+    cfg = Tokenize(ids="render", min_loss_tokens=1)
+    totals = tokenrows.Totals()
+    for lines in ([line(0, "a", "one"), line(1, "b", "two")], [line(2, "a", "three")]):
+        totals.add(chunk(cfg, encoder, lines))
+    report = totals.report(cfg, shards=1, seconds=1.0)
+    assert report["rows"] == 3 and report["dropped_total"] == 0
+    assert {s: v["rows"] for s, v in report["sources"].items()} == {"a": 2, "b": 1}
+    assert report["tokens"] == sum(v["tokens"] for v in report["sources"].values())
+    assert report["length"]["max"] >= report["length"]["p50"] > 0

@@ -33,7 +33,7 @@ from stages.chat import conversation, enginerows, regenerate, servecheck
 from stages.chat.encoder import ChatEncoder
 from stages.chat.engineids import Served
 from stages.common import cpus, outputs, params
-from stages.common.errors import StageError, json_object
+from stages.common.errors import StageError, json_object, open_regular, read_regular
 from stages.dataset.schema import (
     ARROW_SCHEMA,
     FINGERPRINT_FILE,
@@ -154,13 +154,10 @@ def generation_facts(src: Path) -> dict:
     path = src.parent / conversation.GENERATION_FILE
     if not os.path.lexists(path):
         return {}
-    if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
-        raise StageError(f"{path}: not a regular file of at most {GENERATION_MAX_BYTES} bytes "
-                         "(the generate stage writes it)")
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+        raw = read_regular(path, GENERATION_MAX_BYTES)
+    except OSError as e:  # a folder, or gone since
+        raise StageError(f"{path}: cannot read ({e.strerror}; the generate stage writes it)") from None
     facts = json_object(raw, str(path))
     sampling = facts.get("sampling")
     if not isinstance(sampling, dict) or not isinstance(sampling.get("enable_thinking"), bool):
@@ -270,7 +267,7 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
     lines: list[bytes] = []
     size = 0
     first = 1
-    with open(src, "rb") as f:
+    with open_regular(src) as f:
         for no, line in enumerate(f, 1):
             if not lines:
                 first = no

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import mmap
 import os
 import re
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable, Iterator, Optional
 import datasets
 import pyarrow as pa
 
-from stages.common.errors import StageError, json_file, open_regular
+from stages.common.errors import StageError, arrow_input, json_file, open_regular, read_regular
 
 FEATURES = datasets.Features(
     {
@@ -113,33 +112,37 @@ def natural_key(name: str) -> list:
 
 
 class ShardReader:
-    """Record batches of one shard, read from a read-only memory map.
+    """Record batches of one shard, read from its open file (never memory-mapped).
 
-    With `drop_behind`, pages of batches already handed out are dropped from this
-    process's resident set as the next batch is read (they stay in the page cache and
-    fault back in if an array of an earlier batch is touched again), so memory stays flat
-    whatever the shard size, for readers that touch every page.
+    A mapped file cut short under its reader (another process truncating it, a disk
+    going away) kills the reader with SIGBUS on the next page it touches, a signal
+    Python cannot turn into an error. Read into memory, a cut file is a short read:
+    a StageError naming the shard. Each batch's memory goes with the batch, so readers
+    that let batches go stay flat whatever the shard size.
     """
 
-    def __init__(self, path: Path, source: pa.BufferReader, mapped: mmap.mmap,
-                 drop_behind: bool, check: Optional[tuple[str, ...]] = None):
+    def __init__(self, path: Path, source: pa.PythonFile,
+                 check: Optional[tuple[str, ...]] = None):
         self.path = path
         self._check = check
-        if check is not None:  # a few columns of each batch: no read-around of the rest
-            mapped.madvise(mmap.MADV_RANDOM)
+        self._size = source.size()
         self._source = source
-        self._mapped = mapped
-        self._drop_behind = drop_behind
         try:
-            self._reader = pa.ipc.open_stream(source)
+            self._reader = pa.ipc.open_stream(self._source)
             self.schema: pa.Schema = self._reader.schema
             self.schema.names  # field names that are not UTF-8 raise here, not later
         except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
             raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
 
+    def _cut(self) -> Optional[str]:
+        """Why the file is no longer what was opened, if it was cut while being read."""
+        size = self._source.size()
+        if size < self._size:
+            return f"{self.path}: cut short while being read ({self._size} bytes, now {size})"
+        return None
+
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         """Every batch, checked; StageError at the end if the stream was cut short."""
-        dropped = 0
         end = self._source.tell()  # where the last message read ends
         while True:
             try:
@@ -149,47 +152,43 @@ class ShardReader:
                 # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
                 if self._check is None:
                     batch.validate(full=True)
-                else:  # only the columns this reader will touch: the others stay unread
+                else:  # only the columns this reader will touch
                     for name in self._check:
                         batch.column(name).validate(full=True)
             except StopIteration:
-                if self._mapped[end : end + 9] != _END_MARKER:  # marker, then nothing
-                    raise StageError(
+                self._source.seek(end)
+                if self._source.read(9) != _END_MARKER:  # marker, then nothing
+                    raise StageError(self._cut() or (
                         f"{self.path}: no end-of-stream marker after its last record batch: "
-                        "the shard is truncated"
-                    ) from None
+                        "the shard is truncated")) from None
                 return
             except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
-                raise StageError(f"{self.path}: damaged record batch ({e})") from None
+                raise StageError(self._cut() or f"{self.path}: damaged record batch ({e})") from None
             yield batch
-            if not self._drop_behind:
-                continue
-            done = self._source.tell() // mmap.PAGESIZE * mmap.PAGESIZE
-            if done > dropped:
-                self._mapped.madvise(mmap.MADV_DONTNEED, 0, done)
-                dropped = done
 
 
 @contextlib.contextmanager
 def open_shard(path: str | Path, drop_behind: bool = False,
                check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache).
-    `check`: the only columns whose bytes are checked (and so read: the file is then
-    mapped for random access, with no read-around); default all."""
+    `check`: the only columns whose bytes are checked; default all. `drop_behind`
+    changes nothing: a batch's memory goes with the batch whatever the caller asks."""
     path = Path(path)
-    try:
-        with open_regular(path) as f:
-            if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
-                raise StageError(
-                    f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
-                    "datasets writes; re-save it with datasets' save_to_disk"
-                )
-            if os.fstat(f.fileno()).st_size == 0:
-                raise StageError(f"{path}: empty file, not an Arrow stream shard")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
-    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind, check)
+    with contextlib.ExitStack() as stack:
+        try:
+            source = stack.enter_context(arrow_input(path))
+            head = source.read(len(_FILE_MAGIC))
+            source.seek(0)
+        except OSError as e:
+            raise StageError(f"{path}: cannot read ({e.strerror})") from None
+        if head == _FILE_MAGIC:
+            raise StageError(
+                f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+                "datasets writes; re-save it with datasets' save_to_disk"
+            )
+        if not head:
+            raise StageError(f"{path}: empty file, not an Arrow stream shard")
+        yield ShardReader(path, source, check)  # what the caller raises is its own
 
 
 def read_schema(path: str | Path) -> pa.Schema:
@@ -281,9 +280,9 @@ def state_hash(folder: str | Path, shard_names: list[str]) -> str:
     each shard's name, size, first and last 64 KiB."""
     folder = Path(folder)
     fingerprint = folder / FINGERPRINT_FILE
-    h = hashlib.sha256(fingerprint.read_bytes() if fingerprint.exists() else b"")
+    h = hashlib.sha256(read_regular(fingerprint) if fingerprint.exists() else b"")
     for name in shard_names:
-        with open(folder / name, "rb") as f:
+        with open_regular(folder / name) as f:
             size = os.fstat(f.fileno()).st_size
             h.update(f"{name}\0{size}\0".encode())
             h.update(f.read(1 << 16))

@@ -863,3 +863,51 @@ def test_a_shard_cut_short_before_or_while_read_is_one_line_never_sigbus(tmp_pat
         assert not (tmp_path / "out").exists()
     if stage_name == "merge":  # the merged set it had is left as it was
         assert list_shards(tmp_path / "data/merged")[0].stat().st_size == merged_size
+
+
+# ---------------------------------------------- no room for the output (issue 32)
+
+def _no_room_below(limit: int):
+    import resource
+
+    def cap():  # a write past `limit` bytes fails with EFBIG, as a full disk with ENOSPC
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return cap
+
+
+@pytest.mark.parametrize("stage_name, how, out", [
+    ("export", "trl", "out"),
+    ("export", "specforge", "out"),
+    ("merge", "copy", "data/merged"),
+    ("merge", "rewrite", "data/merged"),
+])  # fmt: skip
+def test_an_output_with_no_room_is_named_as_such_and_left_as_it_was(tmp_path, stage_name, how,
+                                                                    out):
+    cut_repo(tmp_path)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["merge"]["link"] = False  # base shards copied: the output needs room
+    if how == "rewrite":  # every base row replaced by a new one: the base shard rewritten
+        params["merge"]["on_duplicate"] = "keep-new"
+        save(tmp_path / "data/tokenized", rows(ids("b", 3)))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    if stage_name == "merge":
+        shutil.rmtree(tmp_path / "data/merged")
+        argv = cli.pipeline_command("merge")[3:]
+    else:
+        argv = ["--for", how, "--merged", "data/merged", "--out", "out"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    if stage_name == "export":  # an earlier export of a smaller set, which must stay
+        save(tmp_path / "small", rows(ids("s", 3)))
+        subprocess.run([sys.executable, "-m", "stages.export", "--for", how, "--merged",
+                        "small", "--out", "out"], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, timeout=240)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", f"stages.{stage_name}", *argv], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240,
+                          preexec_fn=_no_room_below(1 << 20))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: {out}: no room to write this output"), line
+    assert "data/base" not in line and "data-0000" not in line, line  # no input blamed
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing half-written, nothing the user had changed

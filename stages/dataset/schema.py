@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import datasets
 import pyarrow as pa
 
+from stages.common import outputs
 from stages.common.errors import StageError, arrow_input, json_file, open_regular, read_regular
 
 FEATURES = datasets.Features(
@@ -256,16 +257,30 @@ class ShardFile:
     def __init__(self, path: str | Path, schema: pa.Schema = ARROW_SCHEMA):
         self.path = Path(path)
         self._sink = pa.OSFile(str(self.path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, schema)
+        with self._written():
+            self._writer = pa.ipc.new_stream(self._sink, schema)
+
+    @contextlib.contextmanager
+    def _written(self) -> Iterator[None]:
+        """A write error as this output's (outputs.NoRoom when for want of room): an
+        OSError would read, to a reader's `except OSError`, as its input failing."""
+        try:
+            yield
+        except OSError as e:
+            if outputs.no_room(e):
+                raise outputs.NoRoom(f"{self.path}: {e}") from None
+            raise StageError(f"{self.path}: cannot write ({e})") from None
 
     def write(self, batch: pa.RecordBatch) -> None:
-        self._writer.write_batch(batch)
+        with self._written():
+            self._writer.write_batch(batch)
 
     def close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._sink.close()
+        with self._written():
+            try:
+                self._writer.close()
+            finally:
+                self._sink.close()
 
     def __enter__(self) -> "ShardFile":
         return self

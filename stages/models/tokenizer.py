@@ -22,12 +22,13 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
 import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from stages.common.errors import StageError, json_file, open_regular, read_regular
+from stages.common.errors import StageError, json_file, open_regular, read_regular, regular
 from stages.common.outputs import atomic_dir
 
 if TYPE_CHECKING:
@@ -100,9 +101,15 @@ def template_path(spec: str) -> Path:
                              + ", ".join(known) + ")")
         return path
     path = Path(spec)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise StageError(f"chat_template {spec!r}: file not found")
-    return path
+    try:
+        return regular(path)  # a FIFO or a device: one line, never a wait
+    except OSError as e:  # a folder, a link to nowhere or a loop of links
+        why = f"not a readable file ({e.strerror})"
+    except StageError as e:
+        why = str(e).removeprefix(f"{path}: ")
+    raise StageError(f"chat_template {spec!r}: {why}")
 
 
 def identity(tok: "PreTrainedTokenizerFast") -> dict:

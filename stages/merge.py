@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common import outputs, params
-from stages.common.errors import StageError, json_file, json_type, writable
+from stages.common.errors import StageError, existing_folder, json_file, json_type, writable
 from stages.dataset import adopt, lineage
 from stages.dataset.schema import (
     ARROW_SCHEMA,
@@ -161,8 +161,7 @@ def _report(cfg: params.Merge, base: Optional[Path], base_shards: list[Shard], n
 def _check_paths(base: Optional[Path], paths, adopting: bool) -> None:
     outputs.check_apart({"merge.base": base, "--tokenized": paths.tokenized},
                         [("--out", paths.out)])
-    if not paths.tokenized.is_dir():
-        raise StageError(f"{paths.tokenized}: not found (run the tokenize stage first)")
+    existing_folder(paths.tokenized, "run the tokenize stage first")
     if adopting and (base is None or not base.exists()):
         # a mistyped base would otherwise become a first version without the user's rows
         raise StageError(f"merge.base {base}: not found, and merge.adopt is true: there is "

@@ -33,7 +33,8 @@ from stages.chat import conversation, enginerows, regenerate, servecheck
 from stages.chat.encoder import ChatEncoder
 from stages.chat.engineids import Served
 from stages.common import cpus, outputs, params
-from stages.common.errors import StageError, json_object, open_regular, read_regular
+from stages.common.errors import (StageError, absent, json_object, open_regular,
+                                  read_regular)
 from stages.dataset.schema import (
     ARROW_SCHEMA,
     FINGERPRINT_FILE,
@@ -80,7 +81,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
     cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
     if not src.exists():
-        raise StageError(f"{src}: completions file not found (run the generate stage first)")
+        raise StageError(absent(src, "the completions file: run the generate stage first"))
     if not src.is_file():  # a FIFO would block the reader
         raise StageError(f"{src}: not a regular file")
     started = time.monotonic()

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common import cpus, outputs, params
-from stages.common.errors import StageError, json_file, json_type
+from stages.common.errors import StageError, existing_folder, json_file, json_type
 from stages.dataset import charts, loader, rowsummary, traincheck
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.rowsummary import (
@@ -103,8 +103,7 @@ def run(cfg: params.Validate, paths) -> dict:
     params.check_ranges(cfg, "validate")
     data = paths.merged
     outputs.check_apart({"--merged": data}, [("the plots folder", charts.plots(paths.reports))])
-    if not data.is_dir():
-        raise StageError(f"{data}: not found (run the merge stage first)")
+    existing_folder(data, "run the merge stage first")
     findings = Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     read = _fingerprint(findings, data)
     cfg, used = _limits(cfg, findings, read, data)  # vocab_size, limits resolved here

@@ -288,7 +288,7 @@ def test_empty_input_gives_an_empty_dataset(tmp_path):
 def test_params_are_checked(tmp_path, src):
     with pytest.raises(ParamError, match="tokenize.num_proc"):
         tokenize.tokenize_file(src, tmp_path / "out", num_proc=-1)
-    with pytest.raises(StageError, match="completions file not found"):
+    with pytest.raises(StageError, match=r"missing.jsonl: not found \(the completions file"):
         tokenize.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
 
 

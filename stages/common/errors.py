@@ -93,6 +93,31 @@ def read_regular(path: str | Path, limit: int = MAX_METADATA_BYTES) -> bytes:
     return data
 
 
+def absent(path: str | Path, hint: str) -> str:
+    """Why `path`, which a stage expected to find, is not there, as an error line: a link
+    to nowhere or a loop of links is not "not found", and `hint` (what makes it) would
+    mislead."""
+    if os.path.islink(path):
+        return f"{path}: a link that leads nowhere (a missing target or a loop of links)"
+    return f"{path}: not found ({hint})"
+
+
+def existing_folder(path: str | Path, hint: str) -> Path:
+    """`path` if it is a folder (a link to one included), else StageError saying what it
+    is instead (`absent` when nothing is there)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise StageError(absent(path, hint)) from None
+    except OSError as e:  # a loop of links, a component that is a file
+        raise StageError(f"{path}: cannot be reached ({e.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        kind = ("a file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device or a socket")
+        raise StageError(f"{path}: is {kind}, not a dataset folder")
+    return Path(path)
+
+
 def regular(path: str | Path) -> Path:
     """`path` if it is a regular file (a link to one included), checked by os.stat before
     a library that opens it by name (Parquet, a memory map) would wait on a FIFO; else

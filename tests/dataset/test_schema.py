@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import datasets
 import numpy as np
@@ -267,3 +268,26 @@ def test_a_reader_checks_only_the_columns_it_is_given(tmp_path):
     with pytest.raises(StageError, match="damaged record batch"):
         with open_shard(path) as reader:
             list(reader)
+
+
+def test_a_shard_cut_while_read_is_a_stage_error_naming_it(tmp_path):
+    """Read, not mapped: a shard truncated between two batches is a short read, one
+    StageError naming it (mapped, the next batch's pages would be a SIGBUS)."""
+    path = tmp_path / "x.arrow"
+    n = 4000
+    table = pa.table({"id": [str(i) for i in range(n)], "source": ["s"] * n,
+                      "input_ids": [list(range(50)) for _ in range(n)],
+                      "loss_mask": [[1] * 50 for _ in range(n)],
+                      "num_tokens": [50] * n, "num_loss_tokens": [50] * n}).cast(ARROW_SCHEMA)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
+        w.write_table(table, max_chunksize=100)
+    size = path.stat().st_size
+    with open_shard(path) as reader:
+        batches = iter(reader)
+        first = next(batches)
+        os.truncate(path, size // 2 + 7)
+        with pytest.raises(StageError, match=rf"^{path}: cut short while being read "
+                                             rf"\({size} bytes, now {size // 2 + 7}\)$"):
+            for _ in batches:
+                pass
+    assert first.column("id")[0].as_py() == "0"  # what was read stays readable

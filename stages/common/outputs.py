@@ -29,8 +29,9 @@ os.umask(_UMASK)
 
 # a write that failed for want of room: a full disk, a quota, a file-size limit
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-# pyarrow's write errors carry the errno only in their text
-_NO_ROOM_TEXT = re.compile(r"\[errno (%s)\]" % "|".join(map(str, sorted(_NO_ROOM))))
+# pyarrow's write errors ("[errno 28]") and Rust libraries' (tokenizers: a plain
+# Exception, "(os error 28)") carry the errno only in their text
+_NO_ROOM_TEXT = re.compile(r"(\[errno|\(os error) (%s)\b" % "|".join(map(str, sorted(_NO_ROOM))))
 
 
 class NoRoom(StageError):
@@ -39,8 +40,9 @@ class NoRoom(StageError):
 
 def no_room(e: BaseException) -> bool:
     """Whether `e` is a write that failed for want of room."""
-    return isinstance(e, NoRoom) or isinstance(e, OSError) and (
-        e.errno in _NO_ROOM or bool(_NO_ROOM_TEXT.search(str(e))))
+    if isinstance(e, NoRoom) or isinstance(e, OSError) and e.errno in _NO_ROOM:
+        return True
+    return not isinstance(e, StageError) and bool(_NO_ROOM_TEXT.search(str(e)))
 
 
 @contextlib.contextmanager
@@ -49,11 +51,14 @@ def room_named(target: Path) -> Iterator[None]:
     output the user named), never as the input being read at the time."""
     try:
         yield
-    except (OSError, NoRoom) as e:
+    except Exception as e:
         if not no_room(e):
             raise
-        why = os.strerror(errno.ENOSPC if isinstance(e, NoRoom) or e.errno is None
-                          or e.errno not in _NO_ROOM else e.errno)
+        code = getattr(e, "errno", None)
+        if code not in _NO_ROOM:
+            told = _NO_ROOM_TEXT.search(str(e))
+            code = int(told.group(2)) if told else errno.ENOSPC
+        why = os.strerror(code)
         raise NoRoom(f"{target}: no room to write this output ({why}); nothing of it was "
                      "written, what was there is kept; free space there or name another "
                      "place") from None

@@ -146,3 +146,14 @@ def test_a_shard_written_with_no_room_is_no_room_not_an_oserror_of_its_reader(tm
             pytest.fail("a full disk came out as a plain OSError")
     assert not outputs.no_room(OSError(2, "No such file or directory"))
     assert outputs.no_room(OSError(27, "File too large"))
+
+
+def test_a_rust_library_s_no_room_is_named_as_the_output_s_too(tmp_path):
+    """tokenizers' save raises a plain Exception, "File too large (os error 27)"."""
+    assert not outputs.no_room(Exception("(os error 2)")) and not outputs.no_room(
+        Exception("(os error 280)"))
+    with pytest.raises(outputs.NoRoom, match=rf"^{tmp_path / 'tok'}: no room to write this "
+                                             r"output \(File too large\)"):
+        with outputs.atomic_dir(tmp_path / "tok"):
+            raise Exception("File too large (os error 27)")
+    assert list(tmp_path.iterdir()) == []

@@ -165,6 +165,8 @@ OPENS_ITSELF = {
     "stages/process/children.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
     "stages/serving/processgroup.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
     "stages/process/cli.py": (2, "dvc.yaml beside the code (PIPELINE), shipped with it"),
+    "stages/dataset/schema.py": (1, "maps the descriptor open_regular opened, for "
+                                    "stages/view's few-column lookups only (ShardReader)"),
     "stages/serving/probes.py": (1, "an HTTP request (urllib opener), not a file; its body "
                                     "is read bounded by probes itself"),
 }

@@ -382,13 +382,16 @@ def test_inline_thinking_in_the_answer(tmp_path, tok, thinking):
     ("[1]", "expected a JSON object"),
     ('{"sampling": {"enable_thinking": "yes"}}', "'sampling.enable_thinking' must be true or false"),
     ('{"sampling": {"enable_thinking": true}, "engine_ids_missing": 3}', "must be a string"),
-    (None, "not a regular file"),
+    (None, "cannot read (Is a directory)"),
+    ("FIFO", "not a regular file (a FIFO)"),
 ])
 def test_a_bad_generation_record_is_one_line_naming_it(tmp_path, content, message):
     src = write(tmp_path / "c" / "completions.jsonl", ROWS[:1])
     record = src.parent / "generation.json"
     if content is None:
         record.mkdir()
+    elif content == "FIFO":  # read through the one reader: refused, never waited on
+        os.mkfifo(record)
     else:
         record.write_text(content)
     with pytest.raises(StageError) as e:

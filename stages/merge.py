@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import outputs, params
-from stages.common.errors import StageError
+from stages.common.errors import StageError, existing_folder
 from stages.dataset import adopt, fingerprint, lineage, mergeshards
 from stages.dataset.schema import FEATURES, schema_differences
 from stages.dataset.shards import (
@@ -128,8 +128,7 @@ def _report(cfg: params.Merge, base: Optional[Path], base_shards: list[mergeshar
 def _check_paths(base: Optional[Path], paths, adopting: bool) -> None:
     outputs.check_apart({"merge.base": base, "--tokenized": paths.tokenized},
                         [("--out", paths.out)])
-    if not paths.tokenized.is_dir():
-        raise StageError(f"{paths.tokenized}: not found (run the tokenize stage first)")
+    existing_folder(paths.tokenized, "run the tokenize stage first")
     if adopting and (base is None or not base.exists()):
         # a mistyped base would otherwise become a first version without the user's rows
         raise StageError(f"merge.base {base}: not found, and merge.adopt is true: there is "

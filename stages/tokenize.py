@@ -26,7 +26,7 @@ from stages.chat import rendercheck, tokenrows
 from stages.chat.encoder import ChatEncoder
 from stages.common import outputs, params, stagefiles
 from stages.process import cpus
-from stages.common.errors import StageError, json_object
+from stages.common.errors import StageError, absent, json_object, open_regular, read_regular
 from stages.dataset import fingerprint
 from stages.dataset.shards import ShardWriter, write_metadata
 from stages.models import tokenizer
@@ -67,7 +67,7 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
     cfg = dataclasses.replace(cfg, num_proc=cfg.num_proc or cpus.usable())
     src, dst = Path(src), Path(dst)
     if not src.exists():
-        raise StageError(f"{src}: completions file not found (run the generate stage first)")
+        raise StageError(absent(src, "the completions file: run the generate stage first"))
     if not src.is_file():  # a FIFO would block the reader
         raise StageError(f"{src}: not a regular file")
     started = time.monotonic()
@@ -141,13 +141,10 @@ def generation_facts(src: Path) -> dict:
     path = src.parent / stagefiles.GENERATION_FILE
     if not os.path.lexists(path):
         return {}
-    if not path.is_file() or path.stat().st_size > GENERATION_MAX_BYTES:
-        raise StageError(f"{path}: not a regular file of at most {GENERATION_MAX_BYTES} bytes "
-                         "(the generate stage writes it)")
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
+        raw = read_regular(path, GENERATION_MAX_BYTES)
+    except OSError as e:  # a folder, or gone since
+        raise StageError(f"{path}: cannot read ({e.strerror}; the generate stage writes it)") from None
     facts = json_object(raw, str(path))
     sampling = facts.get("sampling")
     if not isinstance(sampling, dict) or not isinstance(sampling.get("enable_thinking"), bool):
@@ -195,7 +192,7 @@ def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes
     lines: list[bytes] = []
     size = 0
     first = 1
-    with open(src, "rb") as f:
+    with open_regular(src) as f:
         for no, line in enumerate(f, 1):
             if not lines:
                 first = no

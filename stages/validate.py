@@ -30,7 +30,7 @@ import datasets
 from stages.common import outputs, params
 
 from stages.process import cpus
-from stages.common.errors import StageError, json_file
+from stages.common.errors import StageError, existing_folder, json_file
 from stages.dataset import (charts, fingerprint, histograms, loader, rowcheck, rowsummary,
                             traincheck)
 from stages.dataset.idhashes import IdHashes
@@ -54,8 +54,7 @@ def run(cfg: params.Validate, paths) -> dict:
     params.check_ranges(cfg, "validate")
     data = paths.merged
     outputs.check_apart({"--merged": data}, [("the plots folder", charts.plots(paths.reports))])
-    if not data.is_dir():
-        raise StageError(f"{data}: not found (run the merge stage first)")
+    existing_folder(data, "run the merge stage first")
     findings = rowcheck.Findings(DATASET_CHECKS + ROW_CHECKS, cfg.max_examples)
     read = _fingerprint(findings, data)
     cfg, used = _limits(cfg, findings, read, data)  # vocab_size, limits resolved here

@@ -18,6 +18,7 @@ import shutil
 import signal
 import string
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -799,3 +800,115 @@ def test_a_reports_runs_that_is_no_folder_stops_the_stage_before_its_work(tmp_pa
     line, _ = stagecli.fail(stage_name, tmp_path)
     assert "reports/runs is not a folder" in line, line
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+
+
+# ------------------------------------------- a shard cut short under its reader (issue 32)
+
+# runs `python -m stages.<stage> ARGV` with every open_shard of TARGET cutting that file
+# to CUT bytes once it is open: what another process truncating it mid-read does
+_CUTTING = """
+import contextlib, os, runpy, sys
+from stages.dataset import shards
+target, cut, stage = sys.argv.pop(1), int(sys.argv.pop(1)), sys.argv.pop(1)
+opened = shards.open_shard
+@contextlib.contextmanager
+def cutting(path, *args, **kwargs):
+    with opened(path, *args, **kwargs) as reader:
+        if os.path.samefile(path, target) and os.path.getsize(target) > cut:
+            os.truncate(target, cut)
+        yield reader
+shards.open_shard = cutting
+runpy.run_module("stages." + stage, run_name="__main__", alter_sys=True)
+"""
+
+
+def cut_repo(root: Path) -> None:
+    """A merged set, a base and new rows of a few MB each: many pages past any cut."""
+    merged_repo(root)
+    shutil.rmtree(root / "data/merged")
+    save(root / "data/merged", rows(ids("m", 40000)))
+    save(root / "data/base", rows(ids("b", 40000)))
+    save(root / "data/tokenized", rows(ids("n", 3)))
+
+
+@pytest.mark.parametrize("stage_name, shard", [
+    ("export", "data/merged/data-00000-of-00001.arrow"),
+    ("validate", "data/merged/data-00000-of-00001.arrow"),
+    ("merge", "data/base/data-00000-of-00001.arrow"),
+])  # fmt: skip
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_shard_cut_short_before_or_while_read_is_one_line_never_sigbus(tmp_path, stage_name,
+                                                                         shard, when):
+    cut_repo(tmp_path)
+    path = tmp_path / shard
+    merged_size = list_shards(tmp_path / "data/merged")[0].stat().st_size
+    cut = path.stat().st_size // 3 // 4096 * 4096 + 100  # mid-page, mid-batch
+    argv = (["--for", "trl", "--merged", "data/merged", "--out", "out"]
+            if stage_name == "export" else cli.pipeline_command(stage_name)[3:])
+    if when == "before":
+        os.truncate(path, cut)
+        code = [stagecli._RUN, stage_name]
+    else:
+        code = [_CUTTING, str(path), str(cut), stage_name]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+               PEAK_RSS_FILE=str(tmp_path / ".peak"))
+    proc = subprocess.run([sys.executable, "-c", *code, *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])  # -7: SIGBUS
+    assert "Traceback" not in proc.stderr and "Fatal Python error" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert path.name in line and ("cut short" in line or "truncated" in line
+                                  or "damaged" in line), line
+    assert path.stat().st_size == cut  # read, never rewritten
+    if stage_name == "export":
+        assert not (tmp_path / "out").exists()
+    if stage_name == "merge":  # the merged set it had is left as it was
+        assert list_shards(tmp_path / "data/merged")[0].stat().st_size == merged_size
+
+
+# ---------------------------------------------- no room for the output (issue 32)
+
+def _no_room_below(limit: int):
+    import resource
+
+    def cap():  # a write past `limit` bytes fails with EFBIG, as a full disk with ENOSPC
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return cap
+
+
+@pytest.mark.parametrize("stage_name, how, out", [
+    ("export", "trl", "out"),
+    ("export", "specforge", "out"),
+    ("merge", "copy", "data/merged"),
+    ("merge", "rewrite", "data/merged"),
+])  # fmt: skip
+def test_an_output_with_no_room_is_named_as_such_and_left_as_it_was(tmp_path, stage_name, how,
+                                                                    out):
+    cut_repo(tmp_path)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["merge"]["link"] = False  # base shards copied: the output needs room
+    if how == "rewrite":  # every base row replaced by a new one: the base shard rewritten
+        params["merge"]["on_duplicate"] = "keep-new"
+        save(tmp_path / "data/tokenized", rows(ids("b", 3)))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    if stage_name == "merge":
+        shutil.rmtree(tmp_path / "data/merged")
+        argv = cli.pipeline_command("merge")[3:]
+    else:
+        argv = ["--for", how, "--merged", "data/merged", "--out", "out"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    if stage_name == "export":  # an earlier export of a smaller set, which must stay
+        save(tmp_path / "small", rows(ids("s", 3)))
+        subprocess.run([sys.executable, "-m", "stages.export", "--for", how, "--merged",
+                        "small", "--out", "out"], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, timeout=240)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", f"stages.{stage_name}", *argv], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240,
+                          preexec_fn=_no_room_below(1 << 20))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: {out}: no room to write this output"), line
+    assert "data/base" not in line and "data-0000" not in line, line  # no input blamed
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing half-written, nothing the user had changed

@@ -279,7 +279,7 @@ def test_empty_input_gives_an_empty_dataset(tmp_path):
 def test_params_are_checked(tmp_path, src):
     with pytest.raises(ParamError, match="tokenize.num_proc"):
         tokenize.tokenize_file(src, tmp_path / "out", num_proc=-1)
-    with pytest.raises(StageError, match="completions file not found"):
+    with pytest.raises(StageError, match=r"missing.jsonl: not found \(the completions file"):
         tokenize.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
 
 
@@ -373,13 +373,16 @@ def test_inline_thinking_in_the_answer(tmp_path, tok, thinking):
     ("[1]", "expected a JSON object"),
     ('{"sampling": {"enable_thinking": "yes"}}', "'sampling.enable_thinking' must be true or false"),
     ('{"sampling": {"enable_thinking": true}, "engine_ids_missing": 3}', "must be a string"),
-    (None, "not a regular file"),
+    (None, "cannot read (Is a directory)"),
+    ("FIFO", "not a regular file (a FIFO)"),
 ])
 def test_a_bad_generation_record_is_one_line_naming_it(tmp_path, content, message):
     src = write(tmp_path / "c" / "completions.jsonl", ROWS[:1])
     record = src.parent / "generation.json"
     if content is None:
         record.mkdir()
+    elif content == "FIFO":  # read through the one reader: refused, never waited on
+        os.mkfifo(record)
     else:
         record.write_text(content)
     with pytest.raises(StageError) as e:

@@ -4,19 +4,21 @@ shares, and whether a JSON value can be written back as UTF-8.
 
 What a stage reads but does not control is read within bounds: a file only when it is a
 regular file (a FIFO or a device named like a shard or a metadata file would block its
-reader or never end), only up to a size, and JSON only to MAX_FILE_DEPTH levels of nesting
-(a deeper value parses, then makes every recursive walk of it -- redaction, comparison,
-encoding -- raise RecursionError far from where it was read).
+reader or never end), only up to a size, JSON only to MAX_FILE_DEPTH levels of nesting (a
+deeper value parses, then makes every recursive walk of it -- redaction, comparison,
+encoding -- raise RecursionError far from where it was read), Arrow and Parquet files
+read, never memory-mapped (a mapped file cut short under its reader is a SIGBUS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 # levels of nesting a value may have (params, a row's tools and tool calls): params need 5,
 # real tool schemas a few; chat templates recurse per level
@@ -95,6 +97,31 @@ def read_regular(path: str | Path, limit: int = MAX_METADATA_BYTES) -> bytes:
     return data
 
 
+def absent(path: str | Path, hint: str) -> str:
+    """Why `path`, which a stage expected to find, is not there, as an error line: a link
+    to nowhere or a loop of links is not "not found", and `hint` (what makes it) would
+    mislead."""
+    if os.path.islink(path):
+        return f"{path}: a link that leads nowhere (a missing target or a loop of links)"
+    return f"{path}: not found ({hint})"
+
+
+def existing_folder(path: str | Path, hint: str) -> Path:
+    """`path` if it is a folder (a link to one included), else StageError saying what it
+    is instead (`absent` when nothing is there)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise StageError(absent(path, hint)) from None
+    except OSError as e:  # a loop of links, a component that is a file
+        raise StageError(f"{path}: cannot be reached ({e.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        kind = ("a file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device or a socket")
+        raise StageError(f"{path}: is {kind}, not a dataset folder")
+    return Path(path)
+
+
 def regular(path: str | Path) -> Path:
     """`path` if it is a regular file (a link to one included), checked by os.stat before
     a library that opens it by name (Parquet, a memory map) would wait on a FIFO; else
@@ -108,7 +135,7 @@ def regular(path: str | Path) -> Path:
     return Path(path)
 
 
-def open_regular(path: str | Path) -> BinaryIO:
+def open_regular(path: str | Path, buffering: int = -1) -> BinaryIO:
     """`path` opened for reading if it is a regular file (a link to one included), else
     StageError (IsADirectoryError for a folder); opening never waits, as opening a FIFO
     would until a writer came."""
@@ -124,7 +151,28 @@ def open_regular(path: str | Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
-    return open(fd, "rb")
+    return open(fd, "rb", buffering=buffering)
+
+
+@contextlib.contextmanager
+def arrow_input(path: str | Path) -> Iterator:
+    """`path` (a regular file) as a pyarrow input file, read, never memory-mapped: a
+    mapped file cut short under its reader (another process truncating it) kills the
+    process with SIGBUS on the next page touched, which Python cannot turn into an
+    error; read, a cut file is a short read the caller reports naming it."""
+    import pyarrow as pa
+
+    with open_regular(path) as f:
+        yield pa.PythonFile(f, mode="r")
+
+
+@contextlib.contextmanager
+def parquet(path: str | Path) -> Iterator:
+    """`path` (a regular file) opened as a pyarrow ParquetFile, read through open_regular."""
+    import pyarrow.parquet as pq
+
+    with arrow_input(path) as source, pq.ParquetFile(source) as f:
+        yield f
 
 
 def json_type(value) -> str:

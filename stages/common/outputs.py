@@ -12,8 +12,10 @@ remove their own; see stages/process/cli.py.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +26,42 @@ from stages.common.errors import StageError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+# a write that failed for want of room: a full disk, a quota, a file-size limit
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# pyarrow's write errors ("[errno 28]") and Rust libraries' (tokenizers: a plain
+# Exception, "(os error 28)") carry the errno only in their text
+_NO_ROOM_TEXT = re.compile(r"(\[errno|\(os error) (%s)\b" % "|".join(map(str, sorted(_NO_ROOM))))
+
+
+class NoRoom(StageError):
+    """A write of an output failed for want of room (the output's disk, not an input)."""
+
+
+def no_room(e: BaseException) -> bool:
+    """Whether `e` is a write that failed for want of room."""
+    if isinstance(e, NoRoom) or isinstance(e, OSError) and e.errno in _NO_ROOM:
+        return True
+    return not isinstance(e, StageError) and bool(_NO_ROOM_TEXT.search(str(e)))
+
+
+@contextlib.contextmanager
+def room_named(target: Path) -> Iterator[None]:
+    """A write failing for want of room inside the block, reported as `target`'s (the
+    output the user named), never as the input being read at the time."""
+    try:
+        yield
+    except Exception as e:
+        if not no_room(e):
+            raise
+        code = getattr(e, "errno", None)
+        if code not in _NO_ROOM:
+            told = _NO_ROOM_TEXT.search(str(e))
+            code = int(told.group(2)) if told else errno.ENOSPC
+        why = os.strerror(code)
+        raise NoRoom(f"{target}: no room to write this output ({why}); nothing of it was "
+                     "written, what was there is kept; free space there or name another "
+                     "place") from None
 
 
 def _alive(pid: int) -> bool:
@@ -63,7 +101,8 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
                                 dir=target.parent))
     tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it 0700; outputs are shared data
     try:
-        yield tmp
+        with room_named(target):
+            yield tmp
         old = None
         if target.exists() or target.is_symlink():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -87,7 +126,7 @@ def atomic_file(target: str | Path, mode: str = "w") -> Iterator:
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it 0600
     kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
     try:
-        with os.fdopen(fd, mode, **kwargs) as f:
+        with room_named(target), os.fdopen(fd, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -22,11 +22,10 @@ from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import xxhash
 
 from stages.common import params
-from stages.common.errors import StageError, open_regular, regular
+from stages.common.errors import StageError, arrow_input, open_regular, parquet
 from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import ARROW_SCHEMA
@@ -101,9 +100,10 @@ def file_format(path: Path) -> str:
 def read_schema(path: Path, fmt: str) -> pa.Schema:
     try:
         if fmt == PARQUET:
-            return pq.read_schema(regular(path))
+            with parquet(path) as f:
+                return f.schema_arrow
         if fmt == FILE:
-            with pa.OSFile(str(regular(path))) as source:
+            with arrow_input(path) as source:
                 return pa.ipc.open_file(source).schema
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{path}: not a readable {fmt} file ({e})") from None
@@ -133,14 +133,13 @@ def _checked(path: Path, fmt: str, stream: Iterator[pa.RecordBatch]):
 
 
 def _parquet_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    with pq.ParquetFile(regular(path)) as f:  # decoded a row group at a time
+    with parquet(path) as f:  # decoded a row group at a time
         yield from f.iter_batches(batch_size=BATCH_ROWS, columns=columns)
 
 
 def _file_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """An IPC file's batches, each read into memory (not mapped: a file another tool
-    truncates while it is read is then an error naming it, never a SIGBUS)."""
-    with pa.OSFile(str(regular(path))) as source:
+    """An IPC file's batches, each read into memory (errors.arrow_input)."""
+    with arrow_input(path) as source:
         reader = pa.ipc.open_file(source)
         for i in range(reader.num_record_batches):
             yield reader.get_batch(i).select(columns)
@@ -306,7 +305,7 @@ def _refusal(base: Path, files: list[Path], formats: list[str], path: Path, fmt:
 def _count(path: Path, fmt: str, ids: str) -> tuple[int, int]:
     """(rows, tokens) of one base file from offsets or Parquet metadata, not the values."""
     if fmt == PARQUET:
-        with pq.ParquetFile(regular(path)) as f:
+        with parquet(path) as f:
             meta = f.metadata
         leaf = next(i for i in range(meta.num_columns)
                     if meta.schema.column(i).path.startswith(f"{ids}."))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stages.common import params
-from stages.common.errors import StageError, json_file, json_type, writable
+from stages.common.errors import StageError, json_file, json_type, open_regular, read_regular, writable
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,9 @@ def state_hash(folder: str | Path, shard_names: list[str]) -> str:
     last 64 KiB."""
     folder = Path(folder)
     fingerprint = folder / FILE
-    h = hashlib.sha256(fingerprint.read_bytes() if fingerprint.exists() else b"")
+    h = hashlib.sha256(read_regular(fingerprint) if fingerprint.exists() else b"")
     for name in shard_names:
-        with open(folder / name, "rb") as f:
+        with open_regular(folder / name) as f:
             size = os.fstat(f.fileno()).st_size
             h.update(f"{name}\0{size}\0".encode())
             h.update(f.read(1 << 16))

@@ -31,7 +31,7 @@ IGNORE = -100  # label value the loss skips
 
 
 class Row(NamedTuple):
-    input_ids: np.ndarray  # int32, a view into the shard's memory map
+    input_ids: np.ndarray  # int32, a view into the record batch read
     loss_mask: np.ndarray  # int8
     source: str
 
@@ -47,7 +47,7 @@ def chunks(folder: str | Path, seed: Optional[int] = None) -> Iterator[list[Row]
 
     With a seed, a block shuffle: shards in a random order, the record batches of each
     shard in a random order, rows within each record batch shuffled (memory then grows
-    up to one shard's mapped pages, released when the shard is done).
+    up to one shard, released when the shard is done).
     """
     rng = None if seed is None else np.random.default_rng(seed)
     shards = list_shards(folder)

@@ -69,20 +69,20 @@ def check_base_schema(path: Path, allow_cast: bool, new_dir: Path) -> bool:
 
 
 def _scan(shard: Shard) -> pa.ChunkedArray:
-    """Count rows and tokens and return the id column; touches only ids and offsets."""
-    ids, lists, loss = [], [], []
+    """Count rows and tokens and return the id column (a copy: a batch read is held
+    only while it is counted, so memory stays one batch whatever the shard size)."""
+    ids = []
+    shard.rows = shard.tokens = shard.loss_tokens = 0
     try:
         with open_shard(shard.path) as reader:
-            for batch in reader:
-                ids.append(batch.column("id"))
-                lists.append(batch.column("input_ids"))
-                loss.append(batch.column("num_loss_tokens"))
+            for batch in (b for b in reader if b.num_rows):
+                ids.append(pa.concat_arrays([batch.column("id")]))
+                offsets = batch.column("input_ids").offsets
+                shard.rows += batch.num_rows
+                shard.tokens += offsets[-1].as_py() - offsets[0].as_py()
+                shard.loss_tokens += pc.sum(batch.column("num_loss_tokens")).as_py() or 0
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{shard.path}: unreadable shard ({e})") from None
-    if ids:
-        shard.rows = sum(len(c) for c in ids)
-        shard.tokens = pc.sum(pc.list_value_length(pa.chunked_array(lists))).as_py() or 0
-        shard.loss_tokens = pc.sum(pa.chunked_array(loss)).as_py() or 0
     shard.bytes = shard.path.stat().st_size
     return _strings(ids)
 

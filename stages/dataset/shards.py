@@ -16,7 +16,8 @@ from typing import Iterator, Optional
 import datasets
 import pyarrow as pa
 
-from stages.common.errors import StageError, json_file, open_regular
+from stages.common import outputs
+from stages.common.errors import StageError, arrow_input, json_file, open_regular
 from stages.dataset import fingerprint
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES
 
@@ -93,33 +94,40 @@ def natural_key(name: str) -> list:
 
 
 class ShardReader:
-    """Record batches of one shard, read from a read-only memory map.
+    """Record batches of one shard, read from its open file (errors.arrow_input), or,
+    for a reader of a few columns (`check`), from a read-only memory map.
 
-    With `drop_behind`, pages of batches already handed out are dropped from this
-    process's resident set as the next batch is read (they stay in the page cache and
-    fault back in if an array of an earlier batch is touched again), so memory stays flat
-    whatever the shard size, for readers that touch every page.
+    A mapped file cut short under its reader (another process truncating it, a disk
+    going away) kills the reader with SIGBUS on the next page it touches, a signal
+    Python cannot turn into an error. Read into memory, a cut file is a short read:
+    a StageError naming the shard. Each batch's memory goes with the batch, so readers
+    that let batches go stay flat whatever the shard size. Only stages/view maps (a
+    lookup by id touches the id pages alone: 41 MB of a 5.8 GB set, docs/stages.md);
+    it writes nothing a cut shard could leave half-made.
     """
 
-    def __init__(self, path: Path, source: pa.BufferReader, mapped: mmap.mmap,
-                 drop_behind: bool, check: Optional[tuple[str, ...]] = None):
+    def __init__(self, path: Path, source: pa.NativeFile,
+                 check: Optional[tuple[str, ...]] = None):
         self.path = path
         self._check = check
-        if check is not None:  # a few columns of each batch: no read-around of the rest
-            mapped.madvise(mmap.MADV_RANDOM)
+        self._size = source.size()
         self._source = source
-        self._mapped = mapped
-        self._drop_behind = drop_behind
         try:
-            self._reader = pa.ipc.open_stream(source)
+            self._reader = pa.ipc.open_stream(self._source)
             self.schema: pa.Schema = self._reader.schema
             self.schema.names  # field names that are not UTF-8 raise here, not later
         except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
             raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
 
+    def _cut(self) -> Optional[str]:
+        """Why the file is no longer what was opened, if it was cut while being read."""
+        size = self._source.size()
+        if size < self._size:
+            return f"{self.path}: cut short while being read ({self._size} bytes, now {size})"
+        return None
+
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         """Every batch, checked; StageError at the end if the stream was cut short."""
-        dropped = 0
         end = self._source.tell()  # where the last message read ends
         while True:
             try:
@@ -129,47 +137,57 @@ class ShardReader:
                 # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
                 if self._check is None:
                     batch.validate(full=True)
-                else:  # only the columns this reader will touch: the others stay unread
+                else:  # only the columns this reader will touch
                     for name in self._check:
                         batch.column(name).validate(full=True)
             except StopIteration:
-                if self._mapped[end : end + 9] != _END_MARKER:  # marker, then nothing
-                    raise StageError(
+                self._source.seek(end)
+                if self._source.read(9) != _END_MARKER:  # marker, then nothing
+                    raise StageError(self._cut() or (
                         f"{self.path}: no end-of-stream marker after its last record batch: "
-                        "the shard is truncated"
-                    ) from None
+                        "the shard is truncated")) from None
                 return
             except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
-                raise StageError(f"{self.path}: damaged record batch ({e})") from None
+                raise StageError(self._cut() or f"{self.path}: damaged record batch ({e})") from None
             yield batch
-            if not self._drop_behind:
-                continue
-            done = self._source.tell() // mmap.PAGESIZE * mmap.PAGESIZE
-            if done > dropped:
-                self._mapped.madvise(mmap.MADV_DONTNEED, 0, done)
-                dropped = done
 
 
 @contextlib.contextmanager
 def open_shard(path: str | Path, drop_behind: bool = False,
                check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache).
-    `check`: the only columns whose bytes are checked (and so read: the file is then
-    mapped for random access, with no read-around); default all."""
+    `check`: the only columns whose bytes are checked, read from a memory map (see
+    ShardReader); default all, read. `drop_behind` changes nothing: a batch's memory
+    goes with the batch whatever the caller asks."""
     path = Path(path)
-    try:
-        with open_regular(path) as f:
-            if f.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
-                raise StageError(
-                    f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
-                    "datasets writes; re-save it with datasets' save_to_disk"
-                )
-            if os.fstat(f.fileno()).st_size == 0:
-                raise StageError(f"{path}: empty file, not an Arrow stream shard")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror})") from None
-    yield ShardReader(path, pa.BufferReader(pa.py_buffer(mapped)), mapped, drop_behind, check)
+    with contextlib.ExitStack() as stack:
+        try:
+            if check is None:
+                source = stack.enter_context(arrow_input(path))
+            else:
+                source = _mapped(stack.enter_context(open_regular(path)))
+            head = source.read(len(_FILE_MAGIC))
+            source.seek(0)
+        except OSError as e:
+            raise StageError(f"{path}: cannot read ({e.strerror or e})") from None
+        if head == _FILE_MAGIC:
+            raise StageError(
+                f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+                "datasets writes; re-save it with datasets' save_to_disk"
+            )
+        if not head:
+            raise StageError(f"{path}: empty file, not an Arrow stream shard")
+        yield ShardReader(path, source, check)  # what the caller raises is its own
+
+
+def _mapped(f) -> pa.BufferReader:
+    """The open file `f` mapped read-only for random access (no read-around of the
+    columns a few-column reader skips)."""
+    if os.fstat(f.fileno()).st_size == 0:  # nothing to map: told apart by the caller
+        return pa.BufferReader(b"")
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    return pa.BufferReader(pa.py_buffer(mapped))
 
 
 def read_schema(path: str | Path) -> pa.Schema:
@@ -192,16 +210,30 @@ class ShardFile:
     def __init__(self, path: str | Path, schema: pa.Schema = ARROW_SCHEMA):
         self.path = Path(path)
         self._sink = pa.OSFile(str(self.path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, schema)
+        with self._written():
+            self._writer = pa.ipc.new_stream(self._sink, schema)
+
+    @contextlib.contextmanager
+    def _written(self) -> Iterator[None]:
+        """A write error as this output's (outputs.NoRoom when for want of room): an
+        OSError would read, to a reader's `except OSError`, as its input failing."""
+        try:
+            yield
+        except OSError as e:
+            if outputs.no_room(e):
+                raise outputs.NoRoom(f"{self.path}: {e}") from None
+            raise StageError(f"{self.path}: cannot write ({e})") from None
 
     def write(self, batch: pa.RecordBatch) -> None:
-        self._writer.write_batch(batch)
+        with self._written():
+            self._writer.write_batch(batch)
 
     def close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._sink.close()
+        with self._written():
+            try:
+                self._writer.close()
+            finally:
+                self._sink.close()
 
     def __enter__(self) -> "ShardFile":
         return self

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from stages.common.errors import StageError
+from stages.common.errors import StageError, json_file
 from stages.common.outputs import atomic_dir
 from stages.models import tokenizer
 
@@ -134,7 +134,7 @@ def build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO)
     log.info("building the demo model into %s (once)", folder)
     # The raw tokenizer is enough for the sizes and ids, and loads twice as fast.
     backend = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    names = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    names = json_file(tokenizer_dir / "tokenizer_config.json")
     eos_id = backend.token_to_id(names["eos_token"])
     pad_id = backend.token_to_id(names["pad_token"])
     config = Qwen3Config(

@@ -31,7 +31,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from stages.common.errors import StageError
+from stages.common.errors import StageError, json_file, open_regular, read_regular, regular
 from stages.common.outputs import atomic_dir
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def load_tokenizer(
     if chat_template is not None:
         path = template_path(chat_template)
         try:
-            tok.chat_template = path.read_text(encoding="utf-8")
+            tok.chat_template = read_regular(path).decode("utf-8")
         except UnicodeDecodeError as e:
             raise StageError(
                 f"chat_template {chat_template!r}: not UTF-8 text (byte {e.start})") from None
@@ -147,9 +147,15 @@ def template_path(spec: str) -> Path:
                              + ", ".join(known) + ")")
         return path
     path = Path(spec)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise StageError(f"chat_template {spec!r}: file not found")
-    return path
+    try:
+        return regular(path)  # a FIFO or a device: one line, never a wait
+    except OSError as e:  # a folder, a link to nowhere or a loop of links
+        why = f"not a readable file ({e.strerror})"
+    except StageError as e:
+        why = str(e).removeprefix(f"{path}: ")
+    raise StageError(f"chat_template {spec!r}: {why}")
 
 
 def identity(tok: "PreTrainedTokenizerFast") -> dict:
@@ -212,7 +218,7 @@ def qwen_resources():
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -234,8 +240,8 @@ def stamp_of(ranks: Path, pattern: str, specials: list[tuple[int, str]]) -> dict
 def read_stamp(folder: Path, name: str = STAMP) -> dict | None:
     """The stamp a finished build left in `folder` (written last), or None: not built."""
     try:
-        return json.loads((folder / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json_file(folder / name)
+    except (OSError, StageError):
         return None
 
 
@@ -286,7 +292,7 @@ def _load_bundled(name: str):
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

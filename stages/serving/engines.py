@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import params, secrets
-from stages.common.errors import StageError, parse_json
+from stages.common.errors import StageError, open_regular, parse_json
 from stages.models import tinymodel
 from stages.serving import processgroup, probes
 from stages.serving.logpipe import LogPipe
@@ -157,11 +157,11 @@ def _version(engine: str, python: str) -> Optional[str]:
 
 def _log_tail(path: Path, lines: int = 6) -> str:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 16384))
             text = f.read().decode(errors="replace")
-    except OSError:
+    except (OSError, StageError):  # gone, or no longer a regular file
         return "(no log)"
     kept = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("===")]
     return " | ".join(ln[:300] for ln in kept[-lines:]) or "(log is empty)"

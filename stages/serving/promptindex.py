@@ -100,7 +100,7 @@ class PromptLocations:
         return out
 
     def first_prompt(self) -> dict:
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             return json.loads(f.readline())
 
     def line(self, fd: int, i: int) -> bytes:

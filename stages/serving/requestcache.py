@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from stages.common import outputs
-from stages.common.errors import StageError
+from stages.common.errors import StageError, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RequestCache:
         """
         for seg_no, path in enumerate(self.segments):
             torn = 0
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 offset = 0
                 for line in f:
                     start = offset
@@ -169,7 +169,7 @@ class RequestCache:
         """The JSON bytes of the record at a location (unparsed: the caller checks them)."""
         f = self._readers.get(seg_no)
         if f is None:
-            f = self._readers[seg_no] = open(self.segments[seg_no], "rb")
+            f = self._readers[seg_no] = open_regular(self.segments[seg_no])
         f.seek(offset)
         return f.readline()[KEY_HEX + 1 : -1]
 

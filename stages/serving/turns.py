@@ -467,8 +467,7 @@ class Regeneration:
             generation["samples_per_prompt"] = self.k
             if ids["rows_without_ids"]:
                 ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
-            (tmp / stagefiles.GENERATION_FILE).write_text(
-                json.dumps(generation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            outputs.write_json(tmp / stagefiles.GENERATION_FILE, generation)  # redacted
         counts["engine_ids"] = ids
         counts["failed_by_kind"] = dict(sorted(kinds.items()))
         counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from stages.common import params
-from stages.common.errors import StageError, writable
+from stages.common.errors import StageError, json_file, writable
 from stages.sources import layouts, readers
 from stages.sources.ngrams import Words, remix
 
@@ -118,7 +118,7 @@ class Index:
 
     @classmethod
     def load(cls, folder: Path) -> "Index":
-        meta = json.loads((folder / "index.json").read_text())
+        meta = json_file(folder / "index.json")
         policy = params.Decontaminate(**meta["policy"])
         # memory-mapped: worker processes share one copy through the page cache
         arrays = {key: np.asarray(np.load(folder / f"{key}.npy", mmap_mode="r")) for key in _ARRAYS}

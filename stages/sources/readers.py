@@ -12,6 +12,7 @@ local cache when HF_HUB_OFFLINE is set).
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import io
 import json
@@ -24,7 +25,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import orjson
 
-from stages.common.errors import StageError, json_file, json_type, regular
+from stages.common.errors import (StageError, arrow_input, json_file, json_type,
+                                  open_regular, parquet)
 from stages.common.params import Prepare, Source
 
 _JSON_EXT = (".jsonl", ".ndjson", ".json")
@@ -289,22 +291,22 @@ def _saved(path: Path) -> list[Path]:
 def _parquet_batches(path: Path, columns: list[str], check: Callable[[list[str], str], None],
                      max_record_bytes: int) -> Iterator[tuple[Sequence[int], list]]:
     """(row indexes, rows) of a Parquet file, `columns` only."""
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(regular(path))
-    except StageError:
-        raise
-    except Exception as e:
-        raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
-    names = pf.schema_arrow.names
-    check(names, str(path))
-    cols = [c for c in columns if c in names]
-    _check_parquet_sizes(path, pf.metadata, cols, max_record_bytes)
-    n = 0
-    for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols), f"{path}: cannot read Parquet"):
-        yield range(n, n + batch.num_rows), batch.to_pylist()
-        n += batch.num_rows
+    with contextlib.ExitStack() as stack:
+        try:
+            pf = stack.enter_context(parquet(path))
+        except StageError:
+            raise
+        except Exception as e:
+            raise StageError(f"{path}: cannot read Parquet ({_first_line(e)})") from None
+        names = pf.schema_arrow.names
+        check(names, str(path))
+        cols = [c for c in columns if c in names]
+        _check_parquet_sizes(path, pf.metadata, cols, max_record_bytes)
+        n = 0
+        for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols),
+                              f"{path}: cannot read Parquet"):
+            yield range(n, n + batch.num_rows), batch.to_pylist()
+            n += batch.num_rows
 
 def _check_parquet_sizes(path: Path, meta, cols: list[str], max_record_bytes: int) -> None:
     """Refuse, from the footer alone, a column whose rows average more than
@@ -327,22 +329,23 @@ def _arrow_batches(path: Path, columns: list[str], check: Callable[[list[str], s
     """(row indexes, rows) of an Arrow file (stream or file format), `columns` only."""
     import pyarrow as pa
 
-    source = pa.memory_map(str(regular(path)))
-    try:
+    with arrow_input(path) as source:  # read, not mapped: a cut file is an error, not SIGBUS
         try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            opened = pa.ipc.open_file(source)
-            reader = (opened.get_batch(i) for i in range(opened.num_record_batches))
-    except Exception as e:
-        raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
-    n = 0
-    for batch in _guarded(reader, f"{path}: cannot read Arrow"):
-        names = batch.schema.names
-        if n == 0:
-            check(names, str(path))
-        yield range(n, n + batch.num_rows), batch.select([c for c in columns if c in names]).to_pylist()
-        n += batch.num_rows
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                opened = pa.ipc.open_file(source)
+                reader = (opened.get_batch(i) for i in range(opened.num_record_batches))
+        except Exception as e:
+            raise StageError(f"{path}: cannot read Arrow ({_first_line(e)})") from None
+        n = 0
+        for batch in _guarded(reader, f"{path}: cannot read Arrow"):
+            names = batch.schema.names
+            if n == 0:
+                check(names, str(path))
+            yield range(n, n + batch.num_rows), \
+                batch.select([c for c in columns if c in names]).to_pylist()
+            n += batch.num_rows
 
 
 def _guarded(iterable, what: str) -> Iterator:
@@ -373,12 +376,17 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _open_binary(path: Path):
-    regular(path)  # a FIFO named like a source file: one line, never a wait
-    opener = _COMPRESSED.get(path.suffix.lower())
-    if opener is not None:
-        return opener(path, "rb")
-    return open(path, "rb", buffering=1 << 20)
+@contextlib.contextmanager
+def _open_binary(path: Path) -> Iterator:
+    """The file's bytes, decompressed by its suffix; a FIFO named like a source is one
+    line, never a wait (errors.open_regular)."""
+    with open_regular(path, buffering=1 << 20) as f:
+        opener = _COMPRESSED.get(path.suffix.lower())
+        if opener is None:
+            yield f
+        else:
+            with opener(f, "rb") as decompressed:  # closes it, never the file under it
+                yield decompressed
 
 
 # what reading a damaged file raises: truncated .gz/.bz2/.xz (EOFError), bad .xz data

@@ -100,3 +100,27 @@ def test_a_file_past_the_limit_is_not_read_whole(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(StageError, match=r"list\.json: expected a JSON object, got an array"):
         json_file(tmp_path / "list.json")
+
+
+def test_a_folder_a_stage_expects_says_what_is_there_instead(tmp_path):
+    """A FIFO, a file, a device, a loop of links or a link to nowhere where a dataset
+    folder should be: one line saying which, never "not found (run the stage first)"."""
+    from stages.common.errors import existing_folder
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "nowhere").symlink_to("gone")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to("dir")
+    expected = {"fifo": "is a FIFO, not a dataset folder",
+                "file": "is a file, not a dataset folder",
+                "loop": r"cannot be reached \(Too many levels of symbolic links\)",
+                "nowhere": r"a link that leads nowhere \(a missing target or a loop of links\)",
+                "missing": r"not found \(run the merge stage first\)"}
+    for name, why in expected.items():
+        with pytest.raises(StageError, match=rf"^{tmp_path / name}: {why}$"):
+            existing_folder(tmp_path / name, "run the merge stage first")
+    assert existing_folder(tmp_path / "link", "x") == tmp_path / "link"
+    with pytest.raises(StageError, match="^/dev/null: is a device or a socket"):
+        existing_folder("/dev/null", "x")

@@ -103,3 +103,59 @@ def test_a_scratch_folder_of_a_killed_run_is_removed_by_the_next_writer(tmp_path
     with outputs.atomic_dir(target):  # a writer of the target sweeps them too
         pass
     assert mine.is_dir()  # ours: this process is alive
+
+
+# ------------------------------------------------ no room for an output (issue 32)
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_with_no_room_in_an_output_names_that_output(tmp_path):
+    """/dev/full fails every write with ENOSPC, as a full disk does."""
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "kept").write_text("what was there")
+    with pytest.raises(outputs.NoRoom, match=rf"^{target}: no room to write this output "
+                                             r"\(No space left on device\)"):
+        with outputs.atomic_dir(target):
+            with open("/dev/full", "wb") as f:
+                f.write(b"x" * 100)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing half-written beside
+    assert (target / "kept").read_text() == "what was there"
+    with pytest.raises(outputs.NoRoom, match=rf"^{tmp_path / 'file'}: no room"):
+        with outputs.atomic_file(tmp_path / "file", "wb"):
+            with open("/dev/full", "wb", buffering=0) as f:
+                f.write(b"x")
+    assert not (tmp_path / "file").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_shard_written_with_no_room_is_no_room_not_an_oserror_of_its_reader(tmp_path):
+    """A reader's `except OSError` around a read and a write (merge's rewrite) must not
+    take the output's full disk for its input's failure."""
+    import pyarrow as pa
+
+    from stages.dataset.schema import ARROW_SCHEMA
+
+    from stages.dataset.shards import ShardFile
+
+    batch = pa.RecordBatch.from_pylist(
+        [{"id": "a", "source": "s", "input_ids": [1] * 5000, "loss_mask": [1] * 5000,
+          "num_tokens": 5000, "num_loss_tokens": 5000}], schema=ARROW_SCHEMA)
+    with pytest.raises(outputs.NoRoom):
+        try:
+            with ShardFile("/dev/full") as shard:
+                shard.write(batch)
+        except OSError:
+            pytest.fail("a full disk came out as a plain OSError")
+    assert not outputs.no_room(OSError(2, "No such file or directory"))
+    assert outputs.no_room(OSError(27, "File too large"))
+
+
+def test_a_rust_library_s_no_room_is_named_as_the_output_s_too(tmp_path):
+    """tokenizers' save raises a plain Exception, "File too large (os error 27)"."""
+    assert not outputs.no_room(Exception("(os error 2)")) and not outputs.no_room(
+        Exception("(os error 280)"))
+    with pytest.raises(outputs.NoRoom, match=rf"^{tmp_path / 'tok'}: no room to write this "
+                                             r"output \(File too large\)"):
+        with outputs.atomic_dir(tmp_path / "tok"):
+            raise Exception("File too large (os error 27)")
+    assert list(tmp_path.iterdir()) == []

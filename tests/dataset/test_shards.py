@@ -4,6 +4,7 @@ the metadata that makes the folder load."""
 from __future__ import annotations
 
 import json
+import os
 
 import datasets
 import numpy as np
@@ -25,7 +26,7 @@ from stages.dataset.shards import (
 from tests.helpers.sets import damaged_tokens_shard
 
 
-def test_shard_reader_reads_everything_while_dropping_pages(tmp_path):
+def test_shard_reader_reads_everything_and_keeps_batches_valid(tmp_path):
     path = tmp_path / "x.arrow"
     n = 5000
     table = pa.table({"id": [str(i) for i in range(n)], "source": ["s"] * n,
@@ -36,10 +37,10 @@ def test_shard_reader_reads_everything_while_dropping_pages(tmp_path):
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
         w.write_table(table, max_chunksize=100)
     with open_shard(path, drop_behind=True) as reader:
-        batches = list(reader)  # earlier batches' pages are dropped, then touched again
+        batches = list(reader)  # each batch its own memory, valid after the next is read
     assert pa.Table.from_batches(batches).equals(table)
     first = table.slice(0, 100).column("input_ids").combine_chunks()
-    assert batches[0].column("input_ids").equals(first)  # dropped pages fault back in
+    assert batches[0].column("input_ids").equals(first)
 
 
 def test_list_shards_orders_and_refuses(tmp_path):
@@ -159,3 +160,26 @@ def test_shard_writer_bounds_rows_and_bytes_and_names_the_shards(tmp_path):
     empty = ShardWriter(tmp_path / "empty", max_rows=3, max_bytes=1 << 20)
     (tmp_path / "empty").mkdir()
     assert empty.close() == [shard_name(0, 1)]  # no rows: one empty shard, still loads
+
+
+def test_a_shard_cut_while_read_is_a_stage_error_naming_it(tmp_path):
+    """Read, not mapped: a shard truncated between two batches is a short read, one
+    StageError naming it (mapped, the next batch's pages would be a SIGBUS)."""
+    path = tmp_path / "x.arrow"
+    n = 4000
+    table = pa.table({"id": [str(i) for i in range(n)], "source": ["s"] * n,
+                      "input_ids": [list(range(50)) for _ in range(n)],
+                      "loss_mask": [[1] * 50 for _ in range(n)],
+                      "num_tokens": [50] * n, "num_loss_tokens": [50] * n}).cast(ARROW_SCHEMA)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, ARROW_SCHEMA) as w:
+        w.write_table(table, max_chunksize=100)
+    size = path.stat().st_size
+    with open_shard(path) as reader:
+        batches = iter(reader)
+        first = next(batches)
+        os.truncate(path, size // 2 + 7)
+        with pytest.raises(StageError, match=rf"^{path}: cut short while being read "
+                                             rf"\({size} bytes, now {size // 2 + 7}\)$"):
+            for _ in batches:
+                pass
+    assert first.column("id")[0].as_py() == "0"  # what was read stays readable

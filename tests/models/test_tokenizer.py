@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import unicodedata
@@ -336,8 +337,15 @@ def test_local_folder_and_template_override(tmp_path):
     (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9 {{ messages }}")
     with pytest.raises(StageError, match=r"latin1.jinja': not UTF-8 text \(byte 3\)"):
         tokenizer.load_tokenizer(str(folder), chat_template=str(tmp_path / "latin1.jinja"))
-    with pytest.raises(StageError, match="file not found"):  # not a regular file: never read
+    with pytest.raises(StageError, match=r"^chat_template '/dev/zero': not a regular file "
+                                         r"\(a device or a socket\)$"):  # never read
         tokenizer.load_tokenizer(str(folder), chat_template="/dev/zero")
+    os.mkfifo(tmp_path / "fifo.jinja")
+    (tmp_path / "loop.jinja").symlink_to("loop.jinja")
+    for name, why in (("fifo.jinja", r"not a regular file \(a FIFO\)"),
+                      ("loop.jinja", "not a readable file \\(Too many levels of symbolic links")):
+        with pytest.raises(StageError, match=rf"^chat_template '[^']*{name}': {why}"):
+            tokenizer.load_tokenizer(str(folder), chat_template=str(tmp_path / name))
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}", encoding="utf-8")
     loaded = tokenizer.load_tokenizer(str(folder), chat_template=str(tpl))

@@ -35,7 +35,7 @@ from stages.common.errors import StageError
 from stages.common import secrets
 from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
-from stages.serving import fitting, records, servesetup, turns
+from stages.serving import fitting, records, servesetup, toolshape, turns
 from stages.serving.breakers import BREAKER, BadBodyBreaker
 from stages.serving.client import (
     BodyEncoder,
@@ -144,7 +144,8 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
         counts = write_outputs(plan, cache, transient, meta,
-                               engineids.why_without(server.engine, router), paths.out)
+                               engineids.why_without(server.engine, router), paths.out,
+                               server.engine)
     report = {
         "requests": plan.n,
         **counts,
@@ -177,7 +178,8 @@ async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: Prom
         regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
                                    completion_row(prompt, reply, meta["model"],
                                                   meta["sampling_hash"],
-                                                  meta["sampling"]["enable_thinking"]))
+                                                  meta["sampling"]["enable_thinking"],
+                                                  server.engine))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
         if cfg.limit is not None and plan.n:  # the dry run's view: the first turn's request
@@ -420,11 +422,12 @@ def write_outputs(
     meta: dict,
     why_without_ids: str,
     out: Path,
+    engine: Optional[str] = None,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only, and
     generation.json: `meta` (the model, sampling params and their hash the rows were
     generated with), and when some rows lack the engine's ids, why (`why_without_ids`),
-    which tokenize reads."""
+    which tokenize reads. Rows hold their tools as `engine` rendered them (toolshape)."""
     model, sampling_hash = meta["model"], meta["sampling_hash"]
     enable_thinking = meta["sampling"]["enable_thinking"]
     counts = {
@@ -457,7 +460,8 @@ def write_outputs(
             mine = by_source.setdefault(str(prompt.get("source")), {
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
-                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking)
+                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking,
+                                     engine)
                 turns.count_completed(row, counts, mine, ids)
                 comp.write(dumps(row) + "\n")
             else:
@@ -480,7 +484,8 @@ def write_outputs(
 
 
 def completion_row(
-    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool
+    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool,
+    engine: Optional[str] = None,
 ) -> dict:
     # parsed again here, not taken from the client's Reply: rows are written from the
     # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
@@ -496,8 +501,8 @@ def completion_row(
         "source": prompt.get("source"),
         "messages": prompt["messages"] + [answer],
     }
-    if "tools" in prompt:
-        row["tools"] = prompt["tools"]
+    if "tools" in prompt:  # as the engine rendered them into the prompt it served
+        row["tools"] = toolshape.served_tools(engineids.engine_of(reply, engine), prompt["tools"])
     # Thinking that never closed leaves reasoning and no answer: data, not a success.
     truncated = parts.finish_reason in TRUNCATED_FINISH or (
         not parts.content and not parts.tool_calls)

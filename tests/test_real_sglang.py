@@ -556,11 +556,13 @@ def test_a_regenerate_run_sigkilled_mid_run_resumes_without_resending_and_gives_
     sends nothing and writes the same bytes. SGLang 0.5.23 on this CPU answers the same
     seeded request differently from one run to the next (seen at concurrency 1), so a
     clean run in another folder is not the same bytes; the bytes are the answers'."""
-    convs = [conversation(i, 3) for i in range(4)]
+    convs = [conversation(i, 3) for i in range(6)]
     prompts = write_conversations(tmp_path, convs)
     proxy = RecordingProxy(sglang.url)
     try:
-        write_params(tmp_path, {"url": proxy.url, "engine": "sglang"}, max_tokens=48,
+        # thinking off, 256 tokens: most turns end on their own (at 48 every first turn
+        # ran to the limit, and so ended its conversation)
+        write_params(tmp_path, {"url": proxy.url, "engine": "sglang"}, max_tokens=256,
                      enable_thinking=False, concurrency=2, seed=11)
         proc = subprocess.Popen(stagecli.command("generate"), cwd=tmp_path, env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""Benchmark the generate stage against the engine's own load generator on real vLLM.
+"""Benchmark the generate stage against each engine's own load generator, real engines on CPU.
 
   generate_vs_engine       output tok/s of `python -m stages.generate` divided by output
                            tok/s of vLLM's serving benchmark (`vllm.benchmarks.serve`, run
@@ -6,11 +6,14 @@
                            the tiny demo model), same prompts, concurrency and max_tokens,
                            EOS ignored on both sides so every answer has the same length.
                            Target >= 0.95.
-  generate_engine_stage_tok_s / generate_engine_bench_tok_s   the two figures (best of 2
-                           rounds; each side runs first in one of them).
+  generate_vs_sglang       the same against real SGLang (0.5.23, CPU, `.venv-sglang-cpu`)
+                           and SGLang's own `python -m sglang.bench_serving` (backend
+                           sglang-oai-chat: the same chat endpoint). Target >= 0.95.
+  generate_{engine,sglang}_{stage,bench}_tok_s   the figures (best of 2 rounds; each side
+                           runs first in one of them).
 
 Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_engine.py`
-(BENCH_QUICK=1: fewer prompts).
+(BENCH_QUICK=1: fewer prompts; `--engine vllm` or `--engine sglang`: that figure only).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = HERE / "work" / "generate_vs_engine"
 ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SGLANG_PYTHON = ROOT / ".venv-sglang-cpu" / "bin" / "python"
+# the flags docs/gpu-host.md gives for SGLang on a CPU
+SGLANG_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
+               "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
+               "--max-total-tokens", "8192", "--reasoning-parser", "qwen3"]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
@@ -52,7 +60,8 @@ def texts(n: int) -> list[str]:
     return [f"Question {i}: explain item {i * 7919 % 100003} in two sentences." for i in range(n)]
 
 
-def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
+def stage_tok_s(wd: Path, url: str, prompts: list[str], engine: str = "vllm",
+                model: str | None = MODEL) -> float:
     import yaml
 
     shutil.rmtree(wd, ignore_errors=True)
@@ -62,7 +71,7 @@ def stage_tok_s(wd: Path, url: str, prompts: list[str]) -> float:
             row = {"id": f"b{i:05d}", "source": "bench", "messages": [{"role": "user", "content": text}]}
             f.write(json.dumps(row) + "\n")
     gen = {
-        "server": {"url": url, "engine": "vllm", "model": MODEL},
+        "server": {"url": url, "engine": engine, **({"model": model} if model else {})},
         "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS, "ignore_eos": True,
         "seed": None, "request_timeout": 600, "progress_interval": 3600, **SAMPLING,
     }  # fmt: skip
@@ -108,16 +117,96 @@ def engine_tok_s(wd: Path, url: str, model_path: str, prompts: list[str]) -> flo
     return figures["output_throughput"]
 
 
-def main() -> dict:
+def sglang_tok_s(wd: Path, url: str, served: str, model_path: str, prompts: list[str]) -> float:
+    """Output tok/s of SGLang's own serving benchmark on `prompts` (its custom dataset:
+    one user turn each, the answer's length fixed, EOS ignored, its default streaming)."""
+    wd.mkdir(parents=True, exist_ok=True)
+    data = wd / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [
+        {"role": "user", "content": t}, {"role": "assistant", "content": "unused answer"}]}) + "\n"
+        for t in prompts), encoding="utf-8")
+    result = wd / "result.jsonl"
+    result.unlink(missing_ok=True)
+    extra = {"top_k": SAMPLING["top_k"], "chat_template_kwargs": {"enable_thinking": True}}
+    argv = [
+        str(SGLANG_PYTHON), "-m", "sglang.bench_serving", "--backend", "sglang-oai-chat",
+        "--base-url", url, "--model", served, "--tokenizer", model_path,
+        "--dataset-name", "custom", "--dataset-path", str(data),
+        "--num-prompts", str(len(prompts)), "--sharegpt-output-len", str(MAX_TOKENS),
+        "--max-concurrency", str(CONCURRENCY), "--temperature", str(SAMPLING["temperature"]),
+        "--top-p", str(SAMPLING["top_p"]), "--extra-request-body", json.dumps(extra),
+        "--output-file", str(result), "--disable-tqdm", "--warmup-requests", "0",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=wd,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"SGLang's serving benchmark failed: {(done.stdout + done.stderr)[-3000:]}")
+    figures = json.loads(result.read_text().strip().splitlines()[-1])
+    assert figures["completed"] == len(prompts), figures
+    assert figures["total_output_tokens"] == len(prompts) * MAX_TOKENS, figures
+    return figures["output_throughput"]
+
+
+def best_of_two(name: str, bench, stage) -> tuple[float, float]:
+    """Each side's best of two rounds; the machine is shared and its load drifts, so each
+    side goes first once (one order would favour whoever runs in the calmer half)."""
+    ours, theirs = [], []
+    for round_ in range(2):
+        runs = [lambda: theirs.append(bench(round_)), lambda: ours.append(stage(round_))]
+        for run in runs if round_ % 2 == 0 else runs[::-1]:
+            run()
+        print(f"round {round_}: stage {ours[-1]:.1f} tok/s, {name}'s benchmark {theirs[-1]:.1f} "
+              f"tok/s (load average {os.getloadavg()[0]:.1f})", flush=True)
+    return max(ours), max(theirs)
+
+
+def sglang_figures(prompts: list[str]) -> dict:
+    from stages.common import params
+    from stages.serving import engines
+
+    if not SGLANG_PYTHON.exists():
+        raise RuntimeError("no SGLang venv (.venv-sglang-cpu): run `make engine-venv` first")
+    launch = params.build(params.Launch, {
+        "engine": "sglang", "model": MODEL, "python": str(SGLANG_PYTHON), "args": SGLANG_ARGS,
+        "startup_timeout": 900,
+    }, "bench")  # fmt: skip
+    t0 = time.monotonic()
+    with engines.EngineProcess(launch, WORK / "sglang.log") as server:
+        startup = time.monotonic() - t0
+        served = server.model_name
+        sglang_tok_s(WORK / "sglang-warmup", server.url, served, server.model_path,
+                     prompts[:CONCURRENCY])
+        ours, theirs = best_of_two(
+            "SGLang",
+            lambda r: sglang_tok_s(WORK / f"sglang-{r}", server.url, served, server.model_path,
+                                   prompts),
+            lambda r: stage_tok_s(WORK / f"stage-sglang-{r}", server.url, prompts, "sglang",
+                                  None))
+    return {
+        "generate_sglang_stage_tok_s": round(ours, 1),
+        "generate_sglang_bench_tok_s": round(theirs, 1),
+        "generate_vs_sglang": round(ours / theirs, 3),
+        "generate_sglang_startup_s": round(startup, 1),
+    }
+
+
+def main(which: tuple[str, ...] = ("vllm", "sglang")) -> dict:
+    n = 32 if harness.quick() else 96
+    prompts = texts(n)
+    WORK.mkdir(parents=True, exist_ok=True)
+    out = vllm_figures(prompts) if "vllm" in which else {}
+    if "sglang" in which:
+        out.update(sglang_figures(prompts))
+    return {**out, "generate_engine_prompts": n}
+
+
+def vllm_figures(prompts: list[str]) -> dict:
     from stages.common import params
     from stages.serving import engines
 
     if not ENGINE_PYTHON.exists():
         raise RuntimeError("no engine venv: run `make engine-venv` first")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    n = 32 if harness.quick() else 96
-    prompts = texts(n)
-    WORK.mkdir(parents=True, exist_ok=True)
     launch = params.build(params.Launch, {
         "engine": "vllm", "model": MODEL, "python": str(ENGINE_PYTHON),
         "args": ["--reasoning-parser", "qwen3", "--served-model-name", MODEL, "--enforce-eager"],
@@ -127,25 +216,23 @@ def main() -> dict:
     with engines.EngineProcess(launch, WORK / "vllm.log") as server:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
-        ours, theirs = [], []
-        for round_ in range(2):  # best of each; the machine is shared and its load drifts,
-            # so each side goes first once (one order would favour whoever runs in the calmer half)
-            runs = [lambda: theirs.append(engine_tok_s(WORK / f"vllm-{round_}", server.url,
-                                                       server.model_path, prompts)),
-                    lambda: ours.append(stage_tok_s(WORK / f"stage-{round_}", server.url, prompts))]
-            for run in runs if round_ % 2 == 0 else runs[::-1]:
-                run()
-            print(f"round {round_}: stage {ours[-1]:.1f} tok/s, vLLM's benchmark {theirs[-1]:.1f} "
-                  f"tok/s (load average {os.getloadavg()[0]:.1f})", flush=True)
+        ours, theirs = best_of_two(
+            "vLLM",
+            lambda r: engine_tok_s(WORK / f"vllm-{r}", server.url, server.model_path, prompts),
+            lambda r: stage_tok_s(WORK / f"stage-{r}", server.url, prompts))
     return {
-        "generate_engine_stage_tok_s": round(max(ours), 1),
-        "generate_engine_bench_tok_s": round(max(theirs), 1),
-        "generate_vs_engine": round(max(ours) / max(theirs), 3),
-        "generate_engine_prompts": n,
+        "generate_engine_stage_tok_s": round(ours, 1),
+        "generate_engine_bench_tok_s": round(theirs, 1),
+        "generate_vs_engine": round(ours / theirs, 3),
         "generate_engine_vllm_startup_s": round(startup, 1),
     }
 
 
 if __name__ == "__main__":
-    for key, value in main().items():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("vllm", "sglang"), action="append")
+    chosen = parser.parse_args().engine
+    for key, value in main(tuple(chosen) if chosen else ("vllm", "sglang")).items():
         print(f"{key} = {value}")

@@ -128,7 +128,8 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
             gen = await _send(cfg, plan, cache, server, key, pending)
         transient = gen.transient if gen else {}
         counts = completions.write_outputs(plan, cache, transient, meta,
-                               engineids.why_without(server.engine, router), paths.out)
+                               engineids.why_without(server.engine, router), paths.out,
+                               server.engine)
     report = {
         "requests": plan.n,
         **counts,
@@ -161,7 +162,8 @@ async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: Prom
         regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
                                    completions.completion_row(prompt, reply, meta["model"],
                                                   meta["sampling_hash"],
-                                                  meta["sampling"]["enable_thinking"]))
+                                                  meta["sampling"]["enable_thinking"],
+                                                  server.engine))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
         if cfg.limit is not None and plan.n:  # the dry run's view: the first turn's request

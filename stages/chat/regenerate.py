@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from stages.chat import thinking
+
 TURNS_KEY = "turns"
 
 
@@ -55,8 +57,13 @@ def turn_count(prompt: dict) -> int:
 
 
 def in_history(answer: dict) -> dict:
-    """The target's answer as the next request carries it (no reasoning)."""
+    """The target's answer as the next request carries it (no reasoning). An answer whose
+    content holds `</think>` (the model wrote it again after its thinking) keeps an empty
+    reasoning when its row has one: without it the template would take the text before
+    that `</think>` for thinking and drop it, rendering less than the row renders."""
     kept = {"role": "assistant", "content": answer.get("content") or ""}
+    if thinking.CLOSE in kept["content"] and thinking.has_reasoning(answer):
+        kept["reasoning_content"] = ""
     if answer.get("tool_calls"):
         kept["tool_calls"] = answer["tool_calls"]
     return kept

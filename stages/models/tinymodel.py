@@ -145,7 +145,8 @@ def build(folder: Path, tokenizer_dir: Path, stamp: dict, recipe: Recipe = DEMO)
         dtype="float32",
         **recipe.architecture,
     )
-    specials = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    # every added token, special or not: the model writes none of them (`</think>` apart)
+    specials = sorted(backend.get_added_tokens_decoder())
     # Only the generator's state decides the weights; restore it so callers are unaffected.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)

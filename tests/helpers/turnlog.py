@@ -54,17 +54,21 @@ def check_history(log: list[dict], rows: list[dict]) -> dict[str, list[dict]]:
     prompts = {r["id"]: r for r in rows}
     for conv, entries in by_conv.items():
         entries.sort(key=lambda e: e["turn"])
-        once = {}
+        last = {}
         for e in entries:  # a turn answered as its run was killed, before the stage kept
-            first = once.setdefault(e["turn"], e)  # it, is sent again: the same request
+            first = last.setdefault(e["turn"], e)  # it, is sent again: the same request;
             assert e["messages"] == first["messages"], (conv, e["turn"])
-        entries[:] = list(once.values())
+            last[e["turn"]] = e  # the answer kept is the last (an engine may answer anew)
+        entries[:] = list(last.values())
         assert [e["turn"] for e in entries] == list(range(1, len(entries) + 1)), conv
         expected = list(prompts[conv]["messages"])
         for k, e in enumerate(entries, 1):
             assert SOURCE not in json.dumps(e["messages"])
             assert e["messages"] == expected, (conv, k)
             if k < len(entries):
-                expected = expected + [{"role": "assistant", "content": e["reply"]["content"] or ""}] \
-                    + prompts[conv]["turns"][k - 1]
+                said = {"role": "assistant", "content": e["reply"]["content"] or ""}
+                if "</think>" in said["content"] and isinstance(
+                        e["reply"].get("reasoning_content"), str):
+                    said["reasoning_content"] = ""  # kept whole, as its row renders it
+                expected = expected + [said] + prompts[conv]["turns"][k - 1]
     return by_conv

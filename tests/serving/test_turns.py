@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from stages.chat import regenerate
+from stages.serving.toolshape import served_tools
 from tests.helpers.fakeserver import spawn
 from tests.helpers.generation import (cache_entries, here, ok, outputs, report,
                                  start_stage, stage, url_server, write_params)
@@ -213,6 +214,8 @@ def test_a_turn_where_the_target_calls_a_tool_ends_its_conversation_kept(tmp_pat
     assert len(log) == 4 + 2 + 4  # nothing asked after the call: its result would be ours
     done, failed = outputs(tmp_path)
     assert not failed and [len(r["turns"]) for r in done] == [4, 2, 4]
+    # every turn was served the tools as SGLang (the URL's default dialect) renders them
+    assert all(r["tools"] == served_tools("sglang", tools) != tools for r in done)
     call = done[1]["messages"][-1]
     assert call["tool_calls"][0]["function"]["name"] == "lookup"
     assert done[1]["finish_reason"] == "tool_calls" and not done[1]["truncated"]

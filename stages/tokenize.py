@@ -26,7 +26,7 @@ from stages.chat import rendercheck, tokenrows
 from stages.chat.encoder import ChatEncoder
 from stages.common import outputs, params, stagefiles
 from stages.process import cpus
-from stages.common.errors import StageError, absent, json_object, open_regular, read_regular
+from stages.common.errors import StageError, absent, json_object, read_regular
 from stages.dataset import fingerprint
 from stages.dataset.shards import ShardWriter, write_metadata
 from stages.models import tokenizer
@@ -36,13 +36,6 @@ log = logging.getLogger(__name__)
 
 PATHS = {"completions": "generate's folder", "out": "folder the dataset is written to",
          "reports": "folder of the stage reports"}
-# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
-# the file (a quarter of each worker's share of what is left) so that the last chunks
-# do not leave a worker idle while another finishes a big one; never under
-# MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would show.
-CHUNK_BYTES = 256 << 10
-MIN_CHUNK_BYTES = 16 << 10
-CHUNK_ROWS = 256
 
 
 def run(cfg: params.Tokenize, paths) -> dict:
@@ -181,32 +174,6 @@ def _template_name(cfg: params.Tokenize) -> str:
 # ---------------------------------------------------------------- reading
 
 
-def _line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
-    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES)."""
-
-    def limit(left: int) -> int:
-        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // (4 * num_proc)))
-
-    left = src.stat().st_size
-    cap = limit(left)
-    lines: list[bytes] = []
-    size = 0
-    first = 1
-    with open_regular(src) as f:
-        for no, line in enumerate(f, 1):
-            if not lines:
-                first = no
-            lines.append(line)
-            size += len(line)
-            if size >= cap or len(lines) >= CHUNK_ROWS:
-                yield first, lines
-                left -= size
-                cap = limit(left)
-                lines, size = [], 0
-    if lines:
-        yield first, lines
-
-
 def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
              why_without: str = rendercheck.NO_IDS) -> Iterator[tokenrows.ChunkResult]:
     """Chunk results in input order, computed here or by `num_proc` forked workers."""
@@ -217,7 +184,7 @@ def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
     _STATE = (encoder, cfg, str(src), why_without)
     try:
         if cfg.num_proc == 1:
-            for chunk in _line_chunks(src, 1):
+            for chunk in tokenrows.line_chunks(src, 1):
                 yield work(chunk)
             return
         # Workers share the parent's objects copy-on-write; a full garbage collection (in
@@ -243,7 +210,7 @@ def _pooled(src: Path, cfg: params.Tokenize) -> Iterator[tokenrows.ChunkResult]:
     window = collections.deque()
     workers = children.Workers("fork", cfg.num_proc)
     try:
-        for chunk in _line_chunks(src, cfg.num_proc):
+        for chunk in tokenrows.line_chunks(src, cfg.num_proc):
             window.append(workers.submit(work, chunk))
             if len(window) >= 3 * cfg.num_proc:
                 yield workers.result(window.popleft(), "tokenize")

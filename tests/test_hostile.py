@@ -28,12 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
-from stages import merge, validate
+from stages import merge
 from stages.common import outputs as stage_outputs
 from stages.common import secrets
 from stages.common.errors import StageError
 from stages.common.params import INT32, MAX_PATH, Merge, Validate, check_ranges
-from stages.dataset import fingerprint, lineage, rowcheck
+from stages.dataset import fingerprint, lineage, rowcheck, setchecks
 from stages.dataset.shards import list_shards
 from stages.process import cli
 from stages.serving import probes
@@ -131,11 +131,11 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
     if any(isinstance(r, StageError) for r in read):
         return
     merged = fingerprint.widened(*read)
-    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
+    findings = rowcheck.Findings(setchecks.DATASET_CHECKS, 3)
     (tmp_path / "fingerprint.json").write_text(json.dumps(merged))
-    fp = validate._fingerprint(findings, tmp_path) or {}
+    fp = setchecks.check_fingerprint(findings, tmp_path) or {}
     cfg = Validate(vocab_size=10, max_seq_len=None, min_loss_tokens=None)
-    done = one_line_or_value(lambda: validate._limits(cfg, findings, fp, tmp_path))
+    done = one_line_or_value(lambda: setchecks.limits(cfg, findings, fp, tmp_path))
     if not isinstance(done, StageError):
         check_ranges(done[0], "validate")  # whatever was recorded: a value in range
 
@@ -144,16 +144,16 @@ def test_any_fingerprint_pair_merges_into_limits_validate_can_use(tmp_path, base
 @given(files({"features": {"id": {"dtype": "string", "_type": "Value"}}}))
 def test_any_dataset_info_is_a_finding_never_a_crash(tmp_path, text):
     (tmp_path / "dataset_info.json").write_bytes(text)
-    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
-    validate._check_info(findings, tmp_path)
+    findings = rowcheck.Findings(setchecks.DATASET_CHECKS, 3)
+    setchecks.check_info(findings, tmp_path)
 
 
 @PROPERTY
 @given(files({"merged": {"rows": 10}}))
 def test_any_merge_report_gives_a_row_count_or_a_finding(tmp_path, text):
     (tmp_path / "merge.json").write_bytes(text)
-    findings = rowcheck.Findings(validate.DATASET_CHECKS, 3)
-    expected = validate._check_row_count(findings, 10, tmp_path, tmp_path / "merge.json")
+    findings = rowcheck.Findings(setchecks.DATASET_CHECKS, 3)
+    expected = setchecks.check_row_count(findings, 10, tmp_path, tmp_path / "merge.json")
     assert (expected == 10) or not findings.checks["row_count"]["passed"]
     assert expected is None or (type(expected) is int and expected >= 0)
 

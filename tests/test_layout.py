@@ -208,3 +208,53 @@ def test_files_are_read_through_the_one_reader(module):
 
 def test_every_module_the_reader_allowlist_names_exists():
     assert all((ROOT / module).is_file() for module in OPENS_ITSELF), OPENS_ITSELF
+
+
+# ------------------------------------------------ tests and benchmarks: public names only
+
+
+def crossings(path: Path) -> list[str]:
+    """Where a test or benchmark file reaches into private code: a `_name` imported from
+    stages/ or read off a stages module, or an import from another `test_*.py`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] == "stages":
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"line {node.lineno}: {node.module}.{alias.name}")
+                    modules.add(alias.asname or alias.name)
+            if any(part.startswith("test_") for part in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module}")
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names
+                           if a.name.split(".")[0] == "stages")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            owner = ast.unparse(node.value)
+            if owner in modules or owner.startswith("stages."):
+                found.append(f"line {node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+TESTS_AND_BENCHES = sorted(
+    p.relative_to(ROOT).as_posix() for d in ("tests", "bench") for p in (ROOT / d).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", TESTS_AND_BENCHES)
+def test_tests_and_benchmarks_use_public_names_only(path):
+    """A test holds a module to what its callers may use, so the module can change inside;
+    what tests share lives in tests/helpers/, not in another test module."""
+    found = crossings(ROOT / path)
+    assert not found, f"{path} reaches into private code: {found}"
+
+
+def test_the_crossing_finder_sees_each_kind(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from stages.tokenize import _load\nfrom stages.dataset import lineage\n"
+                     "from tests.test_merge import rows\nimport stages.merge\n"
+                     "lineage._turns({})\nstages.merge._read(1)\nlineage.build()\n")
+    assert [f.split(": ")[1] for f in crossings(probe)] == [
+        "stages.tokenize._load", "from tests.test_merge", "lineage._turns", "stages.merge._read"]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from stages import tokenize
+from stages.chat import tokenrows
 from stages.chat.encoder import ChatEncoder
 from stages.common.errors import StageError
 from stages.common.params import ParamError, Tokenize
@@ -140,7 +141,7 @@ def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch, caplog):
                                           f"answer {i} " * (i * 13 % 50 + 1)))
             for i in range(60)]
     src = write(tmp_path / "c.jsonl", rows)
-    monkeypatch.setattr(tokenize, "CHUNK_ROWS", 4)  # many chunks, handed out as workers free up
+    monkeypatch.setattr(tokenrows, "CHUNK_ROWS", 4)  # many chunks, handed out as workers free up
     monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither of the others
     caplog.set_level(logging.INFO, logger=tokenize.log.name)
     reports = {name: tokenize.tokenize_file(src, tmp_path / name, num_proc=n, shard_rows=25)
@@ -167,7 +168,7 @@ def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
             for i in range(40)]
     write(tmp_path / "data/completions/completions.jsonl", rows)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tokenize, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(tokenrows, "CHUNK_ROWS", 4)
     written = {}
     for num_proc in (1, 2):
         tokenize.run(Tokenize(num_proc=num_proc), PATHS)
@@ -281,31 +282,6 @@ def test_params_are_checked(tmp_path, src):
         tokenize.tokenize_file(src, tmp_path / "out", num_proc=-1)
     with pytest.raises(StageError, match=r"missing.jsonl: not found \(the completions file"):
         tokenize.tokenize_file(tmp_path / "missing.jsonl", tmp_path / "out")
-
-
-def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenize, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(tokenize, "MIN_CHUNK_BYTES", 1000)
-    lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(lines))
-    chunks = list(tokenize._line_chunks(path))
-    assert [first for first, _ in chunks] == [1, 3, 8]
-    for _, part in chunks:
-        assert sum(map(len, part)) - len(part[-1]) < 1000
-
-
-def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenize, "CHUNK_BYTES", 4000)
-    monkeypatch.setattr(tokenize, "MIN_CHUNK_BYTES", 100)
-    lines = [f"{i:099d}\n" for i in range(4000)]  # 100 bytes each
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(lines))
-    chunks = list(tokenize._line_chunks(path, num_proc=2))
-    sizes = [sum(map(len, part)) for _, part in chunks]
-    assert [line.decode() for _, part in chunks for line in part] == lines
-    assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)
-    assert sizes[-2] == 100  # the tail comes in the smallest pieces
 
 
 def test_run_writes_the_report(tmp_path, monkeypatch):

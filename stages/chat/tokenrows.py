@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import time
 from array import array
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -23,8 +24,16 @@ from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
 from stages.serving.engineids import Served
 from stages.common import params
-from stages.common.errors import StageError, json_object
+from stages.common.errors import StageError, json_object, open_regular
 from stages.dataset.schema import ARROW_SCHEMA
+
+# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
+# the file (a quarter of each worker's share of what is left) so that the last chunks
+# do not leave a worker idle while another finishes a big one; never under
+# MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would show.
+CHUNK_BYTES = 256 << 10
+MIN_CHUNK_BYTES = 16 << 10
+CHUNK_ROWS = 256
 
 log = logging.getLogger(__name__)
 
@@ -299,3 +308,29 @@ def _percentiles(values) -> dict:
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"mean": round(float(a.mean()), 1), "p50": int(p50), "p90": int(p90),
             "p99": int(p99), "max": int(a.max())}
+
+
+def line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
+    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES)."""
+
+    def limit(left: int) -> int:
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // (4 * num_proc)))
+
+    left = src.stat().st_size
+    cap = limit(left)
+    lines: list[bytes] = []
+    size = 0
+    first = 1
+    with open_regular(src) as f:
+        for no, line in enumerate(f, 1):
+            if not lines:
+                first = no
+            lines.append(line)
+            size += len(line)
+            if size >= cap or len(lines) >= CHUNK_ROWS:
+                yield first, lines
+                left -= size
+                cap = limit(left)
+                lines, size = [], 0
+    if lines:
+        yield first, lines

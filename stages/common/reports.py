@@ -41,7 +41,7 @@ RUN: dict[str, tuple[str, ...]] = {
     # linked or copied depends on the filesystems, not on the data
     "merge": ("seconds", "bytes_written", "shards.base_linked", "shards.base_copied",
               "shards.new_linked", "shards.new_copied"),
-    "validate": ("seconds", "train_check.tokens_per_second", "train_check.batches_per_second",
+    "validate": ("seconds", "samples_page_seconds", "train_check.tokens_per_second", "train_check.batches_per_second",
                  "train_check.peak_memory_mb", "train_check.peak_memory_mb_per_step",
                  "train_check.process_peak_rss_mb", "train_check.memory",
                  "train_check.seconds", "train_check.longest_batch.peak_memory_mb",

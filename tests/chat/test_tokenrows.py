@@ -58,3 +58,28 @@ def test_totals_add_chunks_up_per_source_and_in_all(encoder):
     assert {s: v["rows"] for s, v in report["sources"].items()} == {"a": 2, "b": 1}
     assert report["tokens"] == sum(v["tokens"] for v in report["sources"].values())
     assert report["length"]["max"] >= report["length"]["p50"] > 0
+
+
+def test_chunks_have_bounded_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenrows, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(tokenrows, "MIN_CHUNK_BYTES", 1000)
+    lines = ["x" * n + "\n" for n in (10, 2000, 10, 10, 900, 50, 5000, 1)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(lines))
+    chunks = list(tokenrows.line_chunks(path))
+    assert [first for first, _ in chunks] == [1, 3, 8]
+    for _, part in chunks:
+        assert sum(map(len, part)) - len(part[-1]) < 1000
+
+
+def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenrows, "CHUNK_BYTES", 4000)
+    monkeypatch.setattr(tokenrows, "MIN_CHUNK_BYTES", 100)
+    lines = [f"{i:099d}\n" for i in range(4000)]  # 100 bytes each
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(lines))
+    chunks = list(tokenrows.line_chunks(path, num_proc=2))
+    sizes = [sum(map(len, part)) for _, part in chunks]
+    assert [line.decode() for _, part in chunks for line in part] == lines
+    assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)
+    assert sizes[-2] == 100  # the tail comes in the smallest pieces

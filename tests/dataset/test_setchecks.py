@@ -1,0 +1,63 @@
+"""validate's checks of the set as a whole (stages/dataset/setchecks.py): each problem a
+finding, the limits taken from the fingerprint unless params set them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.common.errors import StageError
+from stages.common.params import Validate
+from stages.dataset import setchecks
+from stages.dataset.rowcheck import Findings
+
+FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": 1000,
+                    "special_tokens": {}},
+      "chat_template_sha256": "c" * 64, "policy": {"max_seq_len": 64, "min_loss_tokens": 2},
+      "versions": {}}
+
+
+def findings() -> Findings:
+    return Findings(setchecks.DATASET_CHECKS, 3)
+
+
+def test_limits_come_from_the_fingerprint_unless_params_set_them(tmp_path):
+    (tmp_path / "fingerprint.json").write_text(json.dumps(FP))
+    found = findings()
+    fp = setchecks.check_fingerprint(found, tmp_path)
+    cfg, used = setchecks.limits(Validate(vocab_size=None, max_seq_len=32, min_loss_tokens=None),
+                                 found, fp, tmp_path)
+    assert (cfg.vocab_size, cfg.max_seq_len, cfg.min_loss_tokens) == (1000, 32, 2)
+    assert used["max_seq_len"] == "params"
+    assert used["vocab_size"].endswith("fingerprint.json: tokenizer.vocab_size")
+    assert not found.failed()
+
+
+def test_a_missing_fingerprint_is_a_finding_and_a_null_limit_an_error(tmp_path):
+    found = findings()
+    assert setchecks.check_fingerprint(found, tmp_path) is None
+    assert found.failed() == ["fingerprint"]
+    with pytest.raises(StageError, match="validate.vocab_size: null"):
+        setchecks.limits(Validate(vocab_size=None), found, None, tmp_path)
+
+
+@pytest.mark.parametrize("text, expected, failed", [
+    ('{"merged": {"rows": 10}}', 10, False),
+    ('{"merged": {"rows": 8}}', 8, True),
+    ('{"merged": {"rows": -1}}', None, True),
+    ("not json", None, True),
+])
+def test_the_row_count_is_held_to_merges_report(tmp_path, text, expected, failed):
+    (tmp_path / "merge.json").write_text(text)
+    found = findings()
+    assert setchecks.check_row_count(found, 10, tmp_path, tmp_path / "merge.json") == expected
+    assert (found.failed() == ["row_count"]) is failed
+
+
+def test_an_unreadable_dataset_info_is_a_finding(tmp_path):
+    found = findings()
+    assert setchecks.check_info(found, tmp_path) is False  # no file at all
+    (tmp_path / "dataset_info.json").write_text('{"features": {"id": 3}}')
+    assert setchecks.check_info(found, tmp_path) is True  # read, its features not usable
+    assert found.checks["features"]["failures"] == 2

@@ -17,27 +17,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional, Sequence
 
 from stages.common import outputs, params, stagefiles
-
-from stages.process import cpus
 from stages.common.errors import StageError
-from stages.process import children, cli
-from stages.sources import layouts, prompts, readers, toolturns
-from stages.sources.checker import CHECK_AHEAD, Checker
+from stages.process import cli, cpus
+from stages.sources import groups, layouts, prompts, readers, toolturns
 from stages.sources.decontam import Match
 from stages.sources.evals import Evals
 from stages.sources.layouts import Dropped, FieldProbe
-from stages.sources.prompts import Candidate, Prepared, PromptSpec
+from stages.sources.prompts import Candidate, PromptSpec
 from stages.sources.selection import LimitSampler
 
 log = logging.getLogger("prepare")
 
 PATHS = {"out": "folder the prompts are written to", "reports": "folder of the stage reports"}
-LOCAL_ROWS = 20000  # rows of each source prepared in-process before workers (or the checker) take over
 
 
 def run(cfg: params.Prepare, paths) -> dict:
@@ -51,7 +46,7 @@ def run(cfg: params.Prepare, paths) -> dict:
     started = time.monotonic()
     seen: dict[int, int] = {}  # dedup key -> index of the source it was first seen in
     per_source: dict[str, dict] = {}
-    workers = _Workers(cfg.num_proc or _auto_workers())
+    workers = groups.Workers(cfg.num_proc or cpus.workers_beside_reader())
     evals = Evals(cfg, workers.n > 1, paths.out)
     try:
         with outputs.atomic_dir(paths.out) as tmp:
@@ -112,103 +107,12 @@ def _check_names(section: str, entries: list, what: str) -> None:
             )
 
 
-class _Workers:
-    """A pool of `n` worker processes, started only when a source proves large."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.pool: Optional[children.Workers] = None
-
-    def get(self) -> children.Workers:
-        if self.pool is None:
-            # spawn, not fork: a source read earlier may have started pyarrow/datasets threads
-            self.pool = children.Workers("spawn", self.n)
-            log.info("started %d worker processes", self.n)
-        return self.pool
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-
-
-class Group(NamedTuple):
-    """A group of a source's rows as made, with where they come from."""
-
-    file: str  # the reader's `current` when it read the group
-    unit: str  # of `positions`: "line" or "row"
-    positions: Sequence[int]
-    prepared: Prepared
-
-
-def _prepared_groups(
-    reader: readers.Reader, probe: FieldProbe, spec: PromptSpec, workers: _Workers, evals: Evals
-) -> Iterator[Group]:
-    """Each group of rows made, in source order.
-
-    The first LOCAL_ROWS rows are prepared here; the rest, when num_proc > 1, in worker
-    processes with at most 4 groups per worker in flight, so memory stays flat however
-    far the reader could run ahead; in one process with decontamination, here while the
-    checker process checks the groups before (at most CHECK_AHEAD) once it is ready."""
-    pending: deque = deque()
-    sent = 0
-    try:
-        for positions, items in reader.batches():
-            if probe.active:
-                for pos, item in zip(positions, items):
-                    if probe.active:
-                        probe.see(item, reader.where(pos))
-            place = (reader.current, reader.unit, positions)
-            if workers.n > 1 and sent >= LOCAL_ROWS:
-                pending.append((place, workers.get().submit(prompts.work, spec, items)))
-                while len(pending) > 4 * workers.n:
-                    place, job = pending.popleft()
-                    yield Group(*place, _result(job, workers))
-            elif sent >= LOCAL_ROWS and evals.checker_ready():  # once ready, it stays ready
-                pending.append((place, _CheckJob(evals.checker, spec, items)))
-                while len(pending) > CHECK_AHEAD:
-                    place, job = pending.popleft()
-                    yield Group(*place, job.get())
-            else:  # `sent` only grows, so no group is pending here
-                yield Group(*place, prompts.work(spec, items))
-            sent += len(items)
-        probe.finish()
-        while pending:
-            place, job = pending.popleft()
-            yield Group(*place, _result(job, workers))
-    finally:
-        if pending and evals.checker is not None:  # left early: replies the next source must not read
-            evals.checker.close()
-
-
-def _result(job, workers: _Workers) -> Prepared:
-    """A group's result from a worker process or from the checker."""
-    if isinstance(job, _CheckJob):
-        return job.get()
-    return workers.get().result(job, "prepare")
-
-
-class _CheckJob:
-    """A group whose texts went to the checker: its rows, kept here until its hits come back."""
-
-    def __init__(self, checker: Checker, spec: PromptSpec, items: list):
-        self.checker, self.maker = checker, prompts.maker(spec)
-        self.results, self.texts, self.counts = self.maker.make_unchecked(items)
-        self.unknown = prompts.unknown_roles(self.maker)
-        checker.send(self.texts, self.counts)
-
-    def get(self) -> Prepared:
-        hits = self.checker.hits()
-        if hits is None:
-            hits = self.maker.evals.check(self.texts, self.counts)
-        return Prepared(self.maker.drop_matches(self.results, hits), self.unknown)
-
-
 # ------------------------------------------------------------------------ one source
 
 
 def _one_source(
     index: int, src: params.Source, cfg: params.Prepare, seen: dict, out, tmp: Path,
-    workers: _Workers, evals: Evals,
+    workers: groups.Workers, evals: Evals,
 ) -> dict:
     token = f"{os.getpid()}-{time.monotonic_ns()}-{index}"
     spec = PromptSpec(token, index, src, cfg.multi_turn, cfg.dedup, cfg.max_prompt_chars,
@@ -229,8 +133,8 @@ def _one_source(
 
     # One loop, counters in locals on purpose: its body runs once per source row, and
     # attribute or call overhead there shows in prepare_vs_read (bench/README.md)
-    groups = _prepared_groups(reader, probe, spec, workers, evals)
-    for group in groups:
+    made = groups.prepared_groups(reader, probe, spec, workers, evals)
+    for group in made:
         if group.prepared.unknown_roles:
             unknown_roles.update(group.prepared.unknown_roles)
         for pos, res in zip(group.positions, group.prepared.results):
@@ -307,14 +211,6 @@ def _one_source(
     if unknown_roles:
         stats["unknown_roles"] = dict(unknown_roles.most_common(20))
     return stats
-
-
-def _auto_workers() -> int:
-    """One worker per CPU but one (left to the reading process), at most 8; on two CPUs
-    or fewer that is a single process, because workers would only compete with it (a
-    decontamination checker, which takes less of a core, may run beside it)."""
-    n = min(cpus.usable() - 1, 8)
-    return n if n >= 2 else 1
 
 
 def _report(cfg: params.Prepare, per_source: dict, unique: int, seconds: float) -> dict:

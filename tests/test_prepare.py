@@ -19,7 +19,7 @@ from stages import prepare
 from stages.common import params
 from stages.common.errors import StageError
 from stages.process import cpus
-from stages.sources import checker, readers
+from stages.sources import checker, groups, readers
 from tests.helpers import stagecli
 from tests.helpers.sources import GSM, INTL, TRIVIA, evals as eval_sets, run, write_jsonl
 
@@ -558,7 +558,7 @@ def test_worker_processes_give_identical_output(tmp_path, monkeypatch):
                                           {"from": "gpt", "value": "A"}]} for i in range(1200)])
     mix.insert(1, {"name": "big", "path": str(big), "format": "sharegpt", "limit": 500})
     _, _, one = run(tmp_path, mix, num_proc=1)
-    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(groups, "LOCAL_ROWS", 100)
     monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     monkeypatch.setattr(readers, "_BATCH", 64)
     report, _, two = run(tmp_path, mix, num_proc=2)
@@ -690,7 +690,7 @@ def test_decontamination_in_worker_processes_gives_identical_output(tmp_path, mo
     sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
     dc = {"evals": eval_sets(tmp_path)}
     one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
-    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(groups, "LOCAL_ROWS", 100)
     monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     report, _, two = run(tmp_path, sources, num_proc=2, decontaminate=dc)
     assert one == two
@@ -707,8 +707,8 @@ def test_decontamination_in_the_checker_process_gives_identical_output(tmp_path,
     sources.append({"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"})
     dc = {"evals": eval_sets(tmp_path)}
     one_report, _, one = run(tmp_path, sources, num_proc=1, decontaminate=dc)
-    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
-    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(groups, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(cpus, "workers_beside_reader", lambda: 1)
     monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     real_ready, real_send, sent = checker.Checker.ready, checker.Checker.send, []
 
@@ -736,8 +736,8 @@ def test_the_checker_process_ends_with_a_failed_run(tmp_path, monkeypatch):
     lines[600] = '{"q": "not JSON\n'  # a bad row, reached after the checker has taken over
     big.write_text("".join(lines))
     src = [{"name": "big", "path": str(big), "format": "columns", "prompt_field": "q"}]
-    monkeypatch.setattr(prepare, "LOCAL_ROWS", 100)
-    monkeypatch.setattr(prepare, "_auto_workers", lambda: 1)
+    monkeypatch.setattr(groups, "LOCAL_ROWS", 100)
+    monkeypatch.setattr(cpus, "workers_beside_reader", lambda: 1)
     monkeypatch.setattr(cpus, "idle_since", lambda since: 1.0)
     monkeypatch.setattr(readers, "_LINES_BYTES", 2000)
     real_ready, started = checker.Checker.ready, []

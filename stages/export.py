@@ -24,7 +24,8 @@ from typing import Optional
 import pyarrow as pa
 
 from stages.common import outputs, secrets
-from stages.common.errors import StageError, json_file, regular
+from stages.common.errors import StageError
+from stages.common.reading import json_file, regular
 from stages.dataset import fingerprint
 from stages.dataset.schema import schema_differences
 from stages.dataset.shards import STATE_FILE, list_shards, open_shard
@@ -103,7 +104,7 @@ def _report(trainer: Trainer, merged: Path, out: Path, tally: Tally, written: di
 
 
 def _json_or_none(path: Path):
-    """The JSON object at `path` (errors.json_file: bounded, regular files only), None
+    """The JSON object at `path` (reading.json_file: bounded, regular files only), None
     when it is missing or not a JSON object; a FIFO or a device is a StageError."""
     try:
         return json_file(path)

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import outputs, params
-from stages.common.errors import StageError, existing_folder
+from stages.common.errors import StageError
+from stages.common.reading import existing_folder
 from stages.dataset import adopt, fingerprint, lineage, mergeshards
 from stages.dataset.schema import FEATURES, schema_differences
 from stages.dataset.shards import (

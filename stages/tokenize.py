@@ -26,7 +26,8 @@ from stages.chat import rendercheck, tokenrows
 from stages.chat.encoder import ChatEncoder
 from stages.common import outputs, params, stagefiles
 from stages.process import cpus
-from stages.common.errors import StageError, absent, json_object, read_regular
+from stages.common.errors import StageError
+from stages.common.reading import absent, json_object, read_regular
 from stages.dataset import fingerprint
 from stages.dataset.shards import ShardWriter, write_metadata
 from stages.models import tokenizer

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import outputs, params
-from stages.common.errors import StageError, existing_folder
+from stages.common.errors import StageError
+from stages.common.reading import existing_folder
 from stages.dataset import (charts, histograms, loader, rowcheck, rowsummary, setchecks,
                             traincheck)
 from stages.dataset.idhashes import IdHashes

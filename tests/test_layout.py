@@ -152,15 +152,15 @@ def test_every_replaced_folder_is_checked_against_the_inputs(module):
             "check_cache_dir" in names), f"{module} replaces a folder without check_apart"
 
 
-# how a file is opened by name: the one reader (stages/common/errors.py) checks first
+# how a file is opened by name: the one reader (stages/common/reading.py) checks first
 RAW_READS = ("open", "io.open", "pq.ParquetFile", "pq.read_table", "pq.read_schema",
              "pq.read_metadata", "pq.ParquetDataset", "pa.memory_map", "pa.OSFile",
              "pa.input_stream", "mmap.mmap", "json.load")
 # every module that still opens a file by name itself, how many times, and why that is
 # safe (exactly that many: a count above what is left fails too); a new call or module
-# goes through errors.open_regular / read_regular / json_file / arrow_input / parquet
+# goes through reading.open_regular / read_regular / json_file / arrow_input / parquet
 OPENS_ITSELF = {
-    "stages/common/errors.py": (2, "the reader itself: open_regular's open of the checked "
+    "stages/common/reading.py": (2, "the reader itself: open_regular's open of the checked "
                                    "descriptor, and parquet's ParquetFile over it"),
     "stages/process/children.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
     "stages/serving/processgroup.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
@@ -201,7 +201,7 @@ def test_files_are_read_through_the_one_reader(module):
     found = raw_reads(module)
     allowed, why = OPENS_ITSELF.get(module, (0, ""))
     assert len(found) == allowed, (
-        f"{module} opens files itself: {found}; read through stages/common/errors.py "
+        f"{module} opens files itself: {found}; read through stages/common/reading.py "
         "(open_regular, read_regular, json_file, arrow_input, parquet); or, where it opens "
         f"fewer than OPENS_ITSELF says ({allowed}: {why}), lower that count")
 

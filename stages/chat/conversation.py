@@ -14,7 +14,9 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from stages.common.errors import MAX_DEPTH, deeper_than, json_type
+from stages.common.errors import json_type
+
+from stages.common.reading import MAX_DEPTH, deeper_than
 
 ROLES = ("system", "user", "assistant", "tool")
 

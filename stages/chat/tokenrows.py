@@ -24,7 +24,8 @@ from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
 from stages.serving.engineids import Served
 from stages.common import params
-from stages.common.errors import StageError, json_object, open_regular
+from stages.common.errors import StageError
+from stages.common.reading import json_object, open_regular
 from stages.dataset.schema import ARROW_SCHEMA
 
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of

@@ -25,7 +25,9 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from stages.common.errors import MAX_DEPTH, StageError, open_regular
+from stages.common.errors import StageError
+
+from stages.common.reading import MAX_DEPTH, open_regular
 
 
 class ParamError(StageError):

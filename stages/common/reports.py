@@ -17,10 +17,11 @@ import platform
 from pathlib import Path
 from typing import Optional
 
-from stages.common import errors
+from stages.common import reading
 
 from stages.process import cpus
-from stages.common.errors import StageError, json_file
+from stages.common.errors import StageError
+from stages.common.reading import json_file
 
 RUN_FOLDER = "runs"
 
@@ -92,13 +93,13 @@ def read(folder: Path, stage: str) -> dict:
 
 def _load(path: Path) -> Optional[dict]:
     """The report at `path`, None when it is missing or not a JSON object; a FIFO or a
-    device in its place is a StageError naming it (errors.json_file, the one reader)."""
+    device in its place is a StageError naming it (reading.json_file, the one reader)."""
     try:
         return json_file(path)
     except (FileNotFoundError, IsADirectoryError):
         return None
     except StageError:
-        if errors.regular(path):  # unreadable JSON: as no report; anything else: raised
+        if reading.regular(path):  # unreadable JSON: as no report; anything else: raised
             return None
         raise
 

@@ -25,7 +25,8 @@ import pyarrow as pa
 import xxhash
 
 from stages.common import params
-from stages.common.errors import StageError, arrow_input, open_regular, parquet
+from stages.common.errors import StageError
+from stages.common.reading import arrow_input, open_regular, parquet
 from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import ARROW_SCHEMA
@@ -138,7 +139,7 @@ def _parquet_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]
 
 
 def _file_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """An IPC file's batches, each read into memory (errors.arrow_input)."""
+    """An IPC file's batches, each read into memory (reading.arrow_input)."""
     with arrow_input(path) as source:
         reader = pa.ipc.open_file(source)
         for i in range(reader.num_record_batches):

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stages.common import params
-from stages.common.errors import StageError, json_file, json_type, open_regular, read_regular, writable
+from stages.common.errors import StageError, json_type
+from stages.common.reading import json_file, open_regular, read_regular, writable
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def build(tok_id: dict, template_sha256: str, cfg: params.Tokenize) -> dict:
 
 
 def load(path: Path) -> dict:
-    """fingerprint.json as a JSON object, read bounded (errors.json_file); raises
+    """fingerprint.json as a JSON object, read bounded (reading.json_file); raises
     FileNotFoundError when missing and StageError when unreadable."""
     return json_file(path)
 

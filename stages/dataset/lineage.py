@@ -26,15 +26,8 @@ from typing import Any, Optional
 import yaml
 
 from stages.common import outputs, params, secrets
-from stages.common.errors import (
-    MAX_DEPTH,
-    StageError,
-    json_file,
-    json_type,
-    open_regular,
-    read_regular,
-    writable,
-)
+from stages.common.errors import StageError, json_type
+from stages.common.reading import MAX_DEPTH, json_file, open_regular, read_regular, writable
 from stages.dataset import charts, fingerprint, markdown
 from stages.dataset.shards import STATE_FILE
 

@@ -13,7 +13,8 @@ from typing import Optional
 import datasets
 
 from stages.common import params
-from stages.common.errors import StageError, json_file
+from stages.common.errors import StageError
+from stages.common.reading import json_file
 from stages.dataset import fingerprint
 from stages.dataset.rowcheck import Findings
 from stages.dataset.schema import FEATURES

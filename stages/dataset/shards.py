@@ -17,7 +17,8 @@ import datasets
 import pyarrow as pa
 
 from stages.common import outputs
-from stages.common.errors import StageError, arrow_input, json_file, open_regular
+from stages.common.errors import StageError
+from stages.common.reading import arrow_input, json_file, open_regular
 from stages.dataset import fingerprint
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES
 
@@ -94,7 +95,7 @@ def natural_key(name: str) -> list:
 
 
 class ShardReader:
-    """Record batches of one shard, read from its open file (errors.arrow_input), or,
+    """Record batches of one shard, read from its open file (reading.arrow_input), or,
     for a reader of a few columns (`check`), from a read-only memory map.
 
     A mapped file cut short under its reader (another process truncating it, a disk

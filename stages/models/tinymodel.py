@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from stages.common.errors import StageError, json_file
+from stages.common.errors import StageError
+
+from stages.common.reading import json_file
 from stages.common.outputs import atomic_dir
 from stages.models import tokenizer
 

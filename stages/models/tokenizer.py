@@ -28,7 +28,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from stages.common.errors import StageError, json_file, open_regular, read_regular, regular
+from stages.common.errors import StageError
+
+from stages.common.reading import json_file, open_regular, read_regular, regular
 from stages.common.outputs import atomic_dir
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from stages.common.errors import parse_json, writable
+from stages.common.reading import parse_json, writable
 from stages.serving import replies
 from stages.serving.client import Failure, Reply
 

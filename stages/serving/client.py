@@ -30,7 +30,8 @@ from stages.chat import thinking
 
 from stages.serving import engineids
 from stages.common import params
-from stages.common.errors import StageError, parse_json
+from stages.common.errors import StageError
+from stages.common.reading import parse_json
 from stages.common.secrets import Redactor, strip_url_credentials
 from stages.serving import replies
 

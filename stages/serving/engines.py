@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from stages.common import params, secrets
-from stages.common.errors import StageError, open_regular, parse_json
+from stages.common.errors import StageError
+from stages.common.reading import open_regular, parse_json
 from stages.models import tinymodel
 from stages.serving import processgroup, probes
 from stages.serving.logpipe import LogPipe

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Optional
 import aiohttp
 
 from stages.common import params
-from stages.common.errors import StageError, parse_json, writable
+from stages.common.errors import StageError
+from stages.common.reading import parse_json, writable
 from stages.serving.client import read_capped
 
 log = logging.getLogger(__name__)

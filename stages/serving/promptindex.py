@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 
 from stages.chat import conversation
-from stages.common.errors import StageError, json_object, open_regular
+from stages.common.errors import StageError
+from stages.common.reading import json_object, open_regular
 from stages.serving.cacherecords import cached_record
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 

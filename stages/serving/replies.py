@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from stages.chat import conversation
-from stages.common.errors import MAX_DEPTH, json_type, writable
+from stages.common.errors import json_type
+from stages.common.reading import MAX_DEPTH, writable
 
 MAX_TOKENS = 2**31  # usage counts above this are not token counts
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")

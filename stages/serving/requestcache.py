@@ -26,7 +26,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from stages.common import outputs
-from stages.common.errors import StageError, open_regular
+from stages.common.errors import StageError
+from stages.common.reading import open_regular
 
 log = logging.getLogger(__name__)
 

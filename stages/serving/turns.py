@@ -27,7 +27,8 @@ import xxhash
 
 from stages.chat import conversation, regenerate
 from stages.common import outputs, params, stagefiles
-from stages.common.errors import StageError, open_regular
+from stages.common.errors import StageError
+from stages.common.reading import open_regular
 from stages.serving import cacherecords, fitting
 from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling

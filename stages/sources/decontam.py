@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from stages.common import params
-from stages.common.errors import StageError, json_file, writable
+from stages.common.errors import StageError
+from stages.common.reading import json_file, writable
 from stages.sources import layouts, readers
 from stages.sources.ngrams import Words, remix
 

@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import orjson
 
-from stages.common.errors import (StageError, arrow_input, json_file, json_type,
-                                  open_regular, parquet)
+from stages.common.errors import StageError, json_type
+
+from stages.common.reading import arrow_input, json_file, open_regular, parquet
 from stages.common.params import Prepare, Source
 
 _JSON_EXT = (".jsonl", ".ndjson", ".json")
@@ -379,7 +380,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def _open_binary(path: Path) -> Iterator:
     """The file's bytes, decompressed by its suffix; a FIFO named like a source is one
-    line, never a wait (errors.open_regular)."""
+    line, never a wait (reading.open_regular)."""
     with open_regular(path, buffering=1 << 20) as f:
         opener = _COMPRESSED.get(path.suffix.lower())
         if opener is None:

@@ -19,7 +19,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.common.errors import StageError, json_file, open_regular
+from stages.common.errors import StageError
+
+from stages.common.reading import json_file, open_regular
 from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
 from stages.dataset.shards import list_shards, open_shard

@@ -338,6 +338,7 @@ SHAPED_BY = {
     "stages/common/outputs.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/common/reports.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/common/errors.py": {"prepare", "generate", "tokenize", "merge", "validate"},
+    "stages/common/reading.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/chat/conversation.py": {"prepare", "generate", "tokenize"},
     "stages/common/secrets.py": {"prepare", "generate", "tokenize", "merge", "validate"},
     "stages/dataset/schema.py": {"prepare", "tokenize", "merge", "validate"},

@@ -1,4 +1,4 @@
-"""The shared bounded reading of JSON and of files (stages/common/errors.py)."""
+"""The shared bounded reading of JSON and of files (stages/common/reading.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.common.errors import (
+from stages.common.errors import StageError
+
+from stages.common.reading import (
+
     MAX_FILE_DEPTH,
-    StageError,
+
     deeper_than,
+
     json_file,
+
     json_object,
+
     open_regular,
+
     parse_json,
+
     read_regular,
+
 )
 
 FEW = settings(max_examples=60, deadline=None,
@@ -105,7 +114,7 @@ def test_a_file_past_the_limit_is_not_read_whole(tmp_path):
 def test_a_folder_a_stage_expects_says_what_is_there_instead(tmp_path):
     """A FIFO, a file, a device, a loop of links or a link to nowhere where a dataset
     folder should be: one line saying which, never "not found (run the stage first)"."""
-    from stages.common.errors import existing_folder
+    from stages.common.reading import existing_folder
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "file").write_text("")

@@ -64,7 +64,7 @@ class ChunkResult:
     batch: Optional[pa.RecordBatch]
     stats: dict  # source -> counters
     lengths: dict  # source -> array('i') of kept row lengths
-    served: dict  # servecheck stats
+    served: dict  # rendercheck stats
 
 
 def tokenize_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder,

@@ -122,13 +122,17 @@ def regular(path: str | Path) -> Path:
     """`path` if it is a regular file (a link to one included), checked by os.stat before
     a library that opens it by name (Parquet, a memory map) would wait on a FIFO; else
     StageError naming it (FileNotFoundError, IsADirectoryError as they are)."""
-    mode = os.stat(path).st_mode
+    _check_mode(path, os.stat(path).st_mode)
+    return Path(path)
+
+
+def _check_mode(path: str | Path, mode: int) -> None:
+    """Nothing, for a regular file; IsADirectoryError for a folder; else StageError."""
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if not stat.S_ISREG(mode):
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or a socket"
         raise StageError(f"{path}: not a regular file ({kind})")
-    return Path(path)
 
 
 def open_regular(path: str | Path, buffering: int = -1) -> BinaryIO:
@@ -137,12 +141,7 @@ def open_regular(path: str | Path, buffering: int = -1) -> BinaryIO:
     would until a writer came."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or a socket"
-            raise StageError(f"{path}: not a regular file ({kind})")
+        _check_mode(path, os.fstat(fd).st_mode)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -37,11 +37,7 @@ def write_outputs(
     which tokenize reads. Rows hold their tools as `engine` rendered them (toolshape)."""
     model, sampling_hash = meta["model"], meta["sampling_hash"]
     enable_thinking = meta["sampling"]["enable_thinking"]
-    counts = {
-        "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
-        "prompt_tokens": 0, "output_tokens": 0,
-    }  # fmt: skip
-    ids = dict.fromkeys(("rows_with_ids", "rows_unusable_ids", "rows_without_ids"), 0)
+    counts, ids = turns.new_counts()
     kinds: dict[str, int] = {}
     transient_kinds: dict[str, int] = {}
     by_source: dict[str, dict] = {}  # the same counts per source, for the lineage card
@@ -81,12 +77,7 @@ def write_outputs(
         if ids["rows_without_ids"]:
             ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
         outputs.write_json(tmp / stagefiles.GENERATION_FILE, generation)
-    counts["engine_ids"] = ids
-    counts["failed_by_kind"] = dict(sorted(kinds.items()))
-    counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
-    permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
-    counts["failed_permanent_by_kind"] = {k: v for k, v in permanent.items() if v}
-    counts["sources"] = by_source
+    turns.finish_counts(counts, ids, kinds, transient_kinds, by_source)
     return counts
 
 

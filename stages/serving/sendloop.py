@@ -1,7 +1,7 @@
 """The send loop of a plain run: each pending prompt sent (its max_tokens fitted into the
 context, serving/fitting.py), each reply cached as it arrives (requestcache.py); a
 permanent failure cached only once a success shows the setup works, and the run stopped
-when the first BREAKER all fail (breakers.py). `Generation` runs it; `print_first_request`
+when the first BREAKER all fail (failurestreaks.py). `Generation` runs it; `print_first_request`
 shows the body a dry run would send.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from stages.common import params
 from stages.common.errors import StageError
 from stages.serving import cacherecords, fitting
-from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
+from stages.serving.failurestreaks import BadBodyBreaker, HeldFailures
 from stages.serving.client import (
     CHAT_PATH,
     BodyEncoder,
@@ -62,8 +62,7 @@ class Generation:
         self.done = int(np.count_nonzero(plan.seg >= 0))
         self.cached = self.done
         self.transient: dict[int, dict] = {}
-        self.held: list[tuple[int, dict]] = []
-        self.any_success = False
+        self.gate = HeldFailures()
         self.breaker = BadBodyBreaker(client.urls)
         self.failed = int(np.count_nonzero((plan.seg >= 0) & ~plan.ok))
         self.tally = Throughput()
@@ -114,29 +113,19 @@ class Generation:
         if not f.permanent:
             self.transient[i] = record
             self.done += n
-        elif self.any_success:
+        elif self.gate.open:
             self._mark(i, record)
         else:
-            self.held.append((i, record))
             self.done += n
-            if len(self.held) >= BREAKER:
-                status = f"HTTP {f.status} " if f.status else ""
-                raise StageError(
-                    f"the first {BREAKER} requests all failed permanently, e.g. "
-                    f"{status}{f.message[:200]!r}: check generate.* sampling params and "
-                    "the model (nothing was cached as failed)"
-                ) from None
+            self.gate.hold(i, record, f)
 
     def _succeeded(self, i: int, reply: Reply) -> None:
         self.tally.answered(reply.prompt_tokens, reply.completion_tokens, reply.latency)
         self.breaker.success()
         self._mark(i, cacherecords.success(reply), True)
-        if not self.any_success:
-            self.any_success = True
-            for j, rec in self.held:
-                self.done -= len(self.plan.index.twins(j))
-                self._mark(j, rec)
-            self.held.clear()
+        for j, rec in self.gate.success():
+            self.done -= len(self.plan.index.twins(j))
+            self._mark(j, rec)
 
     async def run(self, pending: array, watchdog: Watchdog | UrlWatchdog) -> None:
         progress = Progress(self.plan.n, self.done, self.cfg.progress_interval)
@@ -162,9 +151,8 @@ class Generation:
         finally:
             os.close(fd)
             # permanent failures never confirmed by a success: reported, not cached
-            for j, rec in self.held:
+            for j, rec in self.gate.release():
                 self.transient[j] = rec
-            self.held.clear()
             in_flight = self.client.in_flight
             progress.tick(self.done, self.failed, self.tally.out_tokens, in_flight, final=True)
 

@@ -30,7 +30,7 @@ from stages.common import outputs, params, stagefiles
 from stages.common.errors import StageError
 from stages.common.reading import open_regular
 from stages.serving import cacherecords, fitting
-from stages.serving.failurestreaks import BREAKER, BadBodyBreaker
+from stages.serving.failurestreaks import BadBodyBreaker, HeldFailures
 from stages.serving.client import BodyEncoder, ChatClient, Failure, Sampling
 from stages.serving.progress import Progress, Throughput
 from stages.serving.promptindex import PromptLocations
@@ -86,6 +86,27 @@ def _turn_problem(prompt: dict, where: str) -> None:
                                prompt.get("tools"))
     if bad:
         raise StageError(f"{where}: turns: {bad}")
+
+
+def new_counts() -> tuple[dict, dict]:
+    """The counts of a completions file being written, and of the engine ids its rows hold."""
+    counts = {
+        "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
+        "prompt_tokens": 0, "output_tokens": 0,
+    }  # fmt: skip
+    return counts, dict.fromkeys(("rows_with_ids", "rows_unusable_ids", "rows_without_ids"), 0)
+
+
+def finish_counts(counts: dict, ids: dict, kinds: dict, transient_kinds: dict,
+                  by_source: dict) -> None:
+    """The counts of a written completions file completed: failures by kind, transient
+    and permanent apart, the engine ids and each source's counts."""
+    counts["engine_ids"] = ids
+    counts["failed_by_kind"] = dict(sorted(kinds.items()))
+    counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
+    permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
+    counts["failed_permanent_by_kind"] = {k: v for k, v in permanent.items() if v}
+    counts["sources"] = by_source
 
 
 def count_completed(row: dict, counts: dict, by_source: dict, ids: dict) -> None:
@@ -166,11 +187,10 @@ class Regeneration:
         self.k = cfg.samples_per_prompt
         self.index = CacheIndex(cache, cfg.retry_failed)
         self.transient: dict[bytes, dict] = {}  # failures of this run not cached
-        self.held: list[tuple[bytes, dict]] = []  # permanent, before any success
+        self.gate = HeldFailures()  # permanent failures, before any success
         # twin prompts (the same first request): their turns in flight, and answered
         self.inflight: dict[bytes, asyncio.Future] = {}
         self.twins: dict[bytes, dict] = {}
-        self.any_success = False
         self.n_jobs = plan.n * self.k
         self.total_turns = self._count_turns()
         self.cached = self.done = self.failed = 0
@@ -277,12 +297,9 @@ class Regeneration:
         self.breaker.success()
         raw = cacherecords.success(reply)
         self.index.add(key, raw)
-        if not self.any_success:
-            self.any_success = True
-            for k2, rec in self.held:
-                self.transient.pop(k2, None)
-                self.index.add(k2, rec)
-            self.held.clear()
+        for k2, rec in self.gate.success():
+            self.transient.pop(k2, None)
+            self.index.add(k2, rec)
         # the client checked this reply already; the writer reads the cached one back
         return {"ok": True, "reply": json.loads(reply.raw)}
 
@@ -294,18 +311,11 @@ class Regeneration:
         rec = cacherecords.failure(f)
         if not f.permanent:
             self.transient[key] = rec
-        elif self.any_success:
+        elif self.gate.open:
             self.index.add(key, rec)
         else:
             self.transient[key] = rec
-            self.held.append((key, rec))
-            if len(self.held) >= BREAKER:
-                status = f"HTTP {f.status} " if f.status else ""
-                raise StageError(
-                    f"the first {BREAKER} requests all failed permanently, e.g. "
-                    f"{status}{f.message[:200]!r}: check generate.* sampling params and "
-                    "the model (nothing was cached as failed)"
-                ) from None
+            self.gate.hold(key, rec, f)
         return rec
 
     # --------------------------------------------------------------------- sending
@@ -369,7 +379,7 @@ class Regeneration:
             raise group.exceptions[0] from None
         finally:
             os.close(fd)
-            self.held.clear()
+            self.gate.release()  # held failures stay reported, uncached
             progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight, final=True)
 
 
@@ -385,11 +395,7 @@ class Regeneration:
         # what this run appended, and every failure (retry_failed chose what to resend)
         self.index = CacheIndex(self.cache, retry_failed=False)
         self.index.damaged = damaged
-        counts = {
-            "completed": 0, "failed": 0, "failed_transient": 0, "truncated": 0,
-            "prompt_tokens": 0, "output_tokens": 0,
-        }  # fmt: skip
-        ids = dict.fromkeys(("rows_with_ids", "rows_unusable_ids", "rows_without_ids"), 0)
+        counts, ids = new_counts()
         kinds: dict[str, int] = {}
         transient_kinds: dict[str, int] = {}
         turns = {"asked": 0, "answered": 0, "failed": 0, "failed_transient": 0,
@@ -469,12 +475,7 @@ class Regeneration:
             if ids["rows_without_ids"]:
                 ids["why_without"] = generation["engine_ids_missing"] = why_without_ids
             outputs.write_json(tmp / stagefiles.GENERATION_FILE, generation)  # redacted
-        counts["engine_ids"] = ids
-        counts["failed_by_kind"] = dict(sorted(kinds.items()))
-        counts["failed_transient_by_kind"] = dict(sorted(transient_kinds.items()))
-        permanent = {k: v - transient_kinds.get(k, 0) for k, v in counts["failed_by_kind"].items()}
-        counts["failed_permanent_by_kind"] = {k: v for k, v in permanent.items() if v}
-        counts["sources"] = by_source
+        finish_counts(counts, ids, kinds, transient_kinds, by_source)
         perm = {k: v - turn_transient_kinds.get(k, 0) for k, v in sorted(turn_kinds.items())}
         turns["verdict"] = {  # what generate's verdict weighs: jobs with a failed turn
             "failed": turns["failed"], "failed_transient": turns["failed_transient"],

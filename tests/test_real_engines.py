@@ -31,7 +31,7 @@ from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, bu
 from tests.helpers import stagecli
 from tests.helpers.repo import demo_clone, run, small_training_check
 from tests.helpers.shapes import every_shape
-from tests.helpers.realengines import (engine_pids, env, progress, rows, stage, stage_pid,
+from tests.helpers.realengines import (started, engine_pids, env, progress, rows, stage, stage_pid,
                                user_prompts, write_params, write_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +68,7 @@ def vllm_launch(**kw) -> dict:
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     """One real vLLM server for the module, started through our own launcher."""
-    launch = params.build(params.Launch, vllm_launch(), "test")
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    t0 = time.monotonic()
-    with engines.EngineProcess(launch, log) as server:
-        print(f"vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    with started(vllm_launch(), tmp_path_factory.mktemp("vllm"), "vLLM") as server:
         yield server
 
 

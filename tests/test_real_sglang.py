@@ -33,7 +33,7 @@ from stages.serving.toolshape import served_tools
 from stages.serving.turns import sample_id
 from tests.helpers import stagecli
 from tests.helpers.shapes import every_shape
-from tests.helpers.realengines import (RecordingProxy, asked, env, progress, rows, stage,
+from tests.helpers.realengines import (started, RecordingProxy, asked, env, progress, rows, stage,
                                user_prompts, write_params, write_prompts)
 from tests.helpers.turnlog import SOURCE, check_history, conversation
 from tests.helpers.turnlog import write_prompts as write_conversations
@@ -159,11 +159,7 @@ def _received_rids(log: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory):
     """One real SGLang server for the module, started through our own launcher."""
-    launch = params.build(params.Launch, sglang_launch(), "test")
-    log = tmp_path_factory.mktemp("sglang") / "sglang.log"
-    t0 = time.monotonic()
-    with engines.EngineProcess(launch, log) as server:
-        print(f"SGLang ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    with started(sglang_launch(), tmp_path_factory.mktemp("sglang"), "SGLang") as server:
         yield server
 
 

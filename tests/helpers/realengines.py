@@ -5,18 +5,23 @@ engine and keeps every request and raw reply as the engine sent it."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
 import os
 import subprocess
+import sys
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 
 import psutil
 import yaml
 
+from stages.common import params
+from stages.serving import engines
 from tests.helpers import stagecli
 from tests.helpers.repo import env as repo_env
 
@@ -28,6 +33,17 @@ def env() -> dict:
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["HF_HUB_OFFLINE"] = "1"
     return e
+
+
+@contextlib.contextmanager
+def started(launch: dict, folder: Path, name: str):
+    """One real engine started through the stage's own launcher (`launch`: a
+    `generate.server.launch`), its log in `folder`, for the tests of a module."""
+    spec = params.build(params.Launch, launch, "test")
+    t0 = time.monotonic()
+    with engines.EngineProcess(spec, folder / f"{name.lower()}.log") as server:
+        print(f"{name} ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        yield server
 
 
 def write_params(wd: Path, server: dict, **gen) -> None:

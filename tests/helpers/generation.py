@@ -13,11 +13,11 @@ import yaml
 from stages import generate
 from stages.common import params, reports
 from tests.helpers import stagecli
+from tests.helpers.repo import ROOT
 from tests.helpers.fakeserver import command as fake_command
 
 PATHS = stagecli.paths("generate")  # where dvc.yaml has the stage read and write
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-DO-NOT-LEAK-7f3a9c"
 
 

@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import datasets
 import numpy as np
 import pyarrow as pa
 
 from stages.dataset.loader import IGNORE
-from stages.trainers.base import Trainer, length_note
+from stages.trainers.base import ArrowTrainer, length_note
 from stages.trainers.batch import Part
 from stages.trainers.rules import Rule, longer, none_supervised, shorter_than_two
-from stages.trainers.vocab import VocabCounts
-from stages.trainers.writers import ArrowFolder
 
 # int64 labels: PyTorch's cross-entropy refuses int32 targets, and a trainer that formats
 # the dataset as torch tensors hands the column's own type to the loss
@@ -26,7 +23,8 @@ FEATURES = datasets.Features({
 })
 
 
-class Axolotl(Trainer):
+class Axolotl(ArrowTrainer):
+    features = FEATURES
     name = "axolotl"
     default_max_length = 512
     max_length_key = "sequence_len"
@@ -50,9 +48,6 @@ class Axolotl(Trainer):
         return [part.input_ids,
                 pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(part.ids), np.int8))),
                 pa.ListArray.from_arrays(offsets, pa.array(labels))]
-
-    def writer(self, folder: Path, vocab: Optional[VocabCounts]) -> ArrowFolder:
-        return ArrowFolder(folder, FEATURES, self.columns)
 
     def settings(self, out: Path, report: dict) -> list[str]:
         return [

@@ -6,9 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import datasets
+import pyarrow as pa
+
+from stages.trainers.batch import Part
 from stages.trainers.rules import Rule
 from stages.trainers.vocab import VocabCounts
-from stages.trainers.writers import Writer
+from stages.trainers.writers import ArrowFolder, Writer
 
 
 class Trainer:
@@ -26,6 +30,20 @@ class Trainer:
     def settings(self, out: Path, report: dict) -> list[str]:
         """What to set in the trainer, from the export's report."""
         raise NotImplementedError
+
+
+class ArrowTrainer(Trainer):
+    """A format written as a save_to_disk folder: `features` and the `columns` of a part."""
+
+    features: datasets.Features
+
+    @staticmethod
+    def columns(part: Part) -> list[pa.Array]:
+        """The arrays of `features`, in order, for one part of the merged set."""
+        raise NotImplementedError
+
+    def writer(self, folder: Path, vocab: Optional[VocabCounts]) -> ArrowFolder:
+        return ArrowFolder(folder, self.features, self.columns)
 
 
 def length_note(report: dict, verb: str) -> str:

@@ -4,25 +4,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import datasets
 import pyarrow as pa
 
-from stages.trainers.base import Trainer, length_note
+from stages.dataset.schema import FEATURES as ROW
+from stages.trainers.base import ArrowTrainer, length_note
 from stages.trainers.batch import Part
 from stages.trainers.rules import LONGER_CUT, Rule, none_supervised
-from stages.trainers.vocab import VocabCounts
-from stages.trainers.writers import ArrowFolder
 
-FEATURES = datasets.Features({
-    "id": datasets.Value("string"),
-    "input_ids": datasets.List(datasets.Value("int32")),
-    "assistant_masks": datasets.List(datasets.Value("int8")),
-})
+# the merged set's own columns and types, loss_mask under the name SFTTrainer reads
+FEATURES = datasets.Features({"id": ROW["id"], "input_ids": ROW["input_ids"],
+                              "assistant_masks": ROW["loss_mask"]})
 
 
-class Trl(Trainer):
+class Trl(ArrowTrainer):
+    features = FEATURES
     name = "trl"
     default_max_length = 1024
     max_length_key = "SFTConfig.max_length"
@@ -37,9 +34,6 @@ class Trl(Trainer):
     def columns(part: Part) -> list[pa.Array]:
         """The merged set's own columns: loss_mask is written as assistant_masks."""
         return [part.id, part.input_ids, part.loss_mask]
-
-    def writer(self, folder: Path, vocab: Optional[VocabCounts]) -> ArrowFolder:
-        return ArrowFolder(folder, FEATURES, self.columns)
 
     def settings(self, out: Path, report: dict) -> list[str]:
         return [

@@ -8,8 +8,8 @@ Each trainer's format (its columns, the rows it cuts or drops, its writer) is a 
 stages/trainers/. Every row is exported, in dataset order, unchanged; what the trainer then
 cuts or drops at `--max-length` is counted and named in OUT/export.json and on stdout.
 `--drop-refused` leaves out the rows the trainer would drop, each named in export.json
-(`left_out`). Streamed from the merged shards' memory maps, written beside --out and
-renamed over it; nothing under --merged is opened for writing. Why each layout, and each
+(`left_out`). Streamed from the merged shards a record batch at a time (read, not
+mapped), written beside --out and renamed over it; nothing under --merged is opened for writing. Why each layout, and each
 trainer's settings: docs/stages.md, "Hand it to a trainer".
 """
 
@@ -49,7 +49,7 @@ def export(trainer: Trainer, merged: Path, out: Path, max_length: Optional[int] 
     with outputs.atomic_dir(out) as tmp:
         sink = trainer.writer(tmp, vocab)
         for index, path in enumerate(shards):
-            with open_shard(path, drop_behind=True) as reader:
+            with open_shard(path) as reader:
                 differences = schema_differences(reader.schema)
                 if differences:
                     raise StageError(f"{path}: {'; '.join(differences)} (not a merged set)")

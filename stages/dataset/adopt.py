@@ -117,7 +117,7 @@ def batches(path: Path, fmt: str, columns: list[str]) -> Iterator[Iterator[pa.Re
     """The record batches of one base file, only `columns`, read with memory flat in the
     file's size; a damaged file is a StageError naming it."""
     if fmt == STREAM:
-        with open_shard(path, drop_behind=True) as reader:
+        with open_shard(path) as reader:
             yield (batch.select(columns) for batch in reader)
         return
     yield _checked(path, fmt, _parquet_batches(path, columns) if fmt == PARQUET

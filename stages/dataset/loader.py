@@ -52,7 +52,7 @@ def chunks(folder: str | Path, seed: Optional[int] = None) -> Iterator[list[Row]
     rng = None if seed is None else np.random.default_rng(seed)
     shards = list_shards(folder)
     for path in shards if rng is None else [shards[i] for i in rng.permutation(len(shards))]:
-        with open_shard(path, drop_behind=rng is None) as reader:
+        with open_shard(path) as reader:
             record_batches = reader if rng is None else _shuffled(list(reader), rng)
             for batch in record_batches:
                 ids_off, ids = _flat(batch.column("input_ids"))
@@ -234,7 +234,7 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
     """
     def columns():
         for path in list_shards(folder):
-            with open_shard(path, drop_behind=True) as reader:
+            with open_shard(path) as reader:
                 for batch in reader:
                     yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
                            batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),

@@ -42,7 +42,7 @@ def summarize_shard(path: Path, vocab: int, width: int) -> ShardSummary:
     columns cannot be summarised (a list of floats, say) is only counted: its schema
     differences say what is wrong with it. StageError if it cannot be read."""
     summaries, rows, failure = [], 0, None
-    with open_shard(path, drop_behind=True) as reader:
+    with open_shard(path) as reader:
         diffs = schema_differences(reader.schema)
         for batch in reader:
             if failure is None:

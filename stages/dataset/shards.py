@@ -154,12 +154,11 @@ class ShardReader:
 
 
 @contextlib.contextmanager
-def open_shard(path: str | Path, drop_behind: bool = False,
+def open_shard(path: str | Path,
                check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache).
     `check`: the only columns whose bytes are checked, read from a memory map (see
-    ShardReader); default all, read. `drop_behind` changes nothing: a batch's memory
-    goes with the batch whatever the caller asks."""
+    ShardReader); default all, read (a batch's memory goes with the batch)."""
     path = Path(path)
     with contextlib.ExitStack() as stack:
         try:

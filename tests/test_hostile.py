@@ -804,20 +804,22 @@ def test_a_reports_runs_that_is_no_folder_stops_the_stage_before_its_work(tmp_pa
 
 # ------------------------------------------- a shard cut short under its reader (issue 32)
 
-# runs `python -m stages.<stage> ARGV` with every open_shard of TARGET cutting that file
-# to CUT bytes once it is open: what another process truncating it mid-read does
+# runs `python -m stages.<stage> ARGV` with every open_shard and open_columns of TARGET
+# cutting that file to CUT bytes once it is open: what another process truncating it
+# mid-read does
 _CUTTING = """
 import contextlib, os, runpy, sys
 from stages.dataset import shards
 target, cut, stage = sys.argv.pop(1), int(sys.argv.pop(1)), sys.argv.pop(1)
-opened = shards.open_shard
-@contextlib.contextmanager
-def cutting(path, *args, **kwargs):
-    with opened(path, *args, **kwargs) as reader:
-        if os.path.samefile(path, target) and os.path.getsize(target) > cut:
-            os.truncate(target, cut)
-        yield reader
-shards.open_shard = cutting
+def cutting(opened):
+    @contextlib.contextmanager
+    def opening(path, *args, **kwargs):
+        with opened(path, *args, **kwargs) as reader:
+            if os.path.samefile(path, target) and os.path.getsize(target) > cut:
+                os.truncate(target, cut)
+            yield reader
+    return opening
+shards.open_shard, shards.open_columns = cutting(shards.open_shard), cutting(shards.open_columns)
 runpy.run_module("stages." + stage, run_name="__main__", alter_sys=True)
 """
 

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from stages.common.errors import StageError
 from stages.dataset.schema import ARROW_SCHEMA, castable, schema_differences
-from stages.dataset.shards import ShardFile, open_shard, read_schema, shard_name
+from stages.dataset.shards import ShardFile, open_columns, open_shard, read_schema, shard_name
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +69,19 @@ def check_base_schema(path: Path, allow_cast: bool, new_dir: Path) -> bool:
 
 
 def _scan(shard: Shard) -> pa.ChunkedArray:
-    """Count rows and tokens and return the id column (a copy: a batch read is held
-    only while it is counted, so memory stays one batch whatever the shard size)."""
+    """Count rows and tokens and return the id column, reading only the ids, the
+    token offsets and the loss counts (a base's token buffers stay unread)."""
     ids = []
     shard.rows = shard.tokens = shard.loss_tokens = 0
     try:
-        with open_shard(shard.path) as reader:
-            for batch in (b for b in reader if b.num_rows):
-                ids.append(pa.concat_arrays([batch.column("id")]))
-                offsets = batch.column("input_ids").offsets
+        with open_columns(shard.path) as stream:
+            for batch in (b for b in stream if b.num_rows):
+                ids.append(batch.column("id"))
                 shard.rows += batch.num_rows
-                shard.tokens += offsets[-1].as_py() - offsets[0].as_py()
+                shard.tokens += int(batch.lengths("input_ids").sum())
                 shard.loss_tokens += pc.sum(batch.column("num_loss_tokens")).as_py() or 0
-    except (pa.ArrowInvalid, OSError) as e:
-        raise StageError(f"{shard.path}: unreadable shard ({e})") from None
+    except OSError as e:
+        raise StageError(f"{shard.path}: unreadable shard ({e.strerror or e})") from None
     shard.bytes = shard.path.stat().st_size
     return _strings(ids)
 

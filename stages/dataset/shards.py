@@ -1,5 +1,5 @@
-"""A dataset folder on disk: its shards listed in order, read (read-only, memory-mapped)
-and written (`ShardFile` one stream, `ShardWriter` bounded shards under datasets' names),
+"""A dataset folder on disk: its shards listed in order, read (read-only, every column,
+or a few columns by their buffers: stages/dataset/ipcstream.py) and written (`ShardFile` one stream, `ShardWriter` bounded shards under datasets' names),
 the save_to_disk metadata that makes the folder load, and the load_from_disk check. The
 row contract the shards hold is stages/dataset/schema.py."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import re
 from pathlib import Path
@@ -19,7 +18,7 @@ import pyarrow as pa
 from stages.common import outputs
 from stages.common.errors import StageError
 from stages.common.reading import arrow_input, json_file, open_regular
-from stages.dataset import fingerprint
+from stages.dataset import fingerprint, ipcstream
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES
 
 # A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
@@ -95,22 +94,18 @@ def natural_key(name: str) -> list:
 
 
 class ShardReader:
-    """Record batches of one shard, read from its open file (reading.arrow_input), or,
-    for a reader of a few columns (`check`), from a read-only memory map.
+    """Record batches of one shard, read from its open file (reading.arrow_input), each
+    checked in full.
 
-    A mapped file cut short under its reader (another process truncating it, a disk
-    going away) kills the reader with SIGBUS on the next page it touches, a signal
-    Python cannot turn into an error. Read into memory, a cut file is a short read:
-    a StageError naming the shard. Each batch's memory goes with the batch, so readers
-    that let batches go stay flat whatever the shard size. Only stages/view maps (a
-    lookup by id touches the id pages alone: 41 MB of a 5.8 GB set, docs/stages.md);
-    it writes nothing a cut shard could leave half-made.
+    Read, never memory-mapped: a mapped file cut short under its reader (another
+    process truncating it, a disk going away) kills the reader with SIGBUS on the next
+    page it touches, a signal Python cannot turn into an error. Read, a cut file is a
+    short read: a StageError naming the shard. Each batch's memory goes with the batch,
+    so readers that let batches go stay flat whatever the shard size.
     """
 
-    def __init__(self, path: Path, source: pa.NativeFile,
-                 check: Optional[tuple[str, ...]] = None):
+    def __init__(self, path: Path, source: pa.NativeFile):
         self.path = path
-        self._check = check
         self._size = source.size()
         self._source = source
         try:
@@ -136,11 +131,7 @@ class ShardReader:
                 end = self._source.tell()
                 # offsets and lengths are checked against the buffers before any reader
                 # indexes with them: damaged bytes become an error, not a crash (SIGSEGV)
-                if self._check is None:
-                    batch.validate(full=True)
-                else:  # only the columns this reader will touch
-                    for name in self._check:
-                        batch.column(name).validate(full=True)
+                batch.validate(full=True)
             except StopIteration:
                 self._source.seek(end)
                 if self._source.read(9) != _END_MARKER:  # marker, then nothing
@@ -154,40 +145,40 @@ class ShardReader:
 
 
 @contextlib.contextmanager
-def open_shard(path: str | Path,
-               check: Optional[tuple[str, ...]] = None) -> Iterator[ShardReader]:
-    """Open a shard read-only (never for writing: it may be a link into the DVC cache).
-    `check`: the only columns whose bytes are checked, read from a memory map (see
-    ShardReader); default all, read (a batch's memory goes with the batch)."""
+def open_shard(path: str | Path) -> Iterator[ShardReader]:
+    """Open a shard read-only (never for writing: it may be a link into the DVC cache),
+    every column of every batch read and checked."""
     path = Path(path)
-    with contextlib.ExitStack() as stack:
-        try:
-            if check is None:
-                source = stack.enter_context(arrow_input(path))
-            else:
-                source = _mapped(stack.enter_context(open_regular(path)))
-            head = source.read(len(_FILE_MAGIC))
-            source.seek(0)
-        except OSError as e:
-            raise StageError(f"{path}: cannot read ({e.strerror or e})") from None
-        if head == _FILE_MAGIC:
-            raise StageError(
-                f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
-                "datasets writes; re-save it with datasets' save_to_disk"
-            )
-        if not head:
-            raise StageError(f"{path}: empty file, not an Arrow stream shard")
-        yield ShardReader(path, source, check)  # what the caller raises is its own
+    with arrow_input(path) as source:
+        _check_head(path, source)
+        yield ShardReader(path, source)  # what the caller raises is its own
 
 
-def _mapped(f) -> pa.BufferReader:
-    """The open file `f` mapped read-only for random access (no read-around of the
-    columns a few-column reader skips)."""
-    if os.fstat(f.fileno()).st_size == 0:  # nothing to map: told apart by the caller
-        return pa.BufferReader(b"")
-    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    mapped.madvise(mmap.MADV_RANDOM)
-    return pa.BufferReader(pa.py_buffer(mapped))
+@contextlib.contextmanager
+def open_columns(path: str | Path) -> Iterator[ipcstream.Stream]:
+    """Open a shard read-only for a reader of a few columns: each batch's columns are
+    read when asked for, only their own buffers, each checked in full (the lookup of a
+    row by id, merge's scan of a base: the token buffers stay unread)."""
+    path = Path(path)
+    with open_regular(path) as f:
+        _check_head(path, pa.PythonFile(f, mode="r"))
+        yield ipcstream.Stream(path, f.fileno())
+
+
+def _check_head(path: Path, source) -> None:
+    """StageError for an empty file or an IPC file (not stream); `source` left at 0."""
+    try:
+        head = source.read(len(_FILE_MAGIC))
+        source.seek(0)
+    except OSError as e:
+        raise StageError(f"{path}: cannot read ({e.strerror or e})") from None
+    if head == _FILE_MAGIC:
+        raise StageError(
+            f"{path}: is an Arrow IPC file (Feather), not the IPC stream format "
+            "datasets writes; re-save it with datasets' save_to_disk"
+        )
+    if not head:
+        raise StageError(f"{path}: empty file, not an Arrow stream shard")
 
 
 def read_schema(path: str | Path) -> pa.Schema:

@@ -3,9 +3,9 @@ trainer reads them, and chosen by id, row number, source, seeded sample or lengt
 
 `Dataset(folder)` opens data/tokenized or data/merged (the row contract), a TRL export
 (`assistant_masks`), an axolotl export (`labels`: supervised where not -100) or a
-SpecForge export (`train.jsonl`: `loss_mask`). Finding rows reads only the columns it
-needs (ids, sources, list offsets) through read-only memory maps, shard by shard; token
-columns are read only for the rows chosen.
+SpecForge export (`train.jsonl`: `loss_mask`). Finding rows reads only the buffers of
+the columns it needs (ids, sources, list offsets), shard by shard; token columns are
+read only for the record batches of the rows chosen.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
-
 from stages.common.reading import json_file, open_regular
 from stages.dataset import fingerprint
 from stages.dataset.loader import IGNORE
-from stages.dataset.shards import list_shards, open_shard
+from stages.dataset.shards import list_shards, open_columns
 from stages.trainers import REPORT as EXPORT_REPORT
 from stages.trainers.specforge import JSONL
 
@@ -61,8 +60,8 @@ class Dataset:
         self.shards = list_shards(self.folder)
         if not self.shards:
             raise StageError(f"{self.folder}: no shards")
-        with open_shard(self.shards[0], check=()) as reader:
-            names = set(reader.schema.names)
+        with open_columns(self.shards[0]) as stream:
+            names = set(stream.schema.names)
         for kind, need, mask in (("merged", {"id", "source", "input_ids", "loss_mask"}, "loss_mask"),
                                  ("trl", {"id", "input_ids", "assistant_masks"}, "assistant_masks"),
                                  ("axolotl", {"input_ids", "labels"}, "labels")):
@@ -98,13 +97,12 @@ class Dataset:
         first = 0
         for path in self.shards:
             wanted = [c for c in ("id", "source") if c in columns and self._has(c)]
-            with open_shard(path, check=tuple(wanted)) as reader:
-                for k, batch in enumerate(reader):
+            with open_columns(path) as stream:
+                for k, batch in enumerate(stream):
                     out = {c: batch.column(c) for c in wanted}
                     out["rows"] = batch.num_rows
                     if "length" in columns:
-                        offsets = batch.column("input_ids").offsets.to_numpy()
-                        out["length"] = np.diff(offsets)
+                        out["length"] = batch.lengths("input_ids")
                     yield first, path, k, out
                     first += batch.num_rows
 
@@ -241,15 +239,15 @@ class Dataset:
     # ------------------------------------------------------------ one row
 
     def _fetch(self, number: int, path: Path, batch_index: int, j: int) -> Row:
-        with open_shard(path, check=()) as reader:  # batches before it are skipped unread
-            for k, batch in enumerate(reader):
+        with open_columns(path) as stream:  # batches before it are skipped unread
+            for k, batch in enumerate(stream):
                 if k == batch_index:
-                    return self._arrow(number, batch, j, path)
+                    return self._arrow(number, batch.read(checked=False), j, path)
         raise StageError(f"{path}: record batch {batch_index} is gone")
 
     def _arrow(self, number: int, batch: pa.RecordBatch, j: int, path: Path) -> Row:
-        """Row `j` of `batch`, its bytes checked: the strings in full, each list's bounds
-        against its values (the other rows' tokens stay unread)."""
+        """Row `j` of `batch`, its bytes checked: the strings in full, the row's lists'
+        bounds against their values (the other rows' lists unchecked)."""
         row = {}
         try:
             for name in batch.schema.names:

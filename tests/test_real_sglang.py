@@ -222,7 +222,9 @@ def test_rows_hold_sglangs_own_ids_thinking_on_and_off_with_tools(sglang, tmp_pa
         message = row["messages"][-1]
         if not thinking:
             assert prompt_ids[-4:-1] == [248068, 271, THINK_END]  # <think>\n\n</think>
-            assert message["reasoning_content"] is None
+            # `</think>` the model wrote keeps a reasoning string (thinking.recorded_reasoning)
+            closes = "</think>" in (message["content"] or "")
+            assert message["reasoning_content"] == ("" if closes else None)
         elif THINK_END in answer_ids:
             assert message["reasoning_content"] is not None
         else:  # never closed: all reasoning, no answer
@@ -497,7 +499,10 @@ def test_regenerated_turns_carry_sglangs_own_earlier_answers_and_expand_to_its_i
             got = by_id.get(row["id"] if k == len(row["turns"]) else f"{row['id']}#{k}")
             if got is None:
                 answers = [m for m in row["messages"] if m["role"] == "assistant"]
-                assert empty(answers[-1]) or empty(answers[k - 1]), (row["id"], k)
+                # what pins the cause when a row is refused (seen once: dev/LOG.md)
+                assert empty(answers[-1]) or empty(answers[k - 1]), (
+                    row["id"], k, answers[k - 1], rep["dropped"], check.get("answers"),
+                    tok.decode(turn["engine_tokens"]["completion_ids"]))
                 missing += 1
                 continue
             prompt_ids = turn["engine_tokens"]["prompt_ids"]

@@ -58,11 +58,11 @@ def turn_count(prompt: dict) -> int:
 
 def in_history(answer: dict) -> dict:
     """The target's answer as the next request carries it (no reasoning). An answer whose
-    content holds `</think>` (the model wrote it again after its thinking) keeps an empty
-    reasoning when its row has one: without it the template would take the text before
-    that `</think>` for thinking and drop it, rendering less than the row renders."""
+    content holds `</think>` keeps an empty reasoning, as its row records one
+    (thinking.recorded_reasoning): without it the template would take the text before
+    that `</think>` for thinking and drop it, rendering less than the model wrote."""
     kept = {"role": "assistant", "content": answer.get("content") or ""}
-    if thinking.CLOSE in kept["content"] and thinking.has_reasoning(answer):
+    if thinking.CLOSE in kept["content"]:
         kept["reasoning_content"] = ""
     if answer.get("tool_calls"):
         kept["tool_calls"] = answer["tool_calls"]

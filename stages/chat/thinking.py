@@ -53,6 +53,16 @@ def split_reply(content: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return None, content
 
 
+def recorded_reasoning(reasoning: Optional[str], content: Optional[str]) -> Optional[str]:
+    """The reasoning a row records with an engine's answer: a string ("" when the engine
+    gave none) whenever the content holds `</think>`, which the model wrote into its
+    answer (thinking off, or again after its thinking), so that every render takes that
+    content as written instead of the text before its `</think>` for thinking."""
+    if reasoning is None and content and CLOSE in content:
+        return ""
+    return reasoning
+
+
 def content_text(content: Any) -> Optional[str]:
     """A message content as the templates read it: a string, or its text parts joined."""
     if isinstance(content, str):

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from stages.chat import thinking
 from stages.common import outputs, stagefiles
 from stages.common.errors import StageError
 from stages.serving import cacherecords, engineids, toolshape, turns
@@ -90,7 +91,8 @@ def completion_row(
     # one from a fresh run come out the same; the client's parse feeds only live counts
     parts = parse_reply(reply, enable_thinking)
     answer: dict[str, Any] = {
-        "role": "assistant", "content": parts.content, "reasoning_content": parts.reasoning,
+        "role": "assistant", "content": parts.content,
+        "reasoning_content": thinking.recorded_reasoning(parts.reasoning, parts.content),
     }  # fmt: skip
     if parts.tool_calls:
         answer["tool_calls"] = parts.tool_calls

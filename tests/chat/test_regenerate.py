@@ -60,23 +60,28 @@ def test_the_request_renders_as_the_template_renders_the_row_up_to_that_turn():
 
 
 def test_an_answer_that_writes_think_close_again_renders_whole_in_the_next_request():
-    """Real SGLang, thinking on: an answer may write `</think>` again after its thinking,
-    so its content holds one. The row (reasoning kept) renders that content whole; a
-    request with content only would have the template take the text before it for
-    thinking and drop it. With an empty reasoning the request renders as the row, as the
-    engine encodes it (control tokens parsed); thinking off, both split alike."""
+    """An answer may write `</think>` into its content (real SGLang: again after its
+    thinking, or thinking off); its row records a reasoning string for it ("" when the
+    engine gave none: thinking.recorded_reasoning), so the row renders that content whole,
+    and the next request carries an empty reasoning to render it whole too, as the engine
+    encodes it (control tokens parsed). Content alone, the template would take the text
+    before that `</think>` for thinking and drop it."""
+    from stages.chat import thinking
     from stages.models.tokenizer import load_once
 
     enc = ChatEncoder(load_once("bundled:qwen3.6")[0])
     prompt = {"messages": [user("a")], "turns": [[user("b")]]}
-    for reasoning in ("r1", None):
-        said = answer("early </think> late", reasoning)
+    content = "early </think> late"
+    for reasoning in ("r1", thinking.recorded_reasoning(None, content)):
+        said = answer(content, reasoning)
         request = regenerate.next_request(prompt["messages"], said, prompt, 1)
-        assert ("reasoning_content" in request[1]) == (reasoning is not None)
+        assert request[1]["reasoning_content"] == ""
         row_msgs = [user("a"), said, user("b")]
         ours = enc.prompt_ids(row_msgs, None, engine_style=True).tolist()
         assert enc.prompt_ids(request, None, engine_style=True).tolist() == ours
-        assert ("early" in enc.engine_prompt(row_msgs)) == (reasoning is not None)
+        assert "early" in enc.engine_prompt(row_msgs)
+    split = [user("a"), answer(content, None), user("b")]
+    assert "early" not in enc.engine_prompt(split)  # what the empty reasoning prevents
     plain = regenerate.in_history(answer("no close here", "r"))
     assert plain == {"role": "assistant", "content": "no close here"}  # requests as before
 

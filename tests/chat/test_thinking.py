@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.chat.thinking import inline_parts, split_inline, split_reply
+from stages.chat.thinking import inline_parts, recorded_reasoning, split_inline, split_reply
 
 
 def test_split_reply_for_servers_without_a_reasoning_parser():
@@ -25,3 +25,9 @@ def test_inline_parts_only_for_messages_without_a_reasoning_field():
                 {"role": "assistant", "content": "r</think>c", "reasoning_content": "x"},
                 {"role": "user", "content": "r</think>c"}]
     assert inline_parts(messages) == {0: ("r", "c")}
+
+
+def test_a_recorded_answer_holding_think_close_keeps_a_reasoning_string():
+    assert recorded_reasoning(None, "a </think> b") == ""  # thinking off, or none given
+    assert recorded_reasoning("r", "a </think> b") == "r"
+    assert recorded_reasoning(None, "plain") is None and recorded_reasoning(None, None) is None

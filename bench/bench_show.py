@@ -1,5 +1,6 @@
 """Finding a row by id at the seed's scale: `python -m stages.show --id` reads only the id
-column of each shard (memory-mapped), so its time follows rows, not tokens.
+column of each shard (its buffers alone: stages/dataset/ipcstream.py), so its time
+follows rows, not tokens.
 
   python bench/bench_show.py            1,090,000 rows, the seed's (~650M tokens, ~3 GB)
   BENCH_SHOW_ROWS=2000000 ...           any row count (BENCH_QUICK=1: 200,000)

@@ -244,6 +244,8 @@ class Stream:
     @_named
     def __init__(self, path: Path, fd: int):
         self.path, self.fd, self.size = path, fd, os.fstat(fd).st_size
+        if hasattr(os, "posix_fadvise"):  # no read-around: it would pull in the columns skipped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.end: Optional[int] = None  # where the end-of-stream marker ends, once read
         self._pos = 0
         kind, meta, body, body_len, _ = self._message()

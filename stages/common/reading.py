@@ -158,7 +158,12 @@ def arrow_input(path: str | Path) -> Iterator:
     import pyarrow as pa
 
     with open_regular(path) as f:
-        yield pa.PythonFile(f, mode="r")
+        same = f"/proc/self/fd/{f.fileno()}"  # Linux: the file just checked, opened again
+        if os.path.exists(same):  # Arrow's own reads: a third faster than through Python's
+            with pa.OSFile(same) as source:
+                yield source
+        else:
+            yield pa.PythonFile(f, mode="r")
 
 
 @contextlib.contextmanager

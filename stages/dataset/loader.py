@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
-from stages.dataset.shards import list_shards, open_shard
+from stages.dataset.shards import list_shards, open_columns, open_shard
 
 IGNORE = -100  # label value the loss skips
 
@@ -229,13 +229,13 @@ def batches(folder: str | Path, tokens_per_batch: int = 16384,
 def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1) -> dict:
     """Token arithmetic of one epoch over the dataset folder (see token_budget).
 
-    Reads only the num_tokens, num_loss_tokens and source columns: the stored counters,
-    which validate proves equal to the lists.
+    Reads only the num_tokens, num_loss_tokens and source columns (their buffers alone):
+    the stored counters, which validate proves equal to the lists.
     """
     def columns():
         for path in list_shards(folder):
-            with open_shard(path) as reader:
-                for batch in reader:
+            with open_columns(path) as stream:
+                for batch in stream:
                     yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
                            batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),
                            batch.column("source"))

@@ -24,7 +24,7 @@ from stages.common.errors import StageError
 from stages.dataset import rowsummary
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import NOT_NULL_CHECKS, row_rules, row_schema, rows_pass
-from stages.dataset.shards import open_shard
+from stages.dataset.shards import open_columns
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,8 @@ def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.A
         lo, hi = np.searchsorted(rows, [starts[i], starts[i + 1]])
         if lo == hi:
             continue
-        with open_shard(path) as reader:
-            ids = pa.chunked_array([pc.cast(b.column("id"), pa.large_string()) for b in reader],
+        with open_columns(path) as stream:
+            ids = pa.chunked_array([pc.cast(b.column("id"), pa.large_string()) for b in stream],
                                    pa.large_string())
         out.append(ids.take(pa.array(rows[lo:hi] - starts[i])).combine_chunks())
     return pa.concat_arrays(out) if out else pa.array([], pa.large_string())

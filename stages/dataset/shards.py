@@ -106,7 +106,7 @@ class ShardReader:
 
     def __init__(self, path: Path, source: pa.NativeFile):
         self.path = path
-        self._size = source.size()
+        self._size = source.size()  # as opened (an OSFile keeps that figure: _cut stats)
         self._source = source
         try:
             self._reader = pa.ipc.open_stream(self._source)
@@ -117,7 +117,7 @@ class ShardReader:
 
     def _cut(self) -> Optional[str]:
         """Why the file is no longer what was opened, if it was cut while being read."""
-        size = self._source.size()
+        size = os.stat(self.path).st_size
         if size < self._size:
             return f"{self.path}: cut short while being read ({self._size} bytes, now {size})"
         return None

@@ -160,13 +160,12 @@ RAW_READS = ("open", "io.open", "pq.ParquetFile", "pq.read_table", "pq.read_sche
 # safe (exactly that many: a count above what is left fails too); a new call or module
 # goes through reading.open_regular / read_regular / json_file / arrow_input / parquet
 OPENS_ITSELF = {
-    "stages/common/reading.py": (2, "the reader itself: open_regular's open of the checked "
-                                   "descriptor, and parquet's ParquetFile over it"),
+    "stages/common/reading.py": (3, "the reader itself: open_regular's open of the checked "
+                                   "descriptor, parquet's ParquetFile over it, and arrow_input's "
+                                   "OSFile of that same descriptor (/proc/self/fd)"),
     "stages/process/children.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
     "stages/serving/processgroup.py": (1, "/proc/PID/stat: made by the kernel, never a user path"),
     "stages/process/cli.py": (2, "dvc.yaml beside the code (PIPELINE), shipped with it"),
-    "stages/dataset/shards.py": (1, "maps the descriptor open_regular opened, for "
-                                    "stages/view's few-column lookups only (ShardReader)"),
     "stages/serving/probes.py": (1, "an HTTP request (urllib opener), not a file; its body "
                                     "is read bounded by probes itself"),
 }

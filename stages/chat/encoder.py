@@ -130,6 +130,10 @@ def _calls_with_parsed_arguments(calls: Any) -> Any:
     return out
 
 
+# (backend id, control tokens) -> (that backend, its copy with them special): _plain_encoder
+_PLAIN_COPIES: dict = {}
+
+
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and encodes them with masks.
 
@@ -201,13 +205,18 @@ class ChatEncoder:
         """
         if all(t.special for t in added.values() if t.content in self.control):
             return backend
-        from tokenizers import Tokenizer
+        # the copy takes seconds (the whole tokenizer through JSON): made once per
+        # tokenizer and control set in a process, shared as the backend itself would be
+        key = (id(backend), tuple(sorted(self.control.items())))
+        if key not in _PLAIN_COPIES:
+            from tokenizers import Tokenizer
 
-        doc = json.loads(backend.to_str())
-        for entry in doc.get("added_tokens", []):
-            if entry["content"] in self.control:
-                entry["special"] = True
-        return Tokenizer.from_str(json.dumps(doc))
+            doc = json.loads(backend.to_str())
+            for entry in doc.get("added_tokens", []):
+                if entry["content"] in self.control:
+                    entry["special"] = True
+            _PLAIN_COPIES[key] = backend, Tokenizer.from_str(json.dumps(doc))  # keeps id() its own
+        return _PLAIN_COPIES[key][1]
 
     def encode_text(self, texts: Sequence[str]):
         """Encodings of plain text pieces: no control token parsed, nothing added."""

@@ -211,11 +211,15 @@ class ChatEncoder:
         if key not in _PLAIN_COPIES:
             from tokenizers import Tokenizer
 
-            doc = json.loads(backend.to_str())
-            for entry in doc.get("added_tokens", []):
+            text = backend.to_str()
+            # only the added-token list is parsed and rewritten, not the vocabulary
+            at = text.index("[", text.index('"added_tokens"'))
+            entries, end = json.JSONDecoder().raw_decode(text, at)
+            for entry in entries:
                 if entry["content"] in self.control:
                     entry["special"] = True
-            _PLAIN_COPIES[key] = backend, Tokenizer.from_str(json.dumps(doc))  # keeps id() its own
+            copy = Tokenizer.from_str(text[:at] + json.dumps(entries) + text[end:])
+            _PLAIN_COPIES[key] = backend, copy  # the backend kept: its id() stays its own
         return _PLAIN_COPIES[key][1]
 
     def encode_text(self, texts: Sequence[str]):

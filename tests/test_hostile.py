@@ -279,7 +279,7 @@ def probe_all(url: str, models: bool) -> None:
     """Every probe of a server, each bounded; they answer "cannot tell", never raise."""
     started = time.monotonic()
     assert probes.seed_honoured("sglang", url, None) in (True, False, None)
-    assert probes.is_router(url, None) in (True, False)
+    assert probes.is_router(url, None, 1.0) in (True, False)
     context = probes.served_context([url], "fake-model", None)
     assert context is None or 0 < context <= INT32
     tokens = probes.generation_tokens(url, None, 2.0)
@@ -321,7 +321,7 @@ def test_endless_huge_slow_and_silent_probes_end_in_bounded_time(probed, answer)
     assert probes.generation_tokens(probed.url, None, 1.0) is None
     # a body nested past the limit still comes with a 200: /health_generate needs no body
     assert probes.engine_healthy(probed.url, "sglang", "m", None, 1.0) is ("nested" in answer)
-    assert probes.is_router(probed.url, None) is False
+    assert probes.is_router(probed.url, None, 1.0) is False
     assert time.monotonic() - started < 30
     ready_or_one_line(probed.url)
     assert time.monotonic() - started < 90

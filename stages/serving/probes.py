@@ -202,10 +202,10 @@ def seed_honoured(
     return value if isinstance(value, bool) else None
 
 
-def is_router(url: str, api_key: Optional[str]) -> bool:
+def is_router(url: str, api_key: Optional[str], timeout: float = 10.0) -> bool:
     """sglang-router lists its workers at GET /workers; engines have no such path."""
     try:
-        status, raw = ask(f"{url}/workers", None, api_key, 10.0)
+        status, raw = ask(f"{url}/workers", None, api_key, timeout)
         parse_json(raw)
     except (OSError, urllib.error.URLError, ValueError):
         return False

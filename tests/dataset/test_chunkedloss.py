@@ -171,6 +171,7 @@ def test_every_target_row_is_its_own_cross_entropy(model64):
     assert (got[1, ::4] == 0).all()
 
 
+@pytest.mark.slow  # ~11 s: two steps whose peaks are measured apart
 def test_memory_grows_with_hidden_size_not_vocabulary(model):
     """Peak memory over a step's own start, at 256 and at 1,024 tokens: the 768 tokens
     more would take ~730 MB of float32 logits alone (the model's own loss grows by ~4 MB a

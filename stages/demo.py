@@ -80,7 +80,8 @@ def build_base(target: Path) -> None:
             for row in base_conversations():
                 row.update(finish_reason="stop", truncated=False)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        tokenize.tokenize_file(completions, target, shard_rows=BASE_ROWS // 2)
+        # the rows carry their thinking: said here, as no generate run wrote generation.json
+        tokenize.tokenize_file(completions, target, shard_rows=BASE_ROWS // 2, enable_thinking=True)
 
 
 class tokenize_scratch:

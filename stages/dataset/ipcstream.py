@@ -173,6 +173,8 @@ class Batch:
         if place is None or self._meta is None:
             return self.read().column(name)
         array = self._array(self._stream.schema.field(name).type, place[0], place[1])[0]
+        if len(array) != self.num_rows:
+            raise Damaged(f"column {name!r} holds {len(array)} rows in a batch of {self.num_rows}")
         try:
             array.validate(full=True)
         except (pa.ArrowInvalid, UnicodeDecodeError) as e:
@@ -192,13 +194,15 @@ class Batch:
         rows, values = self._node(node)[0], self._node(node + 1)[0]
         if rows != self.num_rows:
             raise Damaged(f"column {name!r} holds {rows} rows in a batch of {self.num_rows}")
+        if not rows:  # an empty list column may have no offsets at all
+            return np.zeros(0, np.int64)
         width = "<i8" if pa.types.is_large_list(type_) else "<i4"
         raw = self._buffer(buf + 1)
         if len(raw) < (rows + 1) * np.dtype(width).itemsize:
             raise Damaged(f"column {name!r}: its offsets buffer is short")
         offsets = np.frombuffer(raw, width, rows + 1).astype(np.int64)
         lengths = np.diff(offsets)
-        if rows and (offsets[0] < 0 or offsets[-1] > values or (lengths < 0).any()):
+        if offsets[0] < 0 or offsets[-1] > values or (lengths < 0).any():
             raise Damaged(f"column {name!r}: offsets outside its {values} values")
         return lengths
 

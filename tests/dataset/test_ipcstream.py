@@ -127,3 +127,14 @@ def test_a_stream_cut_at_or_before_its_end_is_named_so(tmp_path):
                                              rf"bytes, now {len(data) // 2}\)"):
             for batch in batches:
                 batch.column("tokens")
+
+
+def test_an_empty_batch_has_no_rows_and_no_lengths(tmp_path):
+    path = tmp_path / "s.arrow"
+    table = _every_type(0)
+    with pa.ipc.new_stream(path, table.schema) as w:
+        w.write_batch(pa.RecordBatch.from_pylist([], schema=table.schema))
+    with open(path, "rb") as f:
+        (batch,) = list(Stream(path, f.fileno()))
+        assert batch.num_rows == 0 and batch.lengths("tokens").tolist() == []
+        assert batch.column("id").to_pylist() == []

@@ -88,12 +88,11 @@ def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data:
     vocab = cfg.vocab_size
     threads = cfg.threads or cpus.idle(at_most=4)  # memory-bound numpy: a busy CPU adds hand-offs
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
+    # beside the scan, in a process forked before the scan starts its threads
+    loads = setchecks.LoadCheck(data) if loadable else None
     with IdHashes() as ids, \
-            ThreadPoolExecutor(1, thread_name_prefix="load") as side, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
         scan = rowcheck.Scanner(cfg, vocab, findings, ids)
-        # mostly waiting on files: beside the scan
-        loads = side.submit(setchecks.load, data) if loadable else None
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()

@@ -19,6 +19,7 @@ from stages.dataset import fingerprint
 from stages.dataset.rowcheck import Findings
 from stages.dataset.schema import FEATURES
 from stages.dataset.shards import INFO_FILE, loaded_rows_and_features
+from stages.process import children
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,37 @@ def check_info(findings: Findings, data: Path) -> bool:
 
 
 def load(folder: Path):
-    """(rows, features) of the dataset as training opens it, or the exception that stops it."""
+    """(rows, features) of the dataset as training opens it, or why it cannot be opened
+    ("Type: message")."""
     try:
         return loaded_rows_and_features(folder)
     except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
-        return e
+        return f"{type(e).__name__}: {e}"
+
+
+class LoadCheck:
+    """`load` in a worker process of its own, forked at once (before the caller starts
+    any thread). datasets memory-maps every shard: one cut short under it (another
+    process truncating it) kills its process with SIGBUS, which Python cannot turn into
+    an error. Killed so, the worker becomes this check's finding, not the stage's death."""
+
+    def __init__(self, folder: Path):
+        self._workers = children.Workers("fork", 1)
+        self._job = self._workers.submit(load, folder)
+
+    def result(self):
+        """What `load` returned, or why its worker gave none."""
+        try:
+            return self._workers.result(self._job, "datasets")
+        except StageError as e:
+            return str(e)
+        finally:
+            self._workers.close()
 
 
 def check_loads(findings: Findings, loaded, rows: int) -> None:
-    if isinstance(loaded, Exception):
-        findings.add("loads", 1, [f"load_from_disk: {type(loaded).__name__}: {loaded}"[:300]])
+    if isinstance(loaded, str):
+        findings.add("loads", 1, [f"load_from_disk: {loaded}"[:300]])
         return
     loaded_rows, features = loaded
     if loaded_rows != rows or features != FEATURES:

@@ -4,6 +4,8 @@ finding, the limits taken from the fingerprint unless params set them."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -11,6 +13,7 @@ from stages.common.errors import StageError
 from stages.common.params import Validate
 from stages.dataset import setchecks
 from stages.dataset.rowcheck import Findings
+from tests.helpers.sets import ids, rows, save
 
 FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": 1000,
                     "special_tokens": {}},
@@ -61,3 +64,18 @@ def test_an_unreadable_dataset_info_is_a_finding(tmp_path):
     (tmp_path / "dataset_info.json").write_text('{"features": {"id": 3}}')
     assert setchecks.check_info(found, tmp_path) is True  # read, its features not usable
     assert found.checks["features"]["failures"] == 2
+
+
+def test_the_load_check_survives_its_process_dying_of_sigbus(tmp_path, monkeypatch):
+    """datasets maps every shard; a shard cut under that map kills the process reading it
+    with SIGBUS. The check runs in a worker of its own: its death is the check's finding."""
+    save(tmp_path / "set", rows(ids("r", 3)))
+    check = setchecks.LoadCheck(tmp_path / "set")
+    loaded_rows, _ = check.result()
+    assert loaded_rows == 3
+    monkeypatch.setattr(setchecks, "loaded_rows_and_features",
+                        lambda folder: os.kill(os.getpid(), signal.SIGBUS))
+    found = findings()
+    setchecks.check_loads(found, setchecks.LoadCheck(tmp_path / "set").result(), 3)
+    (example,) = found.checks["loads"]["examples"]
+    assert example.startswith("load_from_disk: ") and "killed by SIGBUS" in example, example

@@ -18,8 +18,7 @@ from stages.common.reading import json_file
 from stages.dataset import fingerprint
 from stages.dataset.rowcheck import Findings
 from stages.dataset.schema import FEATURES
-from stages.dataset.shards import INFO_FILE, loaded_rows_and_features
-from stages.process import children
+from stages.dataset.shards import INFO_FILE, Opening
 
 log = logging.getLogger(__name__)
 
@@ -93,33 +92,20 @@ def check_info(findings: Findings, data: Path) -> bool:
     return True
 
 
-def load(folder: Path):
-    """(rows, features) of the dataset as training opens it, or why it cannot be opened
-    ("Type: message")."""
-    try:
-        return loaded_rows_and_features(folder)
-    except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
-        return f"{type(e).__name__}: {e}"
-
-
 class LoadCheck:
-    """`load` in a worker process of its own, forked at once (before the caller starts
-    any thread). datasets memory-maps every shard: one cut short under it (another
-    process truncating it) kills its process with SIGBUS, which Python cannot turn into
-    an error. Killed so, the worker becomes this check's finding, not the stage's death."""
+    """The load as training opens it (shards.Opening: datasets in a worker process of its
+    own, so a shard cut under its memory map is this check's failure, not the stage's
+    death), started now, beside the caller's scan."""
 
     def __init__(self, folder: Path):
-        self._workers = children.Workers("fork", 1)
-        self._job = self._workers.submit(load, folder)
+        self._opening = Opening(folder)
 
     def result(self):
-        """What `load` returned, or why its worker gave none."""
+        """(rows, features), or why the folder does not open."""
         try:
-            return self._workers.result(self._job, "datasets")
+            return self._opening.result()
         except StageError as e:
             return str(e)
-        finally:
-            self._workers.close()
 
 
 def check_loads(findings: Findings, loaded, rows: int) -> None:

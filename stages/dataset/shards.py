@@ -20,6 +20,7 @@ from stages.common.errors import StageError
 from stages.common.reading import arrow_input, json_file, open_regular
 from stages.dataset import fingerprint, ipcstream
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES
+from stages.process import children
 
 # A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
 # order) or a plain folder of `.arrow` shards (taken in natural name order). Shards are
@@ -261,12 +262,39 @@ def write_metadata(folder: str | Path, shard_names: list[str],
 
 def loaded_rows_and_features(folder: str | Path) -> tuple[int, datasets.Features]:
     """(rows, features) of `folder` opened with `datasets.load_from_disk`, as training
-    opens it; raises whatever stops that.
+    opens it (Opening, waited for); StageError saying what stops that."""
+    return Opening(folder).result()
 
-    The dataset itself is dropped at once: opening it maps a page or more of every record
-    batch, memory that grows with the dataset, so it is held only for the moment it takes.
+
+class Opening:
+    """`datasets.load_from_disk(folder)` in a worker process of its own, forked at once
+    (before the caller starts any thread), for (rows, features).
+
+    datasets memory-maps every shard: one cut short under the map (another process
+    truncating it) kills the process reading it with SIGBUS, which Python cannot turn
+    into an error; in a worker it is a StageError. The dataset itself is dropped at
+    once: opening maps a page or more of every record batch, memory that grows with it.
     """
-    loaded = datasets.load_from_disk(str(folder))
+
+    def __init__(self, folder: str | Path):
+        self._workers = children.Workers("fork", 1)
+        self._job = self._workers.submit(_opened, str(folder))
+
+    def result(self) -> tuple[int, datasets.Features]:
+        try:
+            got = self._workers.result(self._job, "datasets")
+        finally:
+            self._workers.close()
+        if isinstance(got, str):
+            raise StageError(got)
+        return got
+
+
+def _opened(folder: str):
+    try:
+        loaded = datasets.load_from_disk(folder)
+    except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
+        return f"{type(e).__name__}: {e}"
     return len(loaded), loaded.features
 
 

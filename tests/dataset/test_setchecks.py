@@ -7,6 +7,7 @@ import json
 import os
 import signal
 
+import datasets
 import pytest
 
 from stages.common.errors import StageError
@@ -73,7 +74,7 @@ def test_the_load_check_survives_its_process_dying_of_sigbus(tmp_path, monkeypat
     check = setchecks.LoadCheck(tmp_path / "set")
     loaded_rows, _ = check.result()
     assert loaded_rows == 3
-    monkeypatch.setattr(setchecks, "loaded_rows_and_features",
+    monkeypatch.setattr(datasets, "load_from_disk",
                         lambda folder: os.kill(os.getpid(), signal.SIGBUS))
     found = findings()
     setchecks.check_loads(found, setchecks.LoadCheck(tmp_path / "set").result(), 3)

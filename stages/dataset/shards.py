@@ -1,7 +1,8 @@
-"""A dataset folder on disk: its shards listed in order, read (read-only, every column,
-or a few columns by their buffers: stages/dataset/ipcstream.py) and written (`ShardFile` one stream, `ShardWriter` bounded shards under datasets' names),
-the save_to_disk metadata that makes the folder load, and the load_from_disk check. The
-row contract the shards hold is stages/dataset/schema.py."""
+"""A dataset folder on disk: its shards listed in order, read (read-only: every column,
+or a few columns by their buffers, stages/dataset/ipcstream.py) and written (`ShardFile`
+one stream, `ShardWriter` bounded shards under datasets' names), the save_to_disk
+metadata that makes the folder load, and the load_from_disk check. The row contract the
+shards hold is stages/dataset/schema.py."""
 
 from __future__ import annotations
 
@@ -118,7 +119,10 @@ class ShardReader:
 
     def _cut(self) -> Optional[str]:
         """Why the file is no longer what was opened, if it was cut while being read."""
-        size = os.stat(self.path).st_size
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:  # gone from its folder: an open file is not cut by that
+            return None
         if size < self._size:
             return f"{self.path}: cut short while being read ({self._size} bytes, now {size})"
         return None

@@ -30,7 +30,7 @@ from stages.dataset import (charts, histograms, loader, rowcheck, rowsummary, se
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.rowsummary import ROWS, SUPERVISED, TOKENS
 from stages.dataset.schema import ROW_CHECKS
-from stages.dataset.shards import list_shards
+from stages.dataset.shards import Opening, list_shards
 from stages.process import cli, cpus
 from stages.view import page
 
@@ -89,7 +89,7 @@ def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data:
     threads = cfg.threads or cpus.idle(at_most=4)  # memory-bound numpy: a busy CPU adds hand-offs
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
     # beside the scan, in a process forked before the scan starts its threads
-    loads = setchecks.LoadCheck(data) if loadable else None
+    loads = Opening(data) if loadable else None
     with IdHashes() as ids, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
         scan = rowcheck.Scanner(cfg, vocab, findings, ids)
@@ -109,7 +109,7 @@ def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data:
             findings.add("loads", 1, ["load_from_disk not tried: the folder's state.json, "
                                       "dataset_info.json or shards are unusable"])
         else:
-            setchecks.check_loads(findings, loads.result(), scan.rows)
+            setchecks.check_loads(findings, loads, scan.rows)
     return scan
 
 

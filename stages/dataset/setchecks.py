@@ -92,27 +92,14 @@ def check_info(findings: Findings, data: Path) -> bool:
     return True
 
 
-class LoadCheck:
-    """The load as training opens it (shards.Opening: datasets in a worker process of its
-    own, so a shard cut under its memory map is this check's failure, not the stage's
-    death), started now, beside the caller's scan."""
-
-    def __init__(self, folder: Path):
-        self._opening = Opening(folder)
-
-    def result(self):
-        """(rows, features), or why the folder does not open."""
-        try:
-            return self._opening.result()
-        except StageError as e:
-            return str(e)
-
-
-def check_loads(findings: Findings, loaded, rows: int) -> None:
-    if isinstance(loaded, str):
-        findings.add("loads", 1, [f"load_from_disk: {loaded}"[:300]])
+def check_loads(findings: Findings, opening: Opening, rows: int) -> None:
+    """The load as training opens it (`opening`: datasets in a worker process of its own,
+    so a shard cut under its memory map is this check's failure, not the stage's death)."""
+    try:
+        loaded_rows, features = opening.result()
+    except StageError as e:
+        findings.add("loads", 1, [f"load_from_disk: {e}"[:300]])
         return
-    loaded_rows, features = loaded
     if loaded_rows != rows or features != FEATURES:
         findings.add("loads", 1, [f"load_from_disk: {loaded_rows} rows, features {features}"])
 

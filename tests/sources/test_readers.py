@@ -15,6 +15,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -104,6 +105,46 @@ def test_arrow_stream_file(tmp_path):
     with pa.ipc.new_file(tmp_path / "file.arrow", table.schema) as w:  # the random-access format
         w.write_table(table)
     assert [r["q"] for _, r in rows_of(src(tmp_path / "file.arrow"))] == ["a", "b"]
+
+
+
+def _not_utf8() -> pa.Array:
+    """Two strings, the second's bytes not UTF-8 (a writer that did not check)."""
+    return pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(
+        np.array([0, 2, 5], np.int32).tobytes()), pa.py_buffer(b"hi\xff\xfe\xfd")])
+
+
+def _offsets_past_the_data(path: Path) -> None:
+    """An Arrow stream whose string column's last offset points far past its bytes."""
+    table = pa.table({"q": ["hi", "abc"]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = data.find(np.array([0, 2, 5], np.int32).tobytes())
+    data[at + 8:at + 12] = np.array([0x7FFFFF00], np.int32).tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["offsets", "utf8-arrow", "utf8-parquet"])
+def test_damaged_arrow_data_is_one_line_naming_file_and_rows_never_a_crash(tmp_path, damage):
+    """Offsets past the data crashed the conversion to Python (SIGSEGV); bytes that are not
+    UTF-8 ended it in a traceback. Either is a damaged file: one line, in a process of its
+    own here so that a crash is a failure and not the end of the run."""
+    path = tmp_path / ("data.parquet" if damage == "utf8-parquet" else "data.arrow")
+    if damage == "offsets":
+        _offsets_past_the_data(path)
+    elif damage == "utf8-arrow":
+        with pa.ipc.new_stream(path, pa.schema([("q", pa.string())])) as w:
+            w.write_table(pa.table({"q": _not_utf8()}))
+    else:
+        pq.write_table(pa.table({"q": _not_utf8()}), path)
+    (tmp_path / "params.yaml").write_text(
+        f"prepare:\n  sources:\n    - {{name: s, path: {path.name}, format: columns, "
+        "prompt_field: q}\n")
+    line, _ = stagecli.fail("prepare", tmp_path)
+    assert re.fullmatch(rf"error: {path.name}: rows 0-1: damaged Arrow data \(.+\)", line), line
+    assert not (tmp_path / "data/prompts").exists()
 
 
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path):

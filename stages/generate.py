@@ -35,7 +35,8 @@ from stages.common.secrets import Redactor, redacting_logs
 from stages.process import cli
 from stages.serving import completions, engineflags, sendloop, turns
 from stages.serving.client import ChatClient, RetryPolicy, Sampling
-from stages.serving.server import ServerHandle, api_key, check_server, server_urls
+from stages.serving.server import (ServerHandle, api_key, check_server, launch_secrets,
+                                   server_urls)
 from stages.serving.progress import Throughput
 from stages.serving.promptindex import PromptLocations
 from stages.serving.requestcache import RequestCache, short_hash
@@ -85,7 +86,8 @@ def run(cfg: params.Generate, paths) -> dict:
     check(cfg)
     check_cache_dir(cfg.cache_dir, paths)
     key = api_key(cfg.server)
-    redact = secrets.tell([key], urls=server_urls(cfg.server))  # the one redactor
+    redact = secrets.tell([key, *launch_secrets(cfg.server)],  # the one redactor
+                          urls=server_urls(cfg.server))
     with redacting_logs(redact):
         try:
             return asyncio.run(_run(cfg, key, redact, paths))
@@ -241,7 +243,7 @@ def _conclude(counts: dict, n: int, cfg: params.Generate, transient: dict, out: 
                  counts["completed"], ids["why_without"])
     if ids["rows_unusable_ids"]:
         log.warning("%d completions came with token ids that are not a list of token ids "
-                    "(counted as such by tokenize's serve-render check)", ids["rows_unusable_ids"])
+                    "(tokenize refuses such rows, naming each)", ids["rows_unusable_ids"])
     problem = verdict(counts, n, cfg, transient, out)
     if problem:
         raise StageError(problem)

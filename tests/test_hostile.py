@@ -402,6 +402,24 @@ def test_a_launched_engine_gets_no_copy_of_the_key_and_its_log_is_redacted(tmp_p
     assert leaks(tmp_path, [out], KEY) == []
 
 
+def test_the_values_of_secret_engine_flags_are_written_nowhere(tmp_path):
+    """A Hub token or admin key passed as an engine flag, in any spelling the engine's
+    parser takes: an engine logs its own arguments (SGLang its whole ServerArgs; the fake
+    server the flags it ignores), and the report and card list the launch args."""
+    make_prompts(tmp_path, 2)
+    flags = {"--admin-api-key": "ADMIN-SECRET-1111aaaa", "--api_key": "UNDERSCORE-2222bbbb",
+             "--hf-token": "hf_TOKEN_SECRET_3333cccc"}
+    server = launch_server(tmp_path, {})
+    server["launch"]["args"] = [x for pair in flags.items() for x in pair]
+    write_params(tmp_path, server=server)
+    out = ok(stage(tmp_path))
+    log = (tmp_path / ".cache/logs/generate-server.log").read_text()
+    assert "ignoring ['--admin-api-key', '***', '--api_key', '***'" in log
+    assert report(tmp_path)["server"]["args"][1::2] == ["***"] * 3
+    for value in flags.values():
+        assert leaks(tmp_path, [out], value) == []
+
+
 # ------------------------------------------------------------------- hangs
 
 

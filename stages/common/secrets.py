@@ -1,21 +1,19 @@
 """Keeping secrets out of everything the pipeline writes: the one redactor.
 
-Secrets are an API key (read from the environment), credentials in a URL (a password,
-`user:password`, a token as the user alone, a signature or token query parameter: found
-by shape in any URL-like text, whatever the scheme, `s3:/` as pathlib spells `s3://`
-included) and the values of secret flags in a launch command. `WRITTEN` is the redactor
-every writer goes through (reports, the card, lineage.json, logs, error lines); a stage
-`tell`s it what it learned is secret (the key, each credential in a param).
-
-A server can echo a secret JSON-escaped, percent-encoded, base64, hex, as HTML entities,
-or cut: the redactor masks every run of at least MIN_PIECE characters of any of those
-forms (a shorter secret only whole), and `found_in` checks a JSON body after parsing.
-Redact first, then truncate: a cut made after redaction only shortens the mask.
+Secrets are an API key, credentials in a URL (found by shape in any URL-like text,
+whatever the scheme, `s3:/` as pathlib spells `s3://` included) and the values of secret
+flags in a launch command. `WRITTEN` is the redactor every writer goes through (reports,
+the card, lineage.json, logs, error lines); a stage `tell`s it what it learned is secret.
+It masks every run of MIN_PIECE characters of any form a server can echo a secret in
+(JSON-escaped, percent-encoded, base64, base32, hex, HTML entities), also as the text's
+escapes decode and with separators dropped; a shorter secret (a placeholder key) is not
+masked, with a warning. Redact first, then truncate. docs/stages.md, generate, "Secrets".
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import dataclasses
 import html
@@ -24,6 +22,8 @@ import logging
 import re
 from typing import Any, Iterable, Iterator, Optional
 from urllib.parse import quote, quote_plus, unquote, urlsplit
+
+log = logging.getLogger("secrets")
 
 MASK = "***"
 MIN_PIECE = 8  # a run of this many characters of a secret is masked wherever it is
@@ -40,7 +40,7 @@ _SECRET_KEY = re.compile(
     r"(?:.*(?:signature|credential|token|secret|password|passwd|api[_-]?key|apikey|auth).*"
     r"|sig|key|pwd|x-amz-.+|x-goog-.+)", re.I)
 # flags whose next argument (or `=value`) is a secret
-_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9-]*(api-key|apikey|token|password|secret)$", re.I)
+_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9_-]*(api[-_]key|apikey|token|password|secret)$", re.I)
 
 
 def url_credentials(url: str) -> tuple[Optional[str], Optional[str]]:
@@ -101,6 +101,25 @@ def redact_args(argv: Iterable[str]) -> list[str]:
     return out
 
 
+def flag_secrets(argv: Iterable[str]) -> list[str]:
+    """The values of the secret flags in a command line (what redact_args masks), for the
+    redactor to mask wherever else they show up (an engine echoing its own arguments)."""
+    found: list[str] = []
+    take_next = False
+    for arg in argv:
+        if take_next:
+            found.append(arg)
+            take_next = False
+            continue
+        flag, eq, value = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                found.append(value)
+            else:
+                take_next = True
+    return found
+
+
 def scrub(value: Any, keys: Iterable[Optional[str]] = ()) -> Any:
     """A JSON value with URL credentials stripped and every secret in `keys` masked."""
     return Redactor(keys).scrub(value)
@@ -124,8 +143,12 @@ def _forms(secret: str) -> set[str]:
         *percent, *(_lower_hex(p) for p in percent),
         data.hex(), data.hex().upper(), *entities,
     }
+    derived = set()
+    for coded in (data, secret.encode("utf-16-le", "surrogatepass"),
+                  secret.encode("utf-16-be", "surrogatepass")):
+        derived |= _base64_forms(coded) | _base32_forms(coded)
     # derived forms this short would mask ordinary text: kept only when long enough
-    return forms | {f for f in _base64_forms(data) if len(f) >= MIN_PIECE}
+    return forms | {f for f in derived if len(f) >= MIN_PIECE}
 
 
 def _lower_hex(percent: str) -> str:
@@ -151,6 +174,78 @@ def _base64_forms(data: bytes) -> set[str]:
 _URLSAFE = str.maketrans("+/", "-_")
 
 
+def _base32_forms(data: bytes) -> set[str]:
+    """As _base64_forms, for base32 (5-byte groups, 8 characters of 5 bits each)."""
+    forms = set()
+    for pad in range(5):
+        text = base64.b32encode(b"\0" * pad + data).decode("ascii").rstrip("=")
+        start = -(-pad * 8 // 5)  # the first character with none of the padding's bits
+        end = (pad + len(data)) * 8 // 5  # the last made only of `data`'s bits, excluded after
+        forms.add(text[start:end])
+    return forms
+
+
+# escapes a secret's characters can be spelled with, decoded in place for the search:
+# runs of %XX or \xXX (UTF-8 bytes), \uXXXX, HTML entities of any case and padding,
+# and the zero-width characters (soft hyphen too) that split a word unseen
+_ESCAPES = re.compile(
+    r"(?:%[0-9A-Fa-f]{2})+|(?:\\x[0-9A-Fa-f]{2})+|\\u[0-9A-Fa-f]{4}"
+    r"|&#[xX]0*[0-9A-Fa-f]{1,6};|&#0*[0-9]{1,7};|&[A-Za-z][A-Za-z0-9]{1,31};"
+    "|[\u00ad\u200b-\u200d\u2060\ufeff]")
+# what may stand between the characters of a hex or base64 run: spaces, line breaks,
+# colons, commas, and the 0x before each hex byte
+_SEPARATORS = re.compile(r"[\s:,]+|0[xX](?=[0-9A-Fa-f]{2})")
+
+
+def _unescaped(m: re.Match) -> str:
+    text = m.group()
+    if text[0] == "%" or text[:2] == "\\x":
+        return bytes.fromhex(text.replace("%", "").replace("\\x", "")).decode("utf-8", "replace")
+    if text[:2] == "\\u":
+        return chr(int(text[2:], 16))
+    if text[:3] in ("&#x", "&#X"):
+        code = int(text[3:-1], 16)
+        return chr(code) if code < 0x110000 else text
+    if text[:2] == "&#":
+        code = int(text[2:-1])
+        return chr(code) if code < 0x110000 else text
+    if text[0] == "&":
+        return html.unescape(text)
+    return ""  # a zero-width character
+
+
+# each view of a text searched besides the text itself: (pattern, replacement)
+_VIEWS = ((_ESCAPES, _unescaped), (_SEPARATORS, lambda m: ""))
+
+
+def _view_spans(text: str, pattern: re.Pattern, repl, spans: list[tuple[int, int]]
+                ) -> list[tuple[int, int]]:
+    """Spans of `pattern.sub(repl, text)` mapped back onto `text`: a character of the
+    view stands for itself, or for the whole escape (or separator) it came from."""
+    starts, segments = [], []  # per non-empty stretch of the view: (view start, source
+    view = pos = 0             # start, source end, one source character per view one)
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            starts.append(view)
+            segments.append((view, pos, m.start(), True))
+            view += m.start() - pos
+        n = len(repl(m))
+        if n:
+            starts.append(view)
+            segments.append((view, m.start(), m.end(), False))
+            view += n
+        pos = m.end()
+    if pos < len(text):
+        starts.append(view)
+        segments.append((view, pos, len(text), True))
+
+    def source(i: int) -> tuple[int, int]:
+        first, lo, hi, literal = segments[bisect.bisect_right(starts, i) - 1]
+        return (lo + i - first, lo + i - first + 1) if literal else (lo, hi)
+
+    return [(source(lo)[0], source(hi - 1)[1]) for lo, hi in spans if hi > lo]
+
+
 class Redactor:
     """Masks known secret values in text, JSON values and log records.
 
@@ -160,6 +255,7 @@ class Redactor:
 
     def __init__(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()):
         self._values: set[str] = set()
+        self._short: set[str] = set()  # told, too short to mask
         self._whole: list[str] = []
         self._long: list[str] = []
         self._windows: set[str] = set()
@@ -176,6 +272,15 @@ class Redactor:
                     values.add(f"{user}:{password}")
             elif user:  # http://TOKEN@host: the user part is the token
                 values.add(user)
+        short = {v for v in values if len(v) < MIN_PIECE}
+        if short - self._short:
+            log.warning("a secret of %s characters is not masked: shorter than %d, it would "
+                        "rewrite ordinary words wherever they stand (a placeholder key is no "
+                        "secret; a real one is longer)",
+                        " and ".join(sorted({str(len(v)) for v in short - self._short})),
+                        MIN_PIECE)
+            self._short |= short
+        values -= short
         if values == self._values:
             return
         self._values = values
@@ -190,7 +295,12 @@ class Redactor:
         return bool(self._whole)
 
     def found(self, text: str) -> bool:
-        """True when `text` holds a secret (whole) or a piece long enough to mask."""
+        """True when `text` holds a secret (whole) or a piece long enough to mask, as it
+        stands or in one of its views (escapes decoded, separators dropped)."""
+        return self._found(text) or any(
+            self._found(pattern.sub(repl, text)) for pattern, repl in _VIEWS)
+
+    def _found(self, text: str) -> bool:
         return any(w in text for w in self._whole) or self._has_piece(text)
 
     def _has_piece(self, text: str) -> bool:
@@ -209,15 +319,27 @@ class Redactor:
         text = strip_url_credentials(text)
         if not self._whole:
             return text
-        for form in self._whole:
-            if form in text:
-                text = text.replace(form, MASK)
-        if self._has_piece(text):
-            text = self._mask_pieces(text)
-        return text
+        spans = self._spans(text)
+        for pattern, repl in _VIEWS:
+            view = pattern.sub(repl, text)
+            if view != text and self._found(view):
+                spans += _view_spans(text, pattern, repl, self._spans(view))
+        return _masked(text, spans) if spans else text
 
-    def _mask_pieces(self, text: str) -> str:
-        """Mask each maximal run of text that is a substring (>= MIN_PIECE) of a form."""
+    def _spans(self, text: str) -> list[tuple[int, int]]:
+        """Where the text holds a form whole, or a run (>= MIN_PIECE) of one."""
+        spans = []
+        for form in self._whole:
+            at = text.find(form)
+            while at >= 0:
+                spans.append((at, at + len(form)))
+                at = text.find(form, at + 1)
+        if self._has_piece(text):
+            spans += self._pieces(text)
+        return spans
+
+    def _pieces(self, text: str) -> list[tuple[int, int]]:
+        """Each maximal run of text that is a substring (>= MIN_PIECE) of a form."""
         spans: list[tuple[int, int]] = []
         for form in self._long:
             for i in range(len(form) - MIN_PIECE + 1):
@@ -231,18 +353,7 @@ class Redactor:
                         hi, b = hi + 1, b + 1
                     spans.append((lo, hi))
                     at = text.find(window, at + 1)
-        merged: list[list[int]] = []
-        for lo, hi in sorted(spans):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        out, pos = [], 0
-        for lo, hi in merged:
-            out += [text[pos:lo], MASK]
-            pos = hi
-        out.append(text[pos:])
-        return "".join(out)
+        return spans
 
     def scrub(self, value: Any) -> Any:
         """A JSON value with every string (keys included) redacted."""
@@ -253,6 +364,22 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self.scrub(v) for v in value]
         return value
+
+
+def _masked(text: str, spans: list[tuple[int, int]]) -> str:
+    """`text` with each span (overlapping ones merged) replaced by one MASK."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    out, pos = [], 0
+    for lo, hi in merged:
+        out += [text[pos:lo], MASK]
+        pos = hi
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -272,9 +399,6 @@ def _strings(value: Any) -> Iterator[str]:
 # what every writer of a report, the card, lineage.json, a log line or an error line
 # passes its text through; a stage tells it the secrets it learns (`tell`)
 WRITTEN = Redactor()
-# fewer characters than this, told as a credential in a param, would mask ordinary text
-# wherever it occurs; found by shape in the URL instead
-_MIN_TOLD = 6
 
 
 def tell(secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()) -> Redactor:
@@ -298,7 +422,7 @@ def tell_params(value: Any) -> None:
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
-    tell(v for v in found if len(v) >= _MIN_TOLD)
+    tell(found)  # one too short to mask is still stripped by shape where it is a URL's
 
 
 def check_key(key: str, where: str) -> str:

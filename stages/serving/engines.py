@@ -175,7 +175,9 @@ class EngineProcess:
         self.launch = launch
         self.log_path = Path(log_path)
         self.api_key = api_key
-        self.redact = secrets.Redactor([api_key])
+        # what the engine prints of its own arguments goes through it too (logpipe)
+        self.redact = secrets.tell([api_key, *secrets.flag_secrets(
+            [*launch.args, *(launch.command or [])])])
         self.engine = launch.engine
         self.host = launch.host
         self.port: Optional[int] = launch.port

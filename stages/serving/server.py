@@ -63,6 +63,15 @@ def server_urls(server: params.Server) -> list[str]:
     return [server.url] if isinstance(server.url, str) else list(server.url or [])
 
 
+def launch_secrets(server: params.Server) -> list[str]:
+    """The values of secret flags in a launched engine's args or command (its admin key,
+    a Hub token): masked wherever they show up, the engine's own log included."""
+    launch = server.launch
+    if launch is None:
+        return []
+    return secrets.flag_secrets([*launch.args, *(launch.command or [])])
+
+
 def api_key(server: params.Server) -> Optional[str]:
     """The API key from the environment variable `server.api_key_env` names, or None."""
     if not server.api_key_env:

@@ -63,9 +63,49 @@ def test_nothing_to_hide_is_a_no_op():
     assert not r and r("sk-anything") == "sk-anything" and r.scrub({"a": [1]}) == {"a": [1]}
 
 
-def test_a_short_secret_is_masked_whole_only():
-    r = Redactor(["abc"])
-    assert r("xabcx abc") == f"x{MASK}x {MASK}" and r("ab") == "ab"
+def test_a_secret_too_short_to_mask_is_left_with_a_warning_never_rewriting_words(caplog):
+    """A placeholder key (vLLM's EMPTY) masked would rewrite "the EMPTY set" in the data."""
+    r = Redactor(["EMPTY"])
+    assert not r and r("the EMPTY set") == "the EMPTY set"
+    assert "a secret of 5 characters is not masked" in caplog.text and "EMPTY" not in caplog.text
+
+
+KEY2 = "sk-test-DO-NOT-LEAK-7f3a9c"
+
+
+@pytest.mark.parametrize("spell", [
+    lambda k: "".join(f"&#X{ord(c):X};" for c in k),  # entities: capital X
+    lambda k: "".join(f"&#{ord(c):04d};" for c in k),  # zero-padded
+    lambda k: k.replace("-", "&#45;"),  # some characters only
+    lambda k: k.replace("-", "%2D"),
+    lambda k: k.replace("-", "\\u002d"),
+    lambda k: "".join(f"\\x{ord(c):02x}" for c in k),
+    lambda k: " ".join(f"{ord(c):02x}" for c in k),  # hex, spaced
+    lambda k: ":".join(f"{ord(c):02X}" for c in k),
+    lambda k: " ".join(f"0x{ord(c):02x}" for c in k),
+    lambda k: "\u200b".join(k),  # zero-width spaces between the characters
+    lambda k: "\u00ad".join(k),  # soft hyphens
+    lambda k: base64.b32encode(k.encode()).decode(),
+    lambda k: base64.b64encode(k.encode("utf-16-le")).decode(),
+    lambda k: "\n".join(base64.b64encode(k.encode()).decode()[i:i + 6] for i in range(0, 48, 6)),
+])
+def test_a_secret_spelled_in_mixed_escapes_or_split_by_separators_is_masked(spell):
+    r = Redactor([KEY2])
+    text = f"denied <{spell(KEY2)}> done"
+    out = r(text)
+    assert out.startswith("denied <") and out.endswith("> done") and MASK in out, out
+    assert r.found(text) and not r.found(out), out
+    # what is left decodes to no piece of the key
+    left = out.replace(MASK, "")
+    assert not r.found(left) and not [p for p in pieces(KEY2) if p in left]
+
+
+def test_the_values_of_secret_flags_are_secrets_in_every_spelling():
+    argv = ["--port", "1", "--api_key", "U-2222bbbb", "--hf-token=T-3333cccc",
+            "--admin-api-key", "A-4444dddd", "--model", "m"]
+    assert secrets.flag_secrets(argv) == ["U-2222bbbb", "T-3333cccc", "A-4444dddd"]
+    assert redact_args(argv) == ["--port", "1", "--api_key", MASK, f"--hf-token={MASK}",
+                                 "--admin-api-key", MASK, "--model", "m"]
 
 
 def test_url_credentials_are_stripped_and_their_password_redacted():
@@ -117,8 +157,8 @@ def test_url_credentials_are_stripped_wherever_the_url_is():
 
 
 def test_scrub_masks_keys_and_urls_in_nested_values():
-    obj = {"a": ["Bearer sk-9\"x", {"url": "http://u:p@h"}], "n": 3, "key": None}
-    assert secrets.scrub(obj, ["sk-9\"x", None]) == {"a": ["Bearer ***", {"url": "http://h"}],
+    obj = {"a": ["Bearer sk-9\"x-4c1d", {"url": "http://u:p@h"}], "n": 3, "key": None}
+    assert secrets.scrub(obj, ["sk-9\"x-4c1d", None]) == {"a": ["Bearer ***", {"url": "http://h"}],
                                                      "n": 3, "key": None}
 
 
@@ -158,6 +198,7 @@ def test_a_secret_is_found_in_a_parsed_body_whatever_escapes_spelled_it():
     key = "sk-abc/def+ghi=jkl"
     mixed = '{"a": ["' + "".join(c if i % 2 else f"\\u{ord(c):04x}" for i, c in enumerate(key)) + '"]}'
     r = Redactor([key])
-    assert not r.found(mixed) and r.found_in(json.loads(mixed))
+    assert r.found_in(json.loads(mixed))
+    assert r.found(mixed) and MASK in r(mixed)  # and unparsed, its escapes decoded
     assert r.found_in({key[2:]: 1}) and not r.found_in({"a": [1, None, "x" * 100]})
     assert not Redactor([]).found_in({"a": key})

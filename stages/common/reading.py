@@ -43,8 +43,10 @@ def json_object(text: bytes | str, where: str) -> dict:
     return doc
 
 
-def parse_json(text: bytes | str) -> Any:
-    """`text` parsed as JSON nested at most MAX_FILE_DEPTH levels, else ValueError."""
+def parse_json(text: bytes | str, levels: int = MAX_FILE_DEPTH) -> Any:
+    """`text` parsed as JSON nested at most `levels` levels, else ValueError. A file that
+    wraps a document read with the default (a cache record around a reply) allows as many
+    more levels as it adds."""
     try:
         doc = json.loads(text)
     except RecursionError:
@@ -52,7 +54,7 @@ def parse_json(text: bytes | str) -> Any:
     # a value cannot nest deeper than it has brackets: most text needs no walk at all
     brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
         text.count(b"{" if isinstance(text, bytes) else "{")
-    if brackets > MAX_FILE_DEPTH and deeper_than(doc, MAX_FILE_DEPTH):
+    if brackets > levels and deeper_than(doc, levels):
         raise ValueError("nested too deeply")
     return doc
 

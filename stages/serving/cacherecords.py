@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from stages.common.reading import parse_json, writable
+from stages.common.reading import MAX_FILE_DEPTH, parse_json, writable
 from stages.serving import replies
 from stages.serving.client import Failure, Reply
 
@@ -36,8 +36,8 @@ def failure(f: Failure) -> dict:
 
 def cached_record(js: bytes) -> Optional[dict]:
     """A cache record as `success` or `failure` wrote it, or None for anything else on disk."""
-    try:
-        rec = parse_json(js)
+    try:  # the record is one object around a reply the client read to MAX_FILE_DEPTH
+        rec = parse_json(js, MAX_FILE_DEPTH + 1)
     except ValueError:  # UnicodeDecodeError included
         return None
     if not isinstance(rec, dict):

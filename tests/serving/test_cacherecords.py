@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
+from stages.common.reading import MAX_FILE_DEPTH, deeper_than
 from stages.serving.cacherecords import cached_record, failure, success
-from stages.serving.client import Failure, Reply
+from stages.serving.client import Failure, Reply, read_body
 
 BODY = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
@@ -33,3 +34,18 @@ def test_anything_else_on_disk_is_damaged():
                json.dumps(missing).encode(), b'{"ok": true, "reply": "\xff"}',
                json.dumps(dict(failure(Failure("t", None, "m", 1, True)), status="500")).encode()]:
         assert cached_record(js) is None, js
+
+
+def test_a_reply_as_deep_as_the_client_reads_is_read_back_from_its_record():
+    """The record is one level around the reply: a reply nested to the client's limit
+    (read_body) read back as damaged would be sent again on every run, never cached."""
+    deep: object = "x"
+    for _ in range(MAX_FILE_DEPTH - 4):  # the reply's own levels: object, choices, message
+        deep = [deep]
+    body = json.loads(json.dumps(BODY))
+    body["choices"][0]["message"]["extra"] = deep
+    raw = json.dumps(body).encode()
+    assert read_body(raw)[1] is None and deeper_than(body, MAX_FILE_DEPTH - 1)
+    rec = success(Reply("hi", None, None, "stop", 1, 1, 1, 0.1, raw))
+    assert cached_record(rec)["reply"] == body
+    assert cached_record(b'{"ok":true,"attempts":1,"latency":0.1,"reply":[%s]}' % raw) is None

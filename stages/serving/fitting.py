@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from stages.common.errors import StageError
 from stages.serving.toolshape import served_tools
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,36 @@ BRANCH_SLACK = 64
 NFC_GROWTH = 3
 
 
+class NotSent:
+    """A prompt the fitting decided not to send: a permanent failure of `kind`, without
+    a request."""
+
+    kind: str
+
+    def message(self, tokenizer: str) -> str:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class TooLong:
+class Unrenderable(NotSent):
+    """A prompt the chat template refuses (a system message after the first turn, say):
+    the engine would refuse it with the same template."""
+
+    why: str
+    kind = "bad_request"
+
+    def message(self, tokenizer: str) -> str:
+        return f"{self.why}; not sent"
+
+
+@dataclass(frozen=True)
+class TooLong(NotSent):
     """A prompt that leaves fewer than min_new_tokens in the context: never sent."""
 
     prompt_tokens: int
     context: int
     min_new_tokens: int
+    kind = "context_overflow"
 
     def message(self, tokenizer: str) -> str:
         return (
@@ -131,14 +155,19 @@ class ContextBudget:
         self.counter = counter
         self.fitted = 0  # requests sent with max_tokens lowered
         self.refused = 0  # prompts not sent: too long
+        self.unrenderable = 0  # prompts not sent: the chat template refuses them
 
-    def fit(self, prompt: dict) -> "int | TooLong":
-        """The max_tokens to send with `prompt`, or TooLong. Deterministic: the same
-        prompt and params give the same answer, so the request body stays the same."""
+    def fit(self, prompt: dict) -> "int | NotSent":
+        """The max_tokens to send with `prompt`, or why it is not sent. Deterministic: the
+        same prompt and params give the same answer, so the request body stays the same."""
         quick = self.counter.quick_bound(prompt)
         if quick is not None and quick + self.max_tokens <= self.context:
             return self.max_tokens
-        text = self.counter.render(prompt)
+        try:
+            text = self.counter.render(prompt)
+        except StageError as e:  # this prompt's own failure, never the run's
+            self.unrenderable += 1
+            return Unrenderable(str(e))
         if self.counter.bound(text) + self.max_tokens <= self.context:
             return self.max_tokens
         n = self.counter.count(text)
@@ -154,6 +183,7 @@ class ContextBudget:
     def report(self) -> dict:
         return {"context_length": self.context, "tokenizer": self.counter.spec,
                 "fitted": self.fitted, "refused": self.refused,
+                "unrenderable": self.unrenderable,
                 "encoded": self.counter.encoded}
 
 

@@ -86,9 +86,9 @@ class Generation:
     async def _one(self, fd: int, i: int) -> None:
         prompt = json.loads(self.plan.line(fd, i))
         fit = self.budget.fit(prompt) if self.budget is not None else None
-        if isinstance(fit, fitting.TooLong):  # a permanent failure, without a request
+        if isinstance(fit, fitting.NotSent):  # a permanent failure, without a request
             message = fit.message(self.budget.counter.spec)
-            self._failed(i, Failure("context_overflow", None, message, 0, True))
+            self._failed(i, Failure(fit.kind, None, message, 0, True))
             return
         data = self.encoder.encode(prompt, fit)
         if self.tally.sent == 0 and self.cfg.limit is not None:

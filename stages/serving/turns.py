@@ -283,8 +283,8 @@ class Regeneration:
         if prompt.get("tools") is not None:
             body_prompt["tools"] = prompt["tools"]
         fit = self.budget.fit(body_prompt) if self.budget is not None else None
-        if isinstance(fit, fitting.TooLong):
-            f = Failure("context_overflow", None, fit.message(self.budget.counter.spec), 0, True)
+        if isinstance(fit, fitting.NotSent):
+            f = Failure(fit.kind, None, fit.message(self.budget.counter.spec), 0, True)
             return self._failed(key, f)
         data = self.encoders[sample].encode(body_prompt, fit)
         self.tally.sent += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.serving.fitting import ContextBudget, PromptCounter, TooLong
+from stages.serving.fitting import ContextBudget, PromptCounter, TooLong, Unrenderable
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,16 @@ def test_tools_are_counted_as_the_engine_renders_them(counter):
     assert '"defer_loading": null' in sglang.render(prompt)
     assert '"defer_loading"' not in counter.render(prompt)
     assert sglang.count(sglang.render(prompt)) > counter.count(counter.render(prompt))
+
+
+def test_a_prompt_the_template_refuses_is_that_prompts_failure_not_the_runs(counter):
+    """Qwen3.6's template raises on a system message after the first turn; SGLang would
+    answer such a request with a 400: a permanent failure of that prompt alone."""
+    late = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "system", "content": "Be brief."}]}  # fmt: skip
+    budget = ContextBudget(4096, max_tokens=64, min_new_tokens=16, counter=counter)
+    refused = budget.fit(late)
+    assert isinstance(refused, Unrenderable) and refused.kind == "bad_request"
+    assert "System message must be at the beginning" in refused.message("bundled:qwen3.6")
+    assert budget.fit({"messages": [{"role": "user", "content": "hi"}]}) == 64
+    assert budget.report()["unrenderable"] == 1

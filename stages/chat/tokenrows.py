@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
+from stages.serving import engineids
 from stages.serving.engineids import Served
 from stages.common import params
 from stages.common.errors import StageError
@@ -136,27 +137,33 @@ def _kept_rows(plans: list, meta: list, batch, check: "rendercheck.ServeCheck",
         if row is not None:
             served = Served(row)
             check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
+            # the engine's ids are checked in either mode: they say what was served
+            if served.unusable and engineids.bad_values(served.unusable):
+                raise StageError(f"{path}:{no}: row {rid!r}: its engine token ids are not "
+                                 f"token ids ({served.unusable}): no engine serves those (a "
+                                 "damaged completions file, or a server that is no engine)")
+            bad = servedrows.out_of_vocab(served, vocab_size)
+            if bad is not None:
+                raise StageError(f"{path}:{no}: row {rid!r}: engine token id {bad} is "
+                                 f"outside the vocabulary [0, {vocab_size}) (the completions "
+                                 "name another model's tokens)")
+            n = batch.prompt_lens[i]
+            differs = served.completion_ids is not None and servedrows.answer_check(
+                served.completion_ids, ids[n:][mask[n:] == 1], control,
+                check.encoder.tok.decode)
+            if differs:
+                rendercheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
+                log.warning("%s:%d: row %r: the engine's answer ids %s", path, no, rid,
+                            "decode to other text than the recorded answer: dropped"
+                            if differs == "text" else "hold a control token the "
+                            "recorded text spells: tokenized as text, as rendered")
+                if differs == "text":
+                    st["dropped"]["answer_mismatch"] += 1
+                    continue
             if cfg.ids == "engine":
-                bad = servedrows.out_of_vocab(served, vocab_size)
-                if bad is not None:
-                    raise StageError(f"{path}:{no}: row {rid!r}: engine token id {bad} is "
-                                     f"outside the vocabulary [0, {vocab_size}) (tokenize.ids: "
-                                     "engine; the completions name another model's tokens)")
-                n = batch.prompt_lens[i]
-                exact = servedrows.engine_row(served, ids, mask, n, row["truncated"], control)
-                differs = exact and servedrows.answer_check(
-                    served.completion_ids, ids[n:][mask[n:] == 1], control,
-                    check.encoder.tok.decode)
-                if differs:
-                    rendercheck.answer_differs(check.stats, differs, rid, f"{path}:{no}")
-                    log.warning("%s:%d: row %r: the engine's answer ids %s", path, no, rid,
-                                "decode to other text than the recorded answer: dropped"
-                                if differs == "text" else "hold a control token the "
-                                "recorded text spells: tokenized as text, as rendered")
-                    if differs == "text":
-                        st["dropped"]["answer_mismatch"] += 1
-                        continue
-                    exact = None  # the text path's ids: the spelling stays text
+                # a control token the text spells stays text: the text path's ids
+                exact = None if differs else servedrows.engine_row(
+                    served, ids, mask, n, row["truncated"], control)
                 if exact is not None:
                     ids, mask, unsupervised = exact
                     st["engine_rows"] += 1

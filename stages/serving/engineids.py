@@ -96,14 +96,25 @@ def token_array(ids: Any, what: str, allow_empty: bool) -> tuple[Optional[np.nda
     if not ids:
         return (np.zeros(0, np.int64), None) if allow_empty else (None, f"{what} is empty")
     if set(map(type, ids)) != {int}:  # a JSON true would pass as 1 in numpy
-        return None, f"{what} is not a list of token ids"
+        return None, f"{what} {NOT_IDS}"
     try:
         a = np.asarray(ids, dtype=np.int64)
     except OverflowError:
         a = None
     if a is None or a.min() < 0 or a.max() >= 1 << 32:
-        return None, f"{what} holds a number that is not a token id"
+        return None, f"{what} {NOT_AN_ID}"
     return a, None
+
+
+# why a list of ids holds values no engine serves (tokenize refuses such a row); an empty
+# or absent list is only unusable (the row is checked by the count the engine reported)
+NOT_IDS = "is not a list of token ids"
+NOT_AN_ID = "holds a number that is not a token id"
+
+
+def bad_values(why: str) -> bool:
+    """Whether an `unusable` reason says the ids hold values that are no token ids."""
+    return why.endswith((NOT_IDS, NOT_AN_ID))
 
 
 def digest_problem(kept: Any) -> Optional[str]:

@@ -15,6 +15,7 @@ import pytest
 
 from stages import tokenize
 from stages.chat import servedrows
+from stages.serving import engineids
 from stages.serving.engineids import Served
 from stages.common.errors import StageError
 from stages.models import tokenizer
@@ -156,8 +157,10 @@ def tampered(src: Path, change) -> Path:
     return out
 
 
+@pytest.mark.parametrize("ids", ["engine", "render"])
 @pytest.mark.parametrize("bad", [300000, "vocab_size"])
-def test_an_engine_id_outside_the_vocabulary_is_one_line_naming_the_row(tmp_path, bundled, bad):
+def test_an_engine_id_outside_the_vocabulary_is_one_line_naming_the_row(tmp_path, bundled, bad,
+                                                                        ids):
     src = generate(tmp_path, bundled)
     vocab = len(tokenizer.load_tokenizer("bundled:qwen3.6"))
     value = vocab if bad == "vocab_size" else bad
@@ -167,24 +170,37 @@ def test_an_engine_id_outside_the_vocabulary_is_one_line_naming_the_row(tmp_path
     path = tampered(src, change)
     rid = json.loads(path.read_text().splitlines()[3])["id"]
     with pytest.raises(StageError) as e:
-        tokenize.tokenize_file(path, tmp_path / "out", ids="engine")
+        tokenize.tokenize_file(path, tmp_path / "out", ids=ids)
     line = str(e.value)
     assert "\n" not in line and f"tampered.jsonl:4: row {rid!r}" in line
     assert f"engine token id {value} is outside the vocabulary [0, {vocab})" in line
     assert not (tmp_path / "out").exists()
 
 
-def test_a_negative_engine_id_is_no_token_id_and_the_row_is_rendered(tmp_path, bundled):
+@pytest.mark.parametrize("ids", ["engine", "render"])
+@pytest.mark.parametrize("value", [-1, 1 << 32, 5.0, True, "reduced"])
+def test_an_engine_id_that_is_no_token_id_is_one_line_naming_the_row(tmp_path, bundled, value,
+                                                                     ids):
     src = generate(tmp_path, bundled)
 
     def change(rows):
-        rows[3]["engine_tokens"]["completion_ids"][1] = -1
-    report = tokenize.tokenize_file(tampered(src, change), tmp_path / "out", ids="engine")
-    assert report["engine_ids_missing"] == 1 and report["serve_check"]["unusable_ids"] == 1
+        if value == "reduced":  # as generate keeps such ids: the reason alone
+            why = engineids.ids_problem([-1], "the completion's token ids", allow_empty=True)
+            rows[3]["engine_tokens"] = {"unusable": why}
+        else:
+            rows[3]["engine_tokens"]["completion_ids"][1] = value
+    path = tampered(src, change)
+    rid = json.loads(path.read_text().splitlines()[3])["id"]
+    with pytest.raises(StageError, match=rf"^\S*tampered.jsonl:4: row {rid!r}: its engine "
+                                         r"token ids are not token ids \("):
+        tokenize.tokenize_file(path, tmp_path / "out", ids=ids)
+    assert not (tmp_path / "out").exists()
 
 
-def test_answers_mixed_up_between_rows_are_dropped_named_and_limited(tmp_path, bundled):
-    """What a router mixing up replies writes: each row's ids are another row's answer."""
+@pytest.mark.parametrize("ids", ["engine", "render"])
+def test_answers_mixed_up_between_rows_are_dropped_named_and_limited(tmp_path, bundled, ids):
+    """What a router mixing up replies writes: each row's ids are another row's answer
+    (with `ids: render` too: the recorded text is then not what the engine generated)."""
     src = generate(tmp_path, bundled)
 
     def change(rows):
@@ -194,9 +210,9 @@ def test_answers_mixed_up_between_rows_are_dropped_named_and_limited(tmp_path, b
     names = [json.loads(line)["id"] for line in path.read_text().splitlines()[:2]]
     with pytest.raises(StageError, match=r"engine ids: 2 rows' generated ids decode to other "
                        rf"text .*max_answer_mismatch: 0\); first: row {names[0]!r} at "):
-        tokenize.tokenize_file(path, tmp_path / "out", ids="engine")
+        tokenize.tokenize_file(path, tmp_path / "out", ids=ids)
     assert not (tmp_path / "out").exists()
-    report = tokenize.tokenize_file(path, tmp_path / "out", ids="engine", max_answer_mismatch=2)
+    report = tokenize.tokenize_file(path, tmp_path / "out", ids=ids, max_answer_mismatch=2)
     assert report["dropped"]["answer_mismatch"] == 2 and report["rows"] == 22
     assert [e["row"] for e in report["serve_check"]["answers"]["examples"]] == names
     kept = datasets.load_from_disk(str(tmp_path / "out"))["id"]

@@ -24,6 +24,7 @@ from typing import Optional
 import pyarrow as pa
 
 from stages.common import outputs, secrets
+from stages.common.params import INT32
 from stages.common.errors import StageError
 from stages.common.reading import json_file, regular
 from stages.dataset import fingerprint
@@ -212,8 +213,9 @@ def summary(report: dict) -> list[str]:
 def main(argv=None) -> int:
     def work():
         args = parser().parse_args(argv)
-        if args.max_length is not None and args.max_length < 1:
-            raise StageError(f"--max-length {args.max_length}: must be >= 1")
+        if args.max_length is not None and not 1 <= args.max_length <= INT32:
+            raise StageError(f"--max-length {args.max_length}: must be from 1 to "
+                             f"{INT32} (no row is longer: offsets are int32)")
         report = export(TRAINERS[args.trainer], args.merged, args.out, args.max_length,
                         _vocab(args), args.drop_refused)
         print(secrets.WRITTEN("\n".join(summary(report))))

@@ -96,10 +96,12 @@ def counterparts(old: Dataset, rows: list) -> list:
 def main(argv=None) -> int:
     def work():
         args = parser().parse_args(argv)
-        for name in ("sample", "longest", "shortest", "max_tokens"):
+        for name in ("sample", "longest", "shortest", "max_tokens", "seed"):
             if getattr(args, name) < 0:
                 raise StageError(f"--{name.replace('_', '-')} must be >= 0")
         folder = args.data or default_data()
+        if args.html:  # never written over a file of the set it shows
+            outputs.check_apart({"the set": folder}, [("--html", args.html)])
         data = Dataset(folder)
         rows = choose(data, args)
         from stages.view.tokens import text_for

@@ -189,6 +189,15 @@ def test_html_page_reads_back_to_the_supervised_tokens(rowset, tmp_path, show):
     assert f"Showing the first 20000 of {len(rows['long-1'][0])} tokens" in text
 
 
+def test_the_page_is_never_written_into_the_set_it_shows(rowset, show):
+    data, rows, tok = rowset
+    proc = show(data, "--row", "0", "--html", data / "page.html")
+    assert proc.returncode == 1 and "--html" in proc.stderr and "is inside the set" in proc.stderr
+    assert not (data / "page.html").exists()
+    proc = show(data, "--sample", "1", "--seed", "-1")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("--seed must be >= 0")
+
+
 def test_every_export_shows_what_its_trainer_reads(rowset, tmp_path, show):
     data, rows, tok = rowset
     for trainer in ("trl", "axolotl", "specforge"):

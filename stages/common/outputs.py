@@ -75,13 +75,18 @@ def _alive(pid: int) -> bool:
 
 
 def _clear_stale(target: Path) -> None:
-    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `target` whose PID is gone."""
-    for kind in ("tmp", "old"):
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `target` whose PID is gone; an
+    old one with no `target` is put back: its run was killed between atomic_dir's two
+    renames, and it is the last version the user had."""
+    for kind in ("old", "tmp"):
         prefix = f".{target.name}.{kind}-"
-        for path in target.parent.glob(prefix + "*"):
+        for path in sorted(target.parent.glob(prefix + "*")):
             pid = path.name[len(prefix):].split("-", 1)[0]
             if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                _remove(path)
+                if kind == "old" and not (target.exists() or target.is_symlink()):
+                    os.replace(path, target)
+                else:
+                    _remove(path)
 
 
 def _remove(path: Path) -> None:
@@ -198,3 +203,22 @@ def check_apart(inputs: dict[str, Optional[str | Path]],
                 raise StageError(
                     f"{out_name} {out_path} is inside {in_name} {in_path}: replacing it "
                     "would change that input; name folders apart from each other")
+        for link, real in _links(given):
+            for out_name, out_path, out in outs:
+                if real == out or real.is_relative_to(out):
+                    raise StageError(
+                        f"{in_name}: {Path(in_path) / link.relative_to(given)} links into "
+                        f"{out_name} {out_path}, which this "
+                        "stage replaces whole: the input would change with it; copy the "
+                        "file instead")
+
+
+def _links(folder: Path) -> Iterator[tuple[Path, Path]]:
+    """(link, where it resolves) for each link under `folder`, links not followed."""
+    if not folder.is_dir():
+        return
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root, name)
+            if path.is_symlink():
+                yield path, _real(path, str(path))

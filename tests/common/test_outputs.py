@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stages.common import outputs
+from stages.common.errors import StageError
 from tests.helpers.repo import ROOT
 
 
@@ -53,10 +54,41 @@ def test_temporaries_of_a_killed_writer_are_removed_by_the_next(tmp_path):
     assert (tmp_path / "report.json").read_text() == "{}"
 
 
+
+def test_a_run_killed_between_the_two_renames_loses_no_version(tmp_path):
+    """atomic_dir moves the old output aside, then the new one in: a kill between the two
+    leaves only `.NAME.old-PID`. The next writer puts it back before anything else, so a
+    run that then fails leaves the user's last version where it was."""
+    target = tmp_path / "merged"
+    aside = tmp_path / f".merged.old-{dead_pid()}"
+    aside.mkdir()
+    (aside / "data-00000.arrow").write_text("v1")
+    with pytest.raises(RuntimeError):
+        with outputs.atomic_dir(target):
+            raise RuntimeError("this run fails too")
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+    assert (target / "data-00000.arrow").read_text() == "v1"
+
+
+def test_an_input_holding_a_link_into_a_replaced_folder_is_refused(tmp_path):
+    """A base whose shard is a link into the merged set would change when merge replaces
+    that set (its rows filtered, its state.json another version's)."""
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged/data-00000.arrow").write_text("v1")
+    (tmp_path / "base/sub").mkdir(parents=True)
+    (tmp_path / "base/own.arrow").write_text("b")
+    outputs.check_apart({"merge.base": tmp_path / "base"}, [("--out", tmp_path / "merged")])
+    (tmp_path / "base/sub/data-00000.arrow").symlink_to("../../merged/data-00000.arrow")
+    with pytest.raises(StageError, match=r"^merge.base: .*base/sub/data-00000.arrow links "
+                                         r"into --out .*merged, which this stage replaces"):
+        outputs.check_apart({"merge.base": tmp_path / "base"}, [("--out", tmp_path / "merged")])
+
+
 CHILD = """
 import sys, time
 from pathlib import Path
 from stages.common import outputs
+from stages.common.errors import StageError
 from stages.process import cli
 
 def run(cfg, paths):

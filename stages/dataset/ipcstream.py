@@ -9,7 +9,8 @@ marker (0xFFFFFFFF, absent in pre-1.0 streams), its metadata's length, a Message
 flatbuffer, then its body. A RecordBatch message lists a node (length, null count) per
 field and a buffer (offset, length into the body) per buffer of each field, both in
 depth-first field order. Types whose buffers this module does not lay out (dictionary,
-union, view and run-end types) and compressed bodies are read whole, by pyarrow.
+union, view and run-end types) are read whole, by pyarrow. A compressed body is refused:
+this pipeline writes none, and a few kB of zstd can hold gigabytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import os
 import struct
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,10 @@ from stages.common.errors import StageError
 
 CONTINUATION = 0xFFFFFFFF
 _SCHEMA, _DICTIONARY, _RECORD_BATCH = 1, 2, 3  # Message.header_type
+END = -1  # the end-of-stream marker's kind: no header type, 0 included, can be it
+# what pyarrow and the flatbuffer parsing raise on bytes that do not hold what they say
+BAD_BYTES = (pa.ArrowException, SystemError, ValueError, TypeError, KeyError,
+             OverflowError, IndexError, struct.error)
 
 
 class Damaged(Exception):
@@ -35,6 +40,14 @@ class Damaged(Exception):
 
 class Cut(Exception):
     """A read came back short: the file ends before its layout says it does."""
+
+
+class Compressed(Exception):
+    """A record batch whose body is compressed."""
+
+    def __str__(self) -> str:
+        return ("its record batches are compressed (zstd or lz4), which this pipeline never "
+                "writes and does not decompress: re-save it uncompressed")
 
 
 def _named(method):
@@ -47,10 +60,12 @@ def _named(method):
         stream = self if isinstance(self, Stream) else self._stream
         try:
             return method(self, *args, **kwargs)
-        except (Cut, Damaged) as e:
+        except (Cut, Damaged, Compressed, *BAD_BYTES) as e:
             now = os.fstat(stream.fd).st_size
             if now < stream.size:
                 why = f"cut short while being read ({stream.size} bytes, now {now})"
+            elif isinstance(e, Compressed):
+                why = str(e)
             elif not hasattr(stream, "schema"):
                 why = f"not a readable Arrow stream shard ({e})"
             elif isinstance(e, Cut):
@@ -143,13 +158,18 @@ def _count(type_: pa.DataType) -> Optional[tuple[int, int]]:
 class Batch:
     """One record batch of the stream, its body unread until a column is asked for."""
 
-    def __init__(self, stream: "Stream", meta: Optional[_Table], body: int, body_len: int,
+    def __init__(self, stream: "Stream", meta: _Table, body: int, body_len: int,
                  message: int, num_rows: int):
-        self._stream, self._meta, self._body, self._body_len = stream, meta, body, body_len
+        self._stream, self._body, self._body_len = stream, body, body_len
         self._message = message
         self.num_rows = num_rows
-        if meta is not None:
-            self._nodes, self._buffers = meta.pairs(1), meta.pairs(2)
+        self._nodes, self._buffers = meta.pairs(1), meta.pairs(2)
+        # every column's, read or not: merge links a base shard it scanned a few columns
+        # of, and a negative length is what makes pyarrow's len() a SystemError later
+        if (self._nodes < 0).any() or (self._nodes[:, 1] > self._nodes[:, 0]).any():
+            raise Damaged("a field node with a negative length or more nulls than values")
+        if (self._buffers < 0).any() or (self._buffers.sum(axis=1) > body_len).any():
+            raise Damaged("a buffer lies outside its record batch's body")
 
     @_named
     def read(self, checked: bool = True) -> pa.RecordBatch:
@@ -162,22 +182,23 @@ class Batch:
             batch = pa.ipc.read_record_batch(message, self._stream.schema)
             if checked:
                 batch.validate(full=True)
-        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+        except (OSError, *BAD_BYTES) as e:
             raise Damaged(str(e)) from None
         return batch
 
     @_named
     def column(self, name: str) -> pa.Array:
         """Column `name`, only its own buffers read, checked in full."""
+        type_ = self._stream.field(name).type
         place = self._stream.places.get(name)
-        if place is None or self._meta is None:
+        if place is None:
             return self.read().column(name)
-        array = self._array(self._stream.schema.field(name).type, place[0], place[1])[0]
+        array = self._array(type_, place[0], place[1])[0]
         if len(array) != self.num_rows:
             raise Damaged(f"column {name!r} holds {len(array)} rows in a batch of {self.num_rows}")
         try:
             array.validate(full=True)
-        except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        except BAD_BYTES as e:
             raise Damaged(str(e)) from None
         return array
 
@@ -185,10 +206,11 @@ class Batch:
     def lengths(self, name: str) -> np.ndarray:
         """The lengths of list column `name`'s rows from its offsets alone (its values
         unread), checked against the values' count."""
-        type_ = self._stream.schema.field(name).type
+        type_ = self._stream.field(name).type
+        if not (pa.types.is_list(type_) or pa.types.is_large_list(type_)):
+            raise StageError(f"{self._stream.path}: column {name} is {type_}, not a list")
         place = self._stream.places.get(name)
-        if place is None or self._meta is None or not (
-                pa.types.is_list(type_) or pa.types.is_large_list(type_)):
+        if place is None:
             return np.diff(self.read().column(name).offsets.to_numpy())
         node, buf = place
         rows, values = self._node(node)[0], self._node(node + 1)[0]
@@ -236,7 +258,7 @@ class Batch:
             children.append(array)
         try:
             array = pa.Array.from_buffers(type_, length, buffers, nulls, children=children or None)
-        except (pa.ArrowInvalid, ValueError, TypeError) as e:
+        except BAD_BYTES as e:
             raise Damaged(str(e)) from None
         return array, node, buf
 
@@ -252,13 +274,13 @@ class Stream:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.end: Optional[int] = None  # where the end-of-stream marker ends, once read
         self._pos = 0
-        kind, meta, body, body_len, _ = self._message()
+        kind, _, body, body_len = self._message()
         if kind != _SCHEMA:
             raise Damaged("the stream does not start with a schema message")
         try:
             self.schema: pa.Schema = pa.ipc.read_schema(pa.py_buffer(self.pread(0, body)))
             self.schema.names  # field names that are not UTF-8 raise here, not later
-        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+        except (OSError, *BAD_BYTES) as e:
             raise Damaged(str(e)) from None
         self._pos = body + body_len
         # (first node, first buffer) of each top-level column, while every column
@@ -272,52 +294,43 @@ class Stream:
             self.places[field.name] = (node, buf)
             node, buf = node + counted[0], buf + counted[1]
 
+    def field(self, name: str) -> pa.Field:
+        """The column `name`; StageError naming the file when it has none, or two."""
+        index = self.schema.get_field_index(name)
+        if index < 0:
+            raise StageError(f"{self.path}: has no column {name} (columns: "
+                             f"{', '.join(self.schema.names)[:300]})")
+        return self.schema.field(index)
+
     def pread(self, at: int, n: int) -> bytes:
         data = os.pread(self.fd, n, at)
         if len(data) != n:
             raise Cut(f"{n} bytes at {at}, read {len(data)}")
         return data
 
-    def _message(self) -> tuple[int, Optional[_Table], int, int, int]:
-        """(header type, header table, body start, body length, message start) of the
-        message at the current position; header type 0 at the end-of-stream marker."""
-        start = self._pos
-        (word,) = struct.unpack("<I", self.pread(start, 4))
-        at = start + 4
-        if word == CONTINUATION:
-            (word,) = struct.unpack("<I", self.pread(at, 4))
-            at += 4
-        if word == 0:
-            self.end = at
-            return 0, None, at, 0, start
-        if word > self.size:
-            raise Damaged(f"a message claims {word} bytes of metadata")
-        meta = self.pread(at, word)
-        message = _Table(meta, _unpack("<I", meta, 0))
-        kind = message.scalar(1, "<B")
-        body_len = message.scalar(3, "<q")
-        body = at + word
-        if body_len < 0 or body + body_len > self.size:
-            raise Damaged(f"a message's body ({body_len} bytes) runs past the file's end")
-        return kind, message.table(2), body, body_len, start
+    def _message(self) -> Head:
+        head = read_head(self.pread, self._pos, self.size)
+        if head.kind == END:
+            self.end = head.body
+        return head
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
-            rows, header, body, body_len, start = self._next()
-            if rows is None:
+            batch = self._next()
+            if batch is None:
                 return
-            yield Batch(self, header, body, body_len, start, rows)
+            yield batch
 
     @_named
-    def _next(self):
-        """(None, ...) at the end, else the next record batch's (rows, header or None
-        when its body is compressed, body start, body length, message start)."""
-        kind, header, body, body_len, start = self._message()
+    def _next(self) -> Optional[Batch]:
+        """The next record batch, its body unread; None at the end of the stream."""
+        start = self._pos
+        kind, header, body, body_len = self._message()
         self._pos = body + body_len
-        if kind == 0:
+        if kind == END:
             if self.end - start != 8 or self.end != os.fstat(self.fd).st_size:
                 raise Damaged("its end-of-stream marker is not the 8 bytes that end the file")
-            return None, None, 0, 0, 0
+            return None
         if kind == _DICTIONARY:
             raise Damaged("dictionary batches are not part of a shard's columns")
         if kind != _RECORD_BATCH or header is None:
@@ -325,5 +338,49 @@ class Stream:
         rows = header.scalar(0, "<q")
         if rows < 0:
             raise Damaged(f"a record batch of {rows} rows")
-        compressed = header.table(3) is not None
-        return rows, None if compressed else header, body, body_len, start
+        if compressed(Head(kind, header, body, body_len)):
+            raise Compressed()
+        return Batch(self, header, body, body_len, start, rows)
+
+
+class Head(NamedTuple):
+    """A message's kind (Message.header_type, or END), header table, body start (after
+    the end-of-stream marker: where it ends) and body length."""
+    kind: int
+    header: Optional[_Table]
+    body: int
+    body_len: int
+
+
+def read_head(pread: Callable[[int, int], bytes], start: int, size: int) -> Head:
+    """The head of the message at `start` of a stream of `size` bytes, read with
+    `pread(at, n)` (its body unread); Damaged when the bytes do not hold one, Cut when
+    the file ends inside it."""
+    (word,) = struct.unpack("<I", pread(start, 4))
+    at = start + 4
+    if word == CONTINUATION:
+        (word,) = struct.unpack("<I", pread(at, 4))
+        at += 4
+    if word == 0:
+        return Head(END, None, at, 0)
+    if word > size:
+        raise Damaged(f"a message claims {word} bytes of metadata")
+    meta = pread(at, word)
+    message = _Table(meta, _unpack("<I", meta, 0))
+    kind = message.scalar(1, "<B")
+    body_len = message.scalar(3, "<q")
+    body = at + word
+    # checked before anything allocates a body: a damaged length would be a huge malloc
+    if body_len < 0 or body + body_len > size:
+        raise Damaged(f"a message's body ({body_len} bytes) runs past the file's end")
+    return Head(kind, message.table(2), body, body_len)
+
+
+def compressed(head: Head) -> bool:
+    """Whether the message's body is compressed: its RecordBatch (a DictionaryBatch's
+    own) has a BodyCompression."""
+    header = head.header
+    if head.kind == _DICTIONARY and header is not None:
+        header = header.table(1)
+    return head.kind in (_RECORD_BATCH, _DICTIONARY) and header is not None and \
+        header.table(3) is not None

@@ -52,11 +52,11 @@ def chunks(folder: str | Path, seed: Optional[int] = None) -> Iterator[list[Row]
     rng = None if seed is None else np.random.default_rng(seed)
     shards = list_shards(folder)
     for path in shards if rng is None else [shards[i] for i in rng.permutation(len(shards))]:
-        with open_shard(path) as reader:
+        with open_shard(path, ("source", "input_ids", "loss_mask")) as reader:
             record_batches = reader if rng is None else _shuffled(list(reader), rng)
             for batch in record_batches:
-                ids_off, ids = _flat(batch.column("input_ids"))
-                mask_off, mask = _flat(batch.column("loss_mask"))
+                ids_off, ids = _flat(batch.column("input_ids"), path, "input_ids")
+                mask_off, mask = _flat(batch.column("loss_mask"), path, "loss_mask")
                 if not np.array_equal(ids_off, mask_off):
                     raise StageError(f"{path}: input_ids and loss_mask lengths differ "
                                      "(run validate)")
@@ -70,11 +70,14 @@ def _shuffled(items: list, rng: np.random.Generator) -> list:
     return [items[i] for i in rng.permutation(len(items))]
 
 
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Row offsets and the flattened values of a list column (zero-copy)."""
+def _flat(column: pa.Array, path: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Row offsets and the flattened values of a list column (zero-copy); StageError
+    when a value in it is null, a token no model reads (validate names those rows)."""
     offsets = column.offsets.to_numpy()
-    return offsets - offsets[0], column.values.slice(
-        offsets[0], offsets[-1] - offsets[0]).to_numpy()
+    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if values.null_count:
+        raise StageError(f"{path}: {name} holds a null (run validate)")
+    return offsets - offsets[0], values.to_numpy()
 
 
 # ----------------------------------------------------------------- batching rule
@@ -234,7 +237,7 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
     """
     def columns():
         for path in list_shards(folder):
-            with open_columns(path) as stream:
+            with open_columns(path, ("num_tokens", "num_loss_tokens", "source")) as stream:
                 for batch in stream:
                     yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
                            batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),

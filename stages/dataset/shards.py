@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import datasets
 import pyarrow as pa
@@ -20,7 +20,7 @@ from stages.common import outputs
 from stages.common.errors import StageError
 from stages.common.reading import arrow_input, json_file, open_regular
 from stages.dataset import fingerprint, ipcstream
-from stages.dataset.schema import ARROW_SCHEMA, FEATURES
+from stages.dataset.schema import ARROW_SCHEMA, FEATURES, schema_differences
 from stages.process import children
 
 # A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
@@ -33,6 +33,8 @@ _FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets ca
 # A stream ends with an end-of-stream marker (continuation + zero length), right after
 # its last message. Without it a shard cut at a batch boundary reads as whole.
 _END_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+# what reading damaged bytes can raise, from pyarrow or the flatbuffer parsing
+_UNREADABLE = (OSError, ipcstream.Damaged, *ipcstream.BAD_BYTES)
 
 
 def list_shards(folder: str | Path) -> list[Path]:
@@ -114,8 +116,29 @@ class ShardReader:
             self._reader = pa.ipc.open_stream(self._source)
             self.schema: pa.Schema = self._reader.schema
             self.schema.names  # field names that are not UTF-8 raise here, not later
-        except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+        except _UNREADABLE as e:
             raise StageError(f"{path}: not a readable Arrow stream shard ({e})") from None
+
+    def _peek(self) -> None:
+        """Look at the next message's head before pyarrow reads it: a compressed body
+        would be decompressed whole (a few kB of zstd can hold gigabytes), and a damaged
+        body length allocated whole. A cut head is left to pyarrow, which names it."""
+        here = self._source.tell()
+        try:
+            head = ipcstream.read_head(self._read_at, here, self._size)
+        except ipcstream.Cut:
+            return
+        finally:
+            self._source.seek(here)
+        if ipcstream.compressed(head):
+            raise ipcstream.Compressed()
+
+    def _read_at(self, at: int, n: int) -> bytes:
+        self._source.seek(at)
+        data = self._source.read(n)
+        if len(data) != n:
+            raise ipcstream.Cut(f"{n} bytes at {at}, read {len(data)}")
+        return data
 
     def _cut(self) -> Optional[str]:
         """Why the file is no longer what was opened, if it was cut while being read."""
@@ -132,6 +155,7 @@ class ShardReader:
         end = self._source.tell()  # where the last message read ends
         while True:
             try:
+                self._peek()
                 batch = self._reader.read_next_batch()
                 end = self._source.tell()
                 # offsets and lengths are checked against the buffers before any reader
@@ -144,30 +168,55 @@ class ShardReader:
                         f"{self.path}: no end-of-stream marker after its last record batch: "
                         "the shard is truncated")) from None
                 return
-            except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as e:
+            except ipcstream.Compressed as e:
+                raise StageError(f"{self.path}: {e}") from None
+            except _UNREADABLE as e:
                 raise StageError(self._cut() or f"{self.path}: damaged record batch ({e})") from None
             yield batch
 
 
 @contextlib.contextmanager
-def open_shard(path: str | Path) -> Iterator[ShardReader]:
+def open_shard(path: str | Path, columns: Iterable[str] = ()) -> Iterator[ShardReader]:
     """Open a shard read-only (never for writing: it may be a link into the DVC cache),
-    every column of every batch read and checked."""
+    every column of every batch read and checked; StageError unless it holds `columns`
+    as the contract types them (see require_columns)."""
     path = Path(path)
     with arrow_input(path) as source:
         _check_head(path, source)
-        yield ShardReader(path, source)  # what the caller raises is its own
+        reader = ShardReader(path, source)
+        require_columns(path, reader.schema, columns)
+        yield reader  # what the caller raises is its own
 
 
 @contextlib.contextmanager
-def open_columns(path: str | Path) -> Iterator[ipcstream.Stream]:
+def open_columns(path: str | Path, columns: Iterable[str] = ()) -> Iterator[ipcstream.Stream]:
     """Open a shard read-only for a reader of a few columns: each batch's columns are
     read when asked for, only their own buffers, each checked in full (the lookup of a
-    row by id, merge's scan of a base: the token buffers stay unread)."""
+    row by id, merge's scan of a base: the token buffers stay unread); StageError unless
+    it holds `columns` as the contract types them (see require_columns)."""
     path = Path(path)
     with open_regular(path) as f:
         _check_head(path, pa.PythonFile(f, mode="r"))
-        yield ipcstream.Stream(path, f.fileno())
+        stream = ipcstream.Stream(path, f.fileno())
+        require_columns(path, stream.schema, columns)
+        yield stream
+
+
+def require_columns(path: Path, schema: pa.Schema, columns: Iterable[str]) -> None:
+    """StageError naming the shard unless `schema` holds each of `columns` once, of the
+    contract's type. Readers that index these columns ask this of every shard, before
+    any column is read: a shard's schema is its own (a damaged byte can rename a column
+    or change its width), not the first shard's. validate asks nothing: it reports
+    schema differences as findings."""
+    columns = list(columns)
+    twice = sorted({n for n in schema.names if n in columns and schema.names.count(n) > 1})
+    if twice:
+        raise StageError(f"{path}: has column {twice[0]} more than once")
+    got = {f.name: f for f in schema}
+    mine = pa.schema([got[n] for n in columns if n in got])
+    diffs = schema_differences(mine, pa.schema([ARROW_SCHEMA.field(n) for n in columns]))
+    if diffs:
+        raise StageError(f"{path}: {'; '.join(diffs)} (not a shard of the row contract)")
 
 
 def _check_head(path: Path, source) -> None:

@@ -96,8 +96,8 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
         if col.null_count:
             raise StageError(f"{path}: row {_row_id(id_col, _first(col.is_null()))}: "
                              f"{name} is null (run validate)")
-    offsets, ids = _flat(ids_col)
-    mask_offsets, mask = _flat(mask_col)
+    offsets, ids = _flat(ids_col, path, id_col, "input_ids")
+    mask_offsets, mask = _flat(mask_col, path, id_col, "loss_mask")
     if not np.array_equal(offsets, mask_offsets):
         bad = _first(np.diff(offsets) != np.diff(mask_offsets))
         raise StageError(f"{path}: row {_row_id(id_col, bad)}: "
@@ -123,8 +123,15 @@ def _row_id(ids: pa.Array, row: int) -> str:
     return repr(ids[row].as_py())
 
 
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Row offsets (from 0) and the flattened values of a list column (zero-copy)."""
+def _flat(column: pa.Array, path: Path, id_col: pa.Array, name: str
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Row offsets (from 0) and the flattened values of a list column (zero-copy); a
+    StageError naming the row that holds a null value (a token no trainer can read)."""
     offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
-    return offsets - offsets[0], values
+    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if values.null_count:
+        at = _first(values.is_null())
+        row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
+        raise StageError(f"{path}: row {_row_id(id_col, row)}: {name} holds a null value "
+                         "(run validate)")
+    return offsets - offsets[0], values.to_numpy()

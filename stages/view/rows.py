@@ -21,9 +21,9 @@ import pyarrow.compute as pc
 
 from stages.common.errors import StageError
 from stages.common.reading import json_file, open_regular
-from stages.dataset import fingerprint
+from stages.dataset import fingerprint, ipcstream
 from stages.dataset.loader import IGNORE
-from stages.dataset.shards import list_shards, open_columns
+from stages.dataset.shards import list_shards, open_columns, require_columns
 from stages.trainers import REPORT as EXPORT_REPORT
 from stages.trainers.specforge import JSONL
 
@@ -61,7 +61,8 @@ class Dataset:
         if not self.shards:
             raise StageError(f"{self.folder}: no shards")
         with open_columns(self.shards[0]) as stream:
-            names = set(stream.schema.names)
+            schema = stream.schema
+        names = set(schema.names)
         for kind, need, mask in (("merged", {"id", "source", "input_ids", "loss_mask"}, "loss_mask"),
                                  ("trl", {"id", "input_ids", "assistant_masks"}, "assistant_masks"),
                                  ("axolotl", {"input_ids", "labels"}, "labels")):
@@ -72,6 +73,24 @@ class Dataset:
             raise StageError(f"{self.shards[0]}: columns {sorted(names)} are neither the row "
                              "contract nor a TRL, axolotl or SpecForge export")
         self.has_id, self.has_source = "id" in names, "source" in names
+        self.read = [n for n in ("id", "source", "input_ids", mask) if n in names]
+        self.types = {n: schema.field(n).type for n in self.read if schema.names.count(n) == 1}
+        self._check(self.shards[0], schema)
+
+    def _check(self, path: Path, schema: pa.Schema) -> None:
+        """StageError naming the shard unless it holds the columns a row is read from, as
+        the contract types them (a merged set) or as the first shard does (an export,
+        its lists of integers). Asked of every shard: its schema is its own, and a
+        damaged byte can rename a column or change its width."""
+        if self.kind == "merged":
+            return require_columns(path, schema, self.read)
+        got = {f.name: f.type for f in schema}
+        for name in self.read:
+            want = self.types.get(name)
+            if want is None or got.get(name) != want or schema.names.count(name) > 1 \
+                    or not _readable(name, want):
+                raise StageError(f"{path}: column {name} is {got.get(name, 'missing')}, "
+                                 f"expected {want or 'one column'} as in {self.shards[0].name}")
 
     def _json(self, name: str) -> dict:
         path = self.folder / name
@@ -98,6 +117,7 @@ class Dataset:
         for path in self.shards:
             wanted = [c for c in ("id", "source") if c in columns and self._has(c)]
             with open_columns(path) as stream:
+                self._check(path, stream.schema)
                 for k, batch in enumerate(stream):
                     out = {c: batch.column(c) for c in wanted}
                     out["rows"] = batch.num_rows
@@ -240,6 +260,7 @@ class Dataset:
 
     def _fetch(self, number: int, path: Path, batch_index: int, j: int) -> Row:
         with open_columns(path) as stream:  # batches before it are skipped unread
+            self._check(path, stream.schema)
             for k, batch in enumerate(stream):
                 if k == batch_index:
                     return self._arrow(number, batch.read(checked=False), j, path)
@@ -248,19 +269,14 @@ class Dataset:
     def _arrow(self, number: int, batch: pa.RecordBatch, j: int, path: Path) -> Row:
         """Row `j` of `batch`, its bytes checked: the strings in full, the row's lists'
         bounds against their values (the other rows' lists unchecked)."""
-        row = {}
-        try:
-            for name in batch.schema.names:
-                column = batch.column(name)
-                if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-                    row[name] = _list_row(column, j)
-                elif name in ("id", "source"):
-                    column.validate(full=True)
-                    row[name] = column[j].as_py()
-        except (pa.ArrowInvalid, UnicodeDecodeError, ValueError) as e:
-            raise StageError(f"{path}: damaged record batch ({e})") from None
-        ids = np.asarray(row["input_ids"], np.int64)
-        values = np.asarray(row[self.mask], np.int64)
+        row = _row_values(batch, j, path, self.read)
+        for name in ("input_ids", self.mask):
+            if row[name].null_count:  # to_numpy would make it a float, then an id
+                where = f" ({row['id']!r})" if row.get("id") is not None else ""
+                raise StageError(f"{path}: row {number}{where}: {name} holds a null value "
+                                 "(run validate)")
+        ids = row["input_ids"].to_numpy(zero_copy_only=False).astype(np.int64)
+        values = row[self.mask].to_numpy(zero_copy_only=False).astype(np.int64)
         notes = []
         if len(values) != len(ids):
             notes.append(f"{self.mask} has {len(values)} values for {len(ids)} tokens")
@@ -288,16 +304,38 @@ class Dataset:
         return Row(number, rid, None, ids, mask == 1, path.name, notes)
 
 
-def _list_row(column: pa.Array, j: int) -> np.ndarray:
-    """Row `j` of a list column of integers (empty when null); ValueError when its
-    offsets point outside the values."""
-    if column.null_count and not column.is_valid()[j].as_py():
-        return np.zeros(0, np.int64)
-    lo, hi = column.offsets[j].as_py(), column.offsets[j + 1].as_py()
-    child = column.values
-    if not 0 <= lo <= hi <= len(child) or not pa.types.is_integer(child.type):
-        raise ValueError(f"row {j}: list offsets {lo}..{hi} outside its {len(child)} values")
-    return child.slice(lo, hi - lo).to_numpy(zero_copy_only=False)
+def _readable(name: str, type_: pa.DataType) -> bool:
+    """Whether a column of `type_` is one a row is read from: strings for id and
+    source, lists of integers for the tokens and the mask."""
+    t = pa.types
+    if name in ("id", "source"):
+        return t.is_string(type_) or t.is_large_string(type_)
+    return (t.is_list(type_) or t.is_large_list(type_)) and t.is_integer(type_.value_type)
+
+
+def _row_values(batch: pa.RecordBatch, j: int, path: Path, names: list[str]) -> dict:
+    """Row `j`'s values of columns `names`, its bytes checked: the strings in full, the
+    row's lists and the buffers under them (the other rows' lists unchecked)."""
+    row = {}
+    try:
+        for name in names:
+            column = batch.column(name)
+            if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+                row[name] = _list_row(column, j)
+            else:
+                column.validate(full=True)
+                row[name] = column[j].as_py()
+    except ipcstream.BAD_BYTES as e:
+        raise StageError(f"{path}: damaged record batch ({e})") from None
+    return row
+
+
+def _list_row(column: pa.Array, j: int) -> pa.Array:
+    """Row `j` of a list column (empty when null), its offsets and the buffers they
+    point into checked; pyarrow's error when they do not hold."""
+    one = column.slice(j, 1)
+    one.validate(full=True)  # this row's two offsets, and the child's length and buffers
+    return one.flatten()
 
 
 def _jsonl_row(line: bytes, path: Path, number: int) -> dict:

@@ -39,11 +39,10 @@ def _whole(path) -> list[pa.RecordBatch]:
         return list(pa.ipc.open_stream(f))
 
 
-@pytest.mark.parametrize("compression", [None, "zstd"])
-def test_each_column_from_its_buffers_is_pyarrows_column(tmp_path, compression):
+def test_each_column_from_its_buffers_is_pyarrows_column(tmp_path):
     path = tmp_path / "s.arrow"
     table = _every_type()
-    _write(path, table, compression=compression)
+    _write(path, table)
     with open(path, "rb") as f:
         stream = Stream(path, f.fileno())
         assert stream.schema == table.schema
@@ -138,3 +137,48 @@ def test_an_empty_batch_has_no_rows_and_no_lengths(tmp_path):
         (batch,) = list(Stream(path, f.fileno()))
         assert batch.num_rows == 0 and batch.lengths("tokens").tolist() == []
         assert batch.column("id").to_pylist() == []
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_compressed_body_is_refused_unread(tmp_path, compression):
+    path = tmp_path / "s.arrow"
+    _write(path, _every_type(), compression=compression)
+    with open(path, "rb") as f:
+        stream = Stream(path, f.fileno())
+        read = []
+        pread = stream.pread
+        stream.pread = lambda at, k: read.append(k) or pread(at, k)
+        with pytest.raises(StageError, match=rf"^{path}: its record batches are compressed"):
+            list(stream)
+    assert sum(read) < 1000  # the first message's head, not its body
+
+
+def test_every_one_byte_change_is_a_stage_error_naming_the_file(tmp_path):
+    good = tmp_path / "good.arrow"
+    _write(good, pa.table({"id": ["a", "bc"], "tokens": pa.array([[1], [2, 3]], pa.list_(pa.int32()))}))
+    data = good.read_bytes()
+    bad = tmp_path / "bad.arrow"
+    for at in range(len(data)):
+        for value in {0xFF, 0x00, data[at] ^ 0x40} - {data[at]}:
+            bad.write_bytes(data[:at] + bytes([value]) + data[at + 1:])
+            with open(bad, "rb") as f:
+                try:  # any other exception fails the test
+                    for batch in Stream(bad, f.fileno()):
+                        batch.read(checked=False)
+                        batch.lengths("tokens")
+                        batch.column("id")
+                except StageError as e:
+                    assert str(e).startswith(f"{bad}: "), (at, value, e)
+
+
+def test_a_column_the_shard_lacks_is_named(tmp_path):
+    path = tmp_path / "s.arrow"
+    _write(path, pa.table({"id": ["a"], "count": [1]}))
+    with open(path, "rb") as f:
+        (batch,) = Stream(path, f.fileno())
+        with pytest.raises(StageError, match=rf"^{path}: has no column tokens"):
+            batch.column("tokens")
+        with pytest.raises(StageError, match=rf"^{path}: has no column tokens"):
+            batch.lengths("tokens")
+        with pytest.raises(StageError, match=rf"^{path}: column count is int64, not a list"):
+            batch.lengths("count")

@@ -184,3 +184,77 @@ def test_a_shard_cut_while_read_is_a_stage_error_naming_it(tmp_path):
             for _ in batches:
                 pass
     assert first.column("id")[0].as_py() == "0"  # what was read stays readable
+
+
+def _read_every_way(path) -> str:
+    """What each shard reader makes of `path`: "read", or the StageError's line (any
+    other exception fails the caller's test)."""
+    try:
+        with open_shard(path, ARROW_SCHEMA.names) as reader:
+            list(reader)
+        with open_columns(path, ARROW_SCHEMA.names) as stream:
+            for batch in stream:
+                batch.lengths("input_ids")
+                batch.column("id")
+                batch.read(checked=False)
+    except StageError as e:
+        return str(e)
+    return "read"
+
+
+def test_every_one_byte_change_is_one_line_naming_the_shard(tmp_path):
+    good = tmp_path / "good.arrow"
+    _stream(good, _table(2), chunk=2)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.arrow"
+    seen = set()
+    for at in range(len(data)):
+        # between them, 0xff and a flipped bit reach a negative length, a renamed
+        # column, an int wider than 64 bits, a header type of none, a huge body
+        for value in {0xFF, data[at] ^ 0x40} - {data[at]}:
+            bad.write_bytes(data[:at] + bytes([value]) + data[at + 1:])
+            outcome = _read_every_way(bad)
+            assert outcome == "read" or (outcome.startswith(f"{bad}: ")
+                                         and "\n" not in outcome), (at, value, outcome)
+            seen.add(outcome.split(" (")[0])
+    assert len(seen) > 4, seen
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_compressed_shard_is_refused_before_it_is_decompressed(tmp_path, compression):
+    path = tmp_path / "bomb.arrow"
+    n = 4 << 20  # 16 MB of zero token ids in a few kB
+    table = pa.table({"id": ["x"], "source": ["s"],
+                      "input_ids": pa.ListArray.from_arrays([0, n], pa.array(np.zeros(n, np.int32))),
+                      "loss_mask": pa.ListArray.from_arrays([0, n], pa.array(np.ones(n, np.int8))),
+                      "num_tokens": [n], "num_loss_tokens": [n]}).cast(ARROW_SCHEMA)
+    with pa.ipc.new_stream(str(path), ARROW_SCHEMA,
+                           options=pa.ipc.IpcWriteOptions(compression=compression)) as w:
+        w.write_table(table)
+    assert path.stat().st_size < n // 40
+    pool = pa.default_memory_pool()
+    for opening in (open_shard, open_columns):
+        before = pool.max_memory()
+        with pytest.raises(StageError, match=rf"^{path}: its record batches are compressed"):
+            with opening(path) as batches:
+                [b if opening is open_shard else b.column("id") for b in batches]
+        assert pool.max_memory() - before < n  # nothing decompressed
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.rename_columns(["id", "source", "input]ids", *t.column_names[3:]]),
+     "column input_ids is missing"),
+    (lambda t: t.set_column(2, "input_ids", t.column(2).cast(pa.list_(pa.int64()))),
+     "column input_ids is list<item: int64>, expected list<item: int32>"),
+    (lambda t: t.append_column("id", t.column(0)), "has column id more than once"),
+])
+def test_a_reader_of_the_contracts_columns_refuses_a_shard_without_them(tmp_path, change,
+                                                                          message):
+    path = tmp_path / "other.arrow"
+    _stream(path, change(_table()))
+    for opening in (open_shard, open_columns):
+        with pytest.raises(StageError, match=rf"^{path}: .*{message}"):
+            with opening(path, ("id", "input_ids")):
+                pass
+        with opening(path):  # validate reads it, to report how it differs
+            pass

@@ -61,6 +61,18 @@ def test_a_null_list_is_named():
         read_part(batch, Path("s"), None)
 
 
+@pytest.mark.parametrize("column", [2, 3])
+def test_a_null_value_inside_a_list_is_named(column):
+    batch = record_batch([("a", [1, 2], [0, 1]), ("b", [3, 4, 5, 6], [0, 1, 1, 1])])
+    name = ARROW_SCHEMA.names[column]
+    values = [[1, 2], [3, 4, None, 6]] if name == "input_ids" else [[0, 1], [0, 1, None, 1]]
+    batch = batch.set_column(column, name, pa.array(values, ARROW_SCHEMA.field(name).type))
+    with pytest.raises(StageError, match=rf"^s: row 'b': {name} holds a null value"):
+        read_part(batch, Path("s"), None)
+    with pytest.raises(StageError, match=rf"^s: row 'b': {name} holds a null value"):
+        read_part(batch.slice(1), Path("s"), None)
+
+
 def test_ids_and_mask_are_the_shard_bytes_not_copies():
     batch = record_batch(ROWS)
     p = read_part(batch, Path("s"), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from stages.common.errors import StageError
@@ -94,3 +95,58 @@ def test_a_lookup_checks_the_row_it_returns_and_no_other(tmp_path):
     assert data.by_ids(["a"])[0].input_ids.tolist() == [7, 8]
     with pytest.raises(StageError, match="damaged record batch"):
         data.by_ids(["b"])
+
+
+def _contract_shard(path, input_ids, loss_mask, table_change=None):
+    from stages.dataset.schema import ARROW_SCHEMA
+    from stages.dataset.shards import ShardFile
+
+    n = len(input_ids)
+    table = pa.table({"id": [f"r{k}" for k in range(n)], "source": ["s"] * n,
+                      "input_ids": input_ids, "loss_mask": loss_mask,
+                      "num_tokens": [len(i) for i in input_ids],
+                      "num_loss_tokens": [1] * n}).cast(ARROW_SCHEMA)
+    table = table_change(table) if table_change else table
+    with ShardFile(path, table.schema) as f:
+        for batch in table.to_batches():
+            f.write(batch)
+
+
+@pytest.mark.parametrize("column", ["input_ids", "loss_mask"])
+def test_a_null_value_in_a_row_is_named_not_shown_as_an_id(tmp_path, column):
+    from stages.dataset.shards import write_metadata
+
+    ids, mask = [[5, 6], [9, 10, 11, 12]], [[0, 1], [0, 1, 1, 1]]
+    (ids if column == "input_ids" else mask)[1][2] = None
+    folder = tmp_path / "set"
+    folder.mkdir()
+    _contract_shard(folder / "data-00000-of-00001.arrow", ids, mask)
+    write_metadata(folder, ["data-00000-of-00001.arrow"])
+    data = Dataset(folder)
+    assert data.by_numbers([0])[0].input_ids.tolist() == [5, 6]
+    with pytest.raises(StageError, match=rf"data-00000-of-00001.arrow: row 1 \('r1'\): "
+                                         rf"{column} holds a null value"):
+        data.by_numbers([1])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.drop_columns(["input_ids"]), "column input_ids is missing"),
+    (lambda t: t.rename_columns(["id", "source", "input]ids", *t.column_names[3:]]),
+     "column input_ids is missing"),
+    (lambda t: t.set_column(3, "loss_mask", t.column(3).cast(pa.list_(pa.int64()))),
+     "column loss_mask is list<item: int64>, expected list<item: int8>"),
+])
+def test_a_later_shard_without_the_columns_is_named(tmp_path, change, message):
+    from stages.dataset.shards import write_metadata
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    names = ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    _contract_shard(folder / names[0], [[1, 2]], [[0, 1]])
+    _contract_shard(folder / names[1], [[3, 4]], [[0, 1]], change)
+    write_metadata(folder, names, state="test")
+    data = Dataset(folder)
+    for choose in (lambda: data.by_numbers([1]), lambda: data.chosen(longest=2),
+                   lambda: data.by_ids(["missing"])):
+        with pytest.raises(StageError, match=rf"{names[1]}: {message}"):
+            choose()

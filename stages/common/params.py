@@ -302,6 +302,9 @@ class Merge:
     # adopted rows validate would refuse (empty, unsupervised, one token): false refuses the
     # base naming file and row; true drops them, counted
     adopt_drop_invalid: bool = False
+    # tokens an adopted Parquet row group may average a row: more, read from its footer
+    # before any page is decoded, is a decompression bomb, not a training set
+    adopt_max_row_tokens: int = ranged(1 << 20, ge=1, le=INT32)
 
 
 @dataclass

@@ -170,11 +170,42 @@ def arrow_input(path: str | Path) -> Iterator:
 
 @contextlib.contextmanager
 def parquet(path: str | Path) -> Iterator:
-    """`path` (a regular file) opened as a pyarrow ParquetFile, read through open_regular."""
+    """`path` (a regular file) opened as a pyarrow ParquetFile, read through open_regular;
+    a footer naming a column in bytes that are not UTF-8 is a StageError."""
     import pyarrow.parquet as pq
 
-    with arrow_input(path) as source, pq.ParquetFile(source) as f:
-        yield f
+    with arrow_input(path) as source:
+        try:
+            opened = pq.ParquetFile(source)
+        except UnicodeDecodeError:  # pyarrow decodes the footer's names as it opens
+            raise StageError(f"{path}: a column name in the Parquet footer is not UTF-8 "
+                             "text; not a Parquet file this stage reads") from None
+        with opened as f:
+            yield f
+
+
+# the fewest bytes a value of a Parquet physical type takes once decoded into Arrow (a
+# string at least its offset): from these and a column chunk's value count, the footer
+# bounds what a run-length encoded page expands to, which its own sizes do not
+_DECODED_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8,
+                  "BYTE_ARRAY": 4, "FIXED_LEN_BYTE_ARRAY": 1}
+
+
+def check_parquet_rows(path: str | Path, meta, columns: list[str], row_bytes: int,
+                       limit: str) -> None:
+    """Refuse, from the footer alone, a column of `columns` whose rows average more than
+    `row_bytes` once decoded (a one-row Parquet bomb): a page is decoded whole, so such a
+    file would fill memory while being read. `limit` names where row_bytes comes from."""
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            name = chunk.path_in_schema.split(".")[0]
+            size = max(chunk.total_uncompressed_size,
+                       chunk.num_values * _DECODED_BYTES.get(chunk.physical_type, 1))
+            if name in columns and size > row_bytes * max(group.num_rows, 1):
+                raise StageError(f"{path}: row group {g}: column {name} holds {size} bytes "
+                                 f"for {group.num_rows} rows, over {limit} a row")
 
 
 def writable(value: Any) -> bool:

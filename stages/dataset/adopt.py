@@ -26,7 +26,7 @@ import xxhash
 
 from stages.common import params
 from stages.common.errors import StageError
-from stages.common.reading import arrow_input, open_regular, parquet
+from stages.common.reading import arrow_input, check_parquet_rows, open_regular, parquet
 from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.schema import ARROW_SCHEMA
@@ -48,6 +48,12 @@ BATCH_ROWS = 1000  # rows converted and written at once (datasets' writer batch 
 STREAM, FILE, PARQUET = "arrow stream", "arrow file", "parquet"
 _ARROW_FILE_MAGIC, _PARQUET_MAGIC = b"ARROW1", b"PAR1"
 _LIST_TYPE = {name: ARROW_SCHEMA.field(name).type for name in ("input_ids", "loss_mask")}
+# what a token takes in a Parquet column chunk before compression, at most: an int64 id
+# (or label, or mask value) and its list's repetition and definition levels (a few bits)
+PARQUET_TOKEN_BYTES = 9
+# characters of merge.base_source: the rows' `source` labels the card's tables, validate's
+# per-source figures and its plots; any folder name (255 bytes) fits
+MAX_SOURCE_CHARS = 256
 
 
 # ---------------------------------------------------------------------- the base
@@ -113,14 +119,16 @@ def read_schema(path: Path, fmt: str) -> pa.Schema:
 
 
 @contextlib.contextmanager
-def batches(path: Path, fmt: str, columns: list[str]) -> Iterator[Iterator[pa.RecordBatch]]:
+def batches(path: Path, fmt: str, columns: list[str],
+            row_tokens: int) -> Iterator[Iterator[pa.RecordBatch]]:
     """The record batches of one base file, only `columns`, read with memory flat in the
-    file's size; a damaged file is a StageError naming it."""
+    file's size; a damaged file, or a Parquet row group whose rows average more than
+    `row_tokens` tokens (merge.adopt_max_row_tokens), is a StageError naming it."""
     if fmt == STREAM:
         with open_shard(path) as reader:
             yield (batch.select(columns) for batch in reader)
         return
-    yield _checked(path, fmt, _parquet_batches(path, columns) if fmt == PARQUET
+    yield _checked(path, fmt, _parquet_batches(path, columns, row_tokens) if fmt == PARQUET
                    else _file_batches(path, columns))
 
 
@@ -133,8 +141,12 @@ def _checked(path: Path, fmt: str, stream: Iterator[pa.RecordBatch]):
         raise StageError(f"{path}: not a readable {fmt} file ({e})") from None
 
 
-def _parquet_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
+def _parquet_batches(path: Path, columns: list[str], row_tokens: int
+                     ) -> Iterator[pa.RecordBatch]:
     with parquet(path) as f:  # decoded a row group at a time
+        row_bytes = row_tokens * PARQUET_TOKEN_BYTES
+        check_parquet_rows(path, f.metadata, columns, row_bytes,
+                           f"merge.adopt_max_row_tokens ({row_tokens} tokens: {row_bytes} bytes)")
         yield from f.iter_batches(batch_size=BATCH_ROWS, columns=columns)
 
 
@@ -188,6 +200,7 @@ def layout(path: Path, schema: pa.Schema, columns: params.BaseColumns) -> Layout
     """The layout of a base file with `schema`, from merge.base_columns or the names;
     LayoutError naming the file and what is missing or mistyped."""
     names = schema.names
+    _check_unique(path, schema)
     ids = columns.input_ids or "input_ids"
     if ids not in names:
         raise LayoutError(path, schema, f"no token id column {ids!r} (name it in "
@@ -219,6 +232,16 @@ def layout(path: Path, schema: pa.Schema, columns: params.BaseColumns) -> Layout
     padding = "attention_mask" if "attention_mask" in names and _int_list(
         schema.field("attention_mask").type, booleans=True) else None
     return Layout(ids, mask, kind, None if padding in (ids, mask) else padding)
+
+
+def _check_unique(path: Path, schema: pa.Schema) -> None:
+    """A name given to two columns: which of them a role means would be a guess."""
+    seen = set()
+    for name in schema.names:
+        if name in seen:
+            raise LayoutError(path, schema, f"the column name {name!r} appears more than once; "
+                                            "each column must have a name of its own")
+        seen.add(name)
 
 
 def _int_list(type_: pa.DataType, booleans: bool) -> bool:
@@ -254,12 +277,18 @@ class Plan:
     schema: pa.Schema  # the first file's
     source: str
     drop_invalid: bool = False  # merge.adopt_drop_invalid
+    row_tokens: int = 1 << 20  # merge.adopt_max_row_tokens
 
 
 def plan(cfg: params.Merge, base: Path, files: list[Path], out: Path) -> Optional[Plan]:
     """How to adopt the base; None when it is in this project's layout already (then
     merge links its shards as they are). Without merge.adopt a base in another layout
     is refused: one line saying what was found and what adopting it would write."""
+    if cfg.adopt and not files:  # an unmounted or unpulled folder: not a first version
+        raise StageError(f"merge.base {base}: holds no data files (.arrow, .parquet or a "
+                         "save_to_disk folder's shards), and merge.adopt is true: there is no "
+                         "base to adopt (fix the path, or set merge.adopt: false for a first "
+                         "version)")
     formats = [file_format(path) for path in files]
     foreign = next(((path, fmt) for path, fmt in zip(files, formats) if not _ours(path, fmt)),
                    None)
@@ -273,14 +302,27 @@ def plan(cfg: params.Merge, base: Path, files: list[Path], out: Path) -> Optiona
     source = cfg.base_source or base.resolve().name or str(base)
     if not cfg.adopt:
         raise _refusal(base, files, formats, path, fmt, schema, cfg.base_columns, source, out)
+    _check_source(source, cfg.base_source is None)
     return Plan(base, files, formats, layout(path, schema, cfg.base_columns), schema, source,
-                cfg.adopt_drop_invalid)
+                cfg.adopt_drop_invalid, cfg.adopt_max_row_tokens)
+
+
+def _check_source(source: str, from_folder: bool) -> None:
+    """Refuse a `source` validate would refuse (blank) or too long to label anything."""
+    what = (f"merge.base_source is null and the base folder's name {source[:40]!r}"
+            if from_folder else f"merge.base_source {source[:40]!r}")
+    if not source.strip():
+        raise StageError(f"{what} is blank; validate refuses rows without a source "
+                         "(source_not_empty): set merge.base_source to a name")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise StageError(f"{what}... is {len(source):,} characters long, over "
+                         f"{MAX_SOURCE_CHARS}: set merge.base_source to a shorter name")
 
 
 def _ours(path: Path, fmt: str) -> bool:
     """Whether a base file is laid out as this project writes: a stream of the contract's
     columns (in whatever types: allow_cast's business, not adopt's)."""
-    return fmt == STREAM and set(read_schema(path, fmt).names) == set(ARROW_SCHEMA.names)
+    return fmt == STREAM and sorted(read_schema(path, fmt).names) == sorted(ARROW_SCHEMA.names)
 
 
 def _refusal(base: Path, files: list[Path], formats: list[str], path: Path, fmt: str,
@@ -313,7 +355,7 @@ def _count(path: Path, fmt: str, ids: str) -> tuple[int, int]:
         tokens = sum(meta.row_group(g).column(leaf).num_values for g in range(meta.num_row_groups))
         return meta.num_rows, tokens  # counts an empty list as one value: an estimate
     rows = tokens = 0
-    with batches(path, fmt, [ids]) as stream:
+    with batches(path, fmt, [ids], params.INT32) as stream:  # not Parquet: no footer to check
         for batch in stream:
             offsets = batch.column(0).offsets
             rows += batch.num_rows
@@ -382,8 +424,7 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
                                                              p.layout.kind))
             dropped.update(n for n in schema.names if n not in (file_layout.input_ids,
                                                                 file_layout.mask))
-            rows, invalid = _convert_file(path, fmt, dst, file_layout, vocab, p.source, hashes,
-                                          totals, p.drop_invalid)
+            rows, invalid = _convert_file(path, fmt, dst, file_layout, vocab, p, hashes, totals)
             files.append({"file": path.name, "shard": dst.name, "rows": rows,
                           "invalid_rows_dropped": invalid})
             log.info("adopted %s (%s): %d rows -> %s", path, fmt, rows, dst.name)
@@ -417,15 +458,15 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
     return Adopted(shards, report, policy)
 
 
-def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, source: str,
-                  hashes: IdHashes, totals: _Totals, drop_invalid: bool) -> tuple[int, int]:
+def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, p: Plan,
+                  hashes: IdHashes, totals: _Totals) -> tuple[int, int]:
     """(rows written, rows validate would refuse that were dropped)."""
     row = written = 0
-    with batches(path, fmt, lay.read()) as stream, ShardFile(dst) as writer:
+    with batches(path, fmt, lay.read(), p.row_tokens) as stream, ShardFile(dst) as writer:
         for batch in stream:
             for start in range(0, batch.num_rows, BATCH_ROWS):
                 part = batch.slice(start, BATCH_ROWS)
-                out, digests = _rows(part, lay, vocab, source, Where(path, row), drop_invalid)
+                out, digests = _rows(part, lay, vocab, p.source, Where(path, row), p.drop_invalid)
                 first = totals.rows  # dataset-wide number of the batch's first row
                 writer.write(out)
                 lengths = out.column("num_tokens").to_numpy()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -326,7 +327,26 @@ def _checked(history: Any, path: Path) -> list[dict]:
             if kind is not int and not writable(value):
                 raise StageError(f"{path}: history[{i}].{key} holds a lone surrogate, which "
                                  "cannot be written as UTF-8 (merge.base's lineage)")
+            where = _not_finite(value, f"history[{i}].{key}")
+            if where:
+                raise StageError(f"{path}: {where[:200]}, not a finite number: strict JSON "
+                                 "and the card hold none (merge.base's lineage)")
     return history
+
+
+def _not_finite(value: Any, name: str) -> Optional[str]:
+    """Where in `value` a NaN or infinity is (Python's JSON and YAML read them, strict JSON
+    has none), as NAME.key[i]; None when nowhere. No recursion: the depth is the file's."""
+    stack = [(value, name)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return f"{where} is {node}"
+        if isinstance(node, dict):
+            stack.extend(reversed([(v, f"{where}.{k}") for k, v in node.items()]))
+        elif isinstance(node, list):
+            stack.extend(reversed([(v, f"{where}[{j}]") for j, v in enumerate(node)]))
+    return None
 
 
 class _HeaderLoader(params.BoundedLoader):

@@ -29,6 +29,9 @@ from stages.dataset.shards import open_columns
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 65536  # summary rows checked at once: bounds memory, amortises per-call costs
+# characters of one example in reports/validate.json: an id or a message names a row in far
+# fewer, and the report is a git-tracked metric that a 4 MB id would otherwise copy whole
+MAX_EXAMPLE_CHARS = 500
 
 
 class Findings:
@@ -48,12 +51,19 @@ class Findings:
         check["passed"] = False
         check["failures"] += count
         room = max(self.max_examples - len(check["examples"]), 0)
-        # one line each: library messages (load_from_disk's) span several
-        check["examples"].extend(re.sub(r"\s*\n\s*", " ", str(e)) for e in examples[:room])
+        check["examples"].extend(_example(str(e)) for e in examples[:room])
 
     def failed(self) -> list[str]:
         return [name for name, c in self.checks.items() if not c["passed"]]
 
+
+def _example(text: str) -> str:
+    """One line (library messages, load_from_disk's, span several) of at most
+    MAX_EXAMPLE_CHARS characters, saying how long a longer one was."""
+    line = re.sub(r"\s*\n\s*", " ", text[:MAX_EXAMPLE_CHARS + 1])
+    if len(text) <= MAX_EXAMPLE_CHARS:
+        return line
+    return f"{line[:MAX_EXAMPLE_CHARS]}\u2026 ({len(text):,} characters)"
 
 
 class Scanner:
@@ -139,7 +149,8 @@ class Scanner:
         repeated = counts.filter(pc.greater(counts.field("counts"), 1))
         if len(repeated):
             total = pc.sum(repeated.field("counts")).as_py()
-            self.findings.add("id_unique", total, repeated.field("values").to_pylist())
+            examples = repeated.field("values").slice(0, self.findings.max_examples)
+            self.findings.add("id_unique", total, examples.to_pylist())
 
 
 def _ids_at(shards: list[Path], shard_rows: list[int], rows: np.ndarray) -> pa.Array:

@@ -27,7 +27,13 @@ import orjson
 
 from stages.common.errors import StageError, json_type
 
-from stages.common.reading import arrow_input, json_file, open_regular, parquet
+from stages.common.reading import (
+    arrow_input,
+    check_parquet_rows,
+    json_file,
+    open_regular,
+    parquet,
+)
 from stages.common.params import Prepare, Source
 
 _JSON_EXT = (".jsonl", ".ndjson", ".json")
@@ -302,28 +308,13 @@ def _parquet_batches(path: Path, columns: list[str], check: Callable[[list[str],
         names = pf.schema_arrow.names
         check(names, str(path))
         cols = [c for c in columns if c in names]
-        _check_parquet_sizes(path, pf.metadata, cols, max_record_bytes)
+        check_parquet_rows(path, pf.metadata, cols, max_record_bytes,
+                           f"prepare.max_record_bytes ({max_record_bytes} bytes)")
         n = 0
         for batch in _guarded(pf.iter_batches(batch_size=_BATCH, columns=cols),
                               f"{path}: cannot read Parquet"):
             yield range(n, n + batch.num_rows), _rows(batch, path, n)
             n += batch.num_rows
-
-def _check_parquet_sizes(path: Path, meta, cols: list[str], max_record_bytes: int) -> None:
-    """Refuse, from the footer alone, a column whose rows average more than
-    max_record_bytes once decompressed (a one-row Parquet bomb); a page is
-    decompressed whole, so such a file would fill memory while reading."""
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        for c in range(group.num_columns):
-            chunk = group.column(c)
-            name = chunk.path_in_schema.split(".")[0]
-            if name in cols and chunk.total_uncompressed_size > \
-                    max_record_bytes * max(group.num_rows, 1):
-                raise StageError(
-                    f"{path}: row group {g}: column {name} holds "
-                    f"{chunk.total_uncompressed_size} bytes for {group.num_rows} rows, "
-                    f"over prepare.max_record_bytes ({max_record_bytes} bytes) a row")
 
 def _arrow_batches(path: Path, columns: list[str], check: Callable[[list[str], str], None]
                    ) -> Iterator[tuple[Sequence[int], list]]:

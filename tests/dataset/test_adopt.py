@@ -529,3 +529,90 @@ def test_rows_validate_would_refuse_are_dropped_and_counted_when_asked(repo):
     merged = datasets.load_from_disk("data/merged")
     assert len(merged) == 4 + 5
     validate_passes()
+
+
+# ------------------------------------------------------------ what adopting refuses up front
+
+
+def test_a_parquet_bomb_is_refused_from_its_footer_before_it_is_decoded(repo):
+    """One row of 2M zero ids: a few kB on disk, gigabytes once read and converted."""
+    (repo / "bomb").mkdir()
+    n = 2 << 20
+    mask = np.ones(n, np.int8)
+    mask[0] = 0
+    table = pa.table({"input_ids": pa.LargeListArray.from_arrays([0, n], np.zeros(n, np.int64)),
+                      "loss_mask": pa.LargeListArray.from_arrays([0, n], mask)})
+    pa.parquet.write_table(table, repo / "bomb/a.parquet", compression="zstd")
+    assert (repo / "bomb/a.parquet").stat().st_size < 16_000
+    with pytest.raises(StageError, match=r"^bomb/a.parquet: row group 0: column input_ids holds "
+                                         rf"{8 * n} bytes for 1 rows, over "
+                                         r"merge.adopt_max_row_tokens \(1048576 tokens"):
+        merge.run(cfg("bomb"), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
+def test_an_ordinary_parquet_set_stays_under_the_row_bound(repo):
+    hub_parquet(repo / "snap", user_rows(10))
+    report = merge.run(cfg("snap/data", adopt_max_row_tokens=29 + 20), PATHS)
+    assert report["adopted"]["rows"] == 10
+
+
+def duplicate_names(folder: Path, fmt: str, names: list[str]) -> Path:
+    folder.mkdir()
+    ids, mask = pa.array([[1, 2, 3, 4]]), pa.array([[0, 0, 1, 1]])
+    table = pa.table([ids, mask, mask], names=names)
+    if fmt == "parquet":
+        pa.parquet.write_table(table, folder / "a.parquet")
+    else:
+        with pa.OSFile(str(folder / "a.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    return folder
+
+
+@pytest.mark.parametrize("adopting", [True, False])
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_a_column_named_twice_is_refused_naming_the_file(repo, fmt, adopting):
+    duplicate_names(repo / "dup", fmt, ["input_ids", "loss_mask", "loss_mask"])
+    with pytest.raises(StageError, match=rf"dup/a.{fmt} .*has .*the column name 'loss_mask' "
+                                         "appears more than once"):
+        merge.run(params.Merge(base="dup", adopt=adopting), PATHS)
+
+
+@pytest.mark.parametrize("adopting", [True, False])
+def test_a_parquet_column_name_that_is_not_utf8_is_one_line(repo, adopting):
+    import io
+    import pyarrow.parquet as pq
+
+    (repo / "odd").mkdir()
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]],
+                             "conversation_id": ["c0"]}), sink, store_schema=False)
+    raw = sink.getvalue().replace(b"conversation_id", b"conversation_\xff\xfe")
+    (repo / "odd/a.parquet").write_bytes(raw)
+    with pytest.raises(StageError, match=r"^odd/a.parquet: a column name in the Parquet footer "
+                                         "is not UTF-8"):
+        merge.run(params.Merge(base="odd", adopt=adopting), PATHS)
+
+
+@pytest.mark.parametrize("files", [{}, {"dataset_info.json": "{}"}])
+def test_an_adopted_base_without_data_files_is_no_first_version(repo, files):
+    (repo / "mount").mkdir()
+    for name, text in files.items():
+        (repo / "mount" / name).write_text(text)
+    with pytest.raises(StageError, match=r"^merge.base mount: holds no data files .* "
+                                         "merge.adopt is true"):
+        merge.run(cfg("mount"), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
+@pytest.mark.parametrize("source, says", [
+    (" ", r"^merge.base_source ' ' is blank; validate refuses"),
+    ("s" * 257, r"^merge.base_source 's{40}'\.\.\. is 257 characters long, over 256"),
+])  # fmt: skip
+def test_a_base_source_validate_would_refuse_or_too_long_is_refused(repo, source, says):
+    datasets_int64(repo / "sft", user_rows(3))
+    with pytest.raises(StageError, match=says):
+        merge.run(cfg("sft", base_source=source), PATHS)
+    assert not (repo / "data/merged").exists()
+    assert merge.run(cfg("sft", base_source="s" * 256), PATHS)["adopted"]["rows"] == 3

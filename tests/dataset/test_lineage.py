@@ -401,6 +401,10 @@ def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
     ({"version": 1, "rows": float("nan")}, r"history\[0\]\.rows is a number, not a count"),
     ({"rows": 3}, r"history\[0\]\.version is missing"),
     ({"version": 1, "model": "\ud800"}, r"history\[0\]\.model holds a lone surrogate"),
+    ({"version": 0, "adopted": {"rows": float("nan"), "tokens": float("inf")}},
+     r"history\[0\]\.adopted\.rows is nan, not a finite number"),
+    ({"version": 0, "adopted": {"files": [{"rows": 1}, {"rows": float("-inf")}]}},
+     r"history\[0\]\.adopted\.files\[1\]\.rows is -inf, not a finite number"),
 ])  # fmt: skip
 def test_a_base_history_with_a_field_of_the_wrong_type_is_one_line(repo, entry, message):
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))

@@ -21,6 +21,15 @@ def test_findings_keep_a_count_and_the_first_examples_on_one_line():
     assert findings.failed() == ["a"]
 
 
+def test_an_example_is_cut_to_a_bounded_length_saying_how_long_it_was():
+    findings = rowcheck.Findings(["id_unique"], max_examples=10)
+    findings.add("id_unique", 20, ["x" * (4 << 20)] * 10)
+    examples = findings.checks["id_unique"]["examples"]
+    assert len(examples) == 10
+    assert all(e == "x" * rowcheck.MAX_EXAMPLE_CHARS + "\u2026 (4,194,304 characters)"
+               for e in examples)
+
+
 def summarized(path, vocab, width) -> Future:
     done = Future()
     done.set_result(rowsummary.summarize_shard(path, vocab, width))

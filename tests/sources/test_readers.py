@@ -341,3 +341,17 @@ def test_a_one_row_parquet_bomb_is_refused_from_its_footer(tmp_path):
                                          r"rows, over prepare.max_record_bytes \(1048576 bytes\)"):
         rows_of(src(path), max_record_bytes=1 << 20)
     assert len(rows_of(src(path), max_record_bytes=16 << 20)) == 1
+
+
+def test_a_run_length_encoded_parquet_bomb_is_refused_by_its_value_count(tmp_path):
+    """Zeros in one row: dictionary and run-length encoding keep even the uncompressed
+    page a few bytes; the footer's value count still says what decoding would fill."""
+    path = tmp_path / "zeros.parquet"
+    n = 1 << 20
+    zeros = pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), pa.array(np.zeros(n, np.int64)))
+    pq.write_table(pa.table({"q": ["x"], "z": zeros}), path, compression="zstd")
+    assert pq.ParquetFile(path).metadata.row_group(0).column(1).total_uncompressed_size < 4096
+    with pytest.raises(StageError, match=rf"^{path}: row group 0: column z holds {8 * n} bytes "
+                                         r"for 1 rows, over prepare.max_record_bytes \(1048576 "
+                                         r"bytes\) a row"):
+        rows_of(src(path), columns=("q", "z"), max_record_bytes=1 << 20)

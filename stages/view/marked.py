@@ -105,7 +105,7 @@ def _version(row: Row, lineage: dict) -> Optional[str]:
     try:
         version = int(lineage["version"])
         kept = int(lineage["base"]["rows"]) - int(lineage["duplicates"]["dropped_base_rows"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # a hand-edited Infinity too
         return None
     if row.number < kept:
         return f"from the base (before version {version})"

@@ -38,3 +38,13 @@ def test_a_cap_shows_the_first_tokens(text):
     ids = np.arange(100, 200)
     m = mark(row(text, ids, np.ones(100)), text, Set(), 30)
     assert m.shown == 30 and len(m.pieces) == 30 and m.facts["tokens"] == 100
+
+
+def test_a_lineage_with_numbers_that_are_no_counts_says_nothing_of_versions(text):
+    ids = [text.ids["<|im_start|>"], 9707]
+    for lineage in ({"version": float("inf"), "base": {"rows": 1},
+                     "duplicates": {"dropped_base_rows": 0}},
+                    {"version": 2, "base": {"rows": float("nan")},
+                     "duplicates": {"dropped_base_rows": 0}}):
+        made = mark(row(text, ids, [0, 1]), text, Set({}, lineage), 0).facts["made"]
+        assert "version" not in made

@@ -81,43 +81,35 @@ def credentials_in(text: str) -> set[str]:
     return found
 
 
+def _split_secret_flags(argv: Iterable[str]) -> Iterator[tuple[str, Optional[str]]]:
+    """(what stands before a secret, the secret) for each argument: `--api-key`, then
+    ("", value) for the value after it; ("--token=", value); (arg, None) for the rest."""
+    secret_next = False
+    for arg in argv:
+        if secret_next:
+            secret_next = False
+            yield "", arg
+            continue
+        flag, eq, value = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                yield flag + eq, value
+                continue
+            secret_next = True
+        yield arg, None
+
+
 def redact_args(argv: Iterable[str]) -> list[str]:
     """A command line with the values of --api-key/--token/--password-like flags masked
     and URL credentials stripped."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(MASK)
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if _SECRET_FLAG.match(flag):
-            if eq:
-                out.append(f"{flag}={MASK}")
-                continue
-            hide_next = True
-        out.append(strip_url_credentials(arg))
-    return out
+    return [strip_url_credentials(arg) if secret is None else arg + MASK
+            for arg, secret in _split_secret_flags(argv)]
 
 
 def flag_secrets(argv: Iterable[str]) -> list[str]:
     """The values of the secret flags in a command line (what redact_args masks), for the
     redactor to mask wherever else they show up (an engine echoing its own arguments)."""
-    found: list[str] = []
-    take_next = False
-    for arg in argv:
-        if take_next:
-            found.append(arg)
-            take_next = False
-            continue
-        flag, eq, value = arg.partition("=")
-        if _SECRET_FLAG.match(flag):
-            if eq:
-                found.append(value)
-            else:
-                take_next = True
-    return found
+    return [secret for _, secret in _split_secret_flags(argv) if secret is not None]
 
 
 def scrub(value: Any, keys: Iterable[Optional[str]] = ()) -> Any:

@@ -144,19 +144,25 @@ def summarize(batch: pa.RecordBatch, vocab: int, first_row: int) -> pa.RecordBat
     def ints(values: np.ndarray, nulls: Optional[np.ndarray]) -> pa.Array:
         return pa.array(values, pa.int64(), mask=nulls)
 
+    def kept(name: str) -> pa.Array:
+        # a copy: a read batch's columns are slices of one body, every token included,
+        # which a column kept until the shard is summarised would keep alive (peak RSS
+        # a shard per thread, and fresh pages to fault in for each)
+        return pa.concat_arrays([batch.column(name)])
+
     return pa.RecordBatch.from_arrays(
         [
             pa.array(np.arange(first_row, first_row + n, dtype=np.int64)),
-            batch.column("id"),
-            batch.column("source"),
+            kept("id"),
+            kept("source"),
             ints(np.diff(id_off), id_nulls),
             ints(np.diff(mask_off), mask_nulls),
             ints(out_of_range, id_nulls),
             ints(not_binary, mask_nulls),
             ints(supervised, mask_nulls),
             ints(longest, mask_nulls),
-            batch.column("num_tokens"),
-            batch.column("num_loss_tokens"),
+            kept("num_tokens"),
+            kept("num_loss_tokens"),
         ],
         names=list(SUMMARY_TYPES),
     )

@@ -76,12 +76,12 @@ demo: install
 
 # The quick loop: no engine venv, no test marked slow (pyproject.toml says which are).
 check: install
-	$(BIN)/python -m pytest -m "not slow" -n auto
+	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadgroup
 
 # the quick tests on every CPU, then the slow ones one at a time (real engines and whole
 # pipelines: each keeps a CPU busy, and their time limits assume it does not wait for one)
 test: install engine-venv
-	$(BIN)/python -m pytest -m "not slow" -n auto
+	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadgroup
 	$(BIN)/python -m pytest -m slow
 
 bench: install engine-venv

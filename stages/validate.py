@@ -61,9 +61,11 @@ def run(cfg: params.Validate, paths) -> dict:
 
     # datasets opens state.json, dataset_info.json and every shard without asking what
     # they are: it is let loose only on files already read as regular ones
-    scan = _scan(cfg, findings, shards, data, loadable=listed and info_read)
+    tc = cfg.train_check
+    tokens = loader.TokenBudget(tc.tokens_per_batch, tc.batches_per_step)  # fed by the scan
+    scan = _scan(cfg, findings, shards, data, loadable=listed and info_read, budget=tokens)
     expected = setchecks.check_row_count(findings, scan.rows, data, paths.reports / "merge.json")
-    budget, train_check = _training(cfg, findings, data)
+    budget, train_check = _training(cfg, findings, data, tokens)
 
     histograms.write_plots(scan.stats, scan.width, paths.reports)
     samples_start = time.perf_counter()
@@ -82,9 +84,9 @@ def run(cfg: params.Validate, paths) -> dict:
 
 
 def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data: Path,
-          loadable: bool) -> rowcheck.Scanner:
+          loadable: bool, budget: loader.TokenBudget) -> rowcheck.Scanner:
     """Every row check over every shard, and the `datasets` load beside it (if
-    `loadable`: else that check fails, not tried)."""
+    `loadable`: else that check fails, not tried); every row fed to `budget` too."""
     vocab = cfg.vocab_size
     threads = cfg.threads or cpus.idle(at_most=4)  # memory-bound numpy: a busy CPU adds hand-offs
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
@@ -92,7 +94,7 @@ def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data:
     loads = Opening(data) if loadable else None
     with IdHashes() as ids, \
             ThreadPoolExecutor(threads, thread_name_prefix="validate") as pool:
-        scan = rowcheck.Scanner(cfg, vocab, findings, ids)
+        scan = rowcheck.Scanner(cfg, vocab, findings, ids, budget=budget)
         # numpy and Arrow release the GIL: shards are summarised `threads` at a time,
         # a bounded window ahead, and checked in order here
         queue: deque = deque()
@@ -151,13 +153,15 @@ def _failure_message(findings: rowcheck.Findings, failed: list, report: Path) ->
             f"(see {report})")
 
 
-def _training(cfg: params.Validate, findings: rowcheck.Findings, data: Path) -> tuple[Optional[dict], dict]:
-    """The token budget (dataset/loader.py) and the training check (dataset/traincheck.py), on
-    data that passed every other check: a trainer would stop at a broken row first."""
+def _training(cfg: params.Validate, findings: rowcheck.Findings, data: Path,
+              tokens: loader.TokenBudget) -> tuple[Optional[dict], dict]:
+    """The token budget (dataset/loader.py, fed by the scan) and the training check
+    (dataset/traincheck.py), on data that passed every other check: a trainer would stop
+    at a broken row first."""
     tc = cfg.train_check
     if findings.failed():
         return None, {"skipped": "other checks failed"}
-    budget = loader.budget(data, tc.tokens_per_batch, tc.batches_per_step)
+    budget = tokens.result()
     if not tc.enabled:
         return budget, {"skipped": "validate.train_check.enabled is false"}
     missing = traincheck.missing_torch()

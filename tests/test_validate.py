@@ -17,7 +17,7 @@ from stages import validate
 from stages.common import params, reports
 from stages.process import cpus
 from stages.common.errors import StageError
-from stages.dataset import rowcheck
+from stages.dataset import loader, rowcheck
 from stages.dataset.schema import ARROW_SCHEMA, FEATURES, ROW_CHECKS
 from stages.process import cli
 from tests.helpers import stagecli
@@ -407,6 +407,8 @@ def test_training_check_passes_on_the_demo_model(repo, demo_model_cache, packed)
         assert difference <= check["tolerance"]
     assert report["budget"]["tokens_per_batch"] == 40
     assert report["budget"]["packed"]["tokens"] == report["tokens"]
+    # fed by the scan's summaries: what the loader's own pass over the counters gives
+    assert report["budget"] == loader.budget(PATHS.merged, 40)
 
 
 def mask_forgotten(ids, mask, starts):

@@ -248,62 +248,82 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
 
 def token_budget(chunks: Iterable[tuple[np.ndarray, np.ndarray, pa.Array | list[str]]],
                  tokens_per_batch: int, batches_per_step: int = 1) -> dict:
-    """Batches, optimizer steps and padding of an epoch, padded and packed.
+    """Batches, optimizer steps and padding of an epoch, padded and packed (TokenBudget).
 
     `chunks`: (row lengths, supervised tokens per row, source per row), in dataset order.
-    An optimizer step takes `batches_per_step` batches (gradient accumulation x
-    data-parallel ranks). padding_fraction: slots that hold no token, padded batches
-    (rows x longest row) and packs filled to `tokens_per_batch` (0 with varlen attention,
-    which needs no padding: then it is the unused share of the budget).
     """
-    if batches_per_step < 1:
-        raise StageError(f"batches_per_step must be >= 1, got {batches_per_step}")
-    layouts = {"padded": Batcher(tokens_per_batch, False), "packed": Batcher(tokens_per_batch, True)}
-    per_source: dict[str, list[int]] = {}
-    rows = longest = 0
+    budget = TokenBudget(tokens_per_batch, batches_per_step)
     for lengths, supervised, sources in chunks:
+        budget.add(lengths, supervised, sources)
+    return budget.result()
+
+
+class TokenBudget:
+    """The token arithmetic of an epoch, fed rows in dataset order (`add`), so a pass
+    that reads them anyway (validate's scan) needs no second one. An optimizer step takes
+    `batches_per_step` batches (gradient accumulation x data-parallel ranks).
+    padding_fraction: slots that hold no token, padded batches (rows x longest row) and
+    packs filled to `tokens_per_batch` (0 with varlen attention, which needs no padding:
+    then it is the unused share of the budget)."""
+
+    def __init__(self, tokens_per_batch: int, batches_per_step: int = 1):
+        if batches_per_step < 1:
+            raise StageError(f"batches_per_step must be >= 1, got {batches_per_step}")
+        self.tokens_per_batch, self.batches_per_step = tokens_per_batch, batches_per_step
+        self.layouts = {"padded": Batcher(tokens_per_batch, False),
+                        "packed": Batcher(tokens_per_batch, True)}
+        self.per_source: dict[str, list[int]] = {}
+        self.rows = self.longest = 0
+
+    def add(self, lengths, supervised, sources: pa.Array | list[str]) -> None:
+        """The next rows: their lengths, supervised tokens and sources."""
         lengths = np.asarray(lengths, np.int64)
-        for batcher in layouts.values():
+        for batcher in self.layouts.values():
             batcher.add(lengths)
-        rows += len(lengths)
-        longest = max(longest, int(lengths.max(initial=0)))
+        self.rows += len(lengths)
+        self.longest = max(self.longest, int(lengths.max(initial=0)))
         codes, names = _codes(sources)
         tokens = np.bincount(codes, weights=lengths, minlength=len(names))
         sup = np.bincount(codes, weights=np.asarray(supervised, np.int64), minlength=len(names))
         counts = np.bincount(codes, minlength=len(names))
         for k, name in enumerate(names):
-            into = per_source.setdefault(name, [0, 0, 0])
+            into = self.per_source.setdefault(name, [0, 0, 0])
             into[0] += int(counts[k])
             into[1] += int(tokens[k])
             into[2] += int(sup[k])
-    supervised_total = sum(v[2] for v in per_source.values())
-    out = {"tokens_per_batch": tokens_per_batch, "batches_per_step": batches_per_step,
-           "rows": rows, "longest_row": longest}
-    steps = {}
-    for name, batcher in layouts.items():
-        batcher.finish()
-        steps[name] = math.ceil(batcher.batches / batches_per_step)
-        out[name] = {
-            "batches": batcher.batches,
-            "optimizer_steps": steps[name],
-            "tokens": batcher.tokens,
-            "padding_fraction": round(1 - batcher.tokens / batcher.slots, 4)
-            if batcher.slots else 0.0,
-            "supervised_tokens_per_step": round(supervised_total / steps[name], 1)
-            if steps[name] else 0.0,
+
+    def result(self) -> dict:
+        per_source = self.per_source
+        supervised_total = sum(v[2] for v in per_source.values())
+        out = {"tokens_per_batch": self.tokens_per_batch,
+               "batches_per_step": self.batches_per_step,
+               "rows": self.rows, "longest_row": self.longest}
+        steps = {}
+        for name, batcher in self.layouts.items():
+            batcher.finish()
+            steps[name] = math.ceil(batcher.batches / self.batches_per_step)
+            out[name] = {
+                "batches": batcher.batches,
+                "optimizer_steps": steps[name],
+                "tokens": batcher.tokens,
+                "padding_fraction": round(1 - batcher.tokens / batcher.slots, 4)
+                if batcher.slots else 0.0,
+                "supervised_tokens_per_step": round(supervised_total / steps[name], 1)
+                if steps[name] else 0.0,
+            }
+        out["sources"] = {
+            name: {
+                "rows": v[0],
+                "tokens": v[1],
+                "supervised_tokens": v[2],
+                "supervised_share": round(v[2] / supervised_total, 4) if supervised_total
+                else 0.0,
+                "supervised_tokens_per_step": {
+                    layout: round(v[2] / n, 1) if n else 0.0 for layout, n in steps.items()},
+            }
+            for name, v in sorted(per_source.items())
         }
-    out["sources"] = {
-        name: {
-            "rows": v[0],
-            "tokens": v[1],
-            "supervised_tokens": v[2],
-            "supervised_share": round(v[2] / supervised_total, 4) if supervised_total else 0.0,
-            "supervised_tokens_per_step": {
-                layout: round(v[2] / n, 1) if n else 0.0 for layout, n in steps.items()},
-        }
-        for name, v in sorted(per_source.items())
-    }
-    return out
+        return out
 
 
 def _codes(sources: pa.Array | list) -> tuple[np.ndarray, list[str]]:

@@ -23,6 +23,7 @@ from stages.common import params
 from stages.common.errors import StageError
 from stages.dataset import rowsummary
 from stages.dataset.idhashes import IdHashes
+from stages.dataset.loader import TokenBudget
 from stages.dataset.schema import NOT_NULL_CHECKS, row_rules, row_schema, rows_pass
 from stages.dataset.shards import open_columns
 
@@ -70,8 +71,9 @@ class Scanner:
     """Summarises rows batch by batch and checks the summaries chunk by chunk."""
 
     def __init__(self, cfg: params.Validate, vocab: int, findings: Findings, ids: IdHashes,
-                 chunk_rows: Optional[int] = None):
+                 chunk_rows: Optional[int] = None, budget: Optional[TokenBudget] = None):
         self.vocab = vocab
+        self.budget = budget  # fed every row's length, supervision and source in order
         self.chunk_rows = chunk_rows or CHUNK_ROWS
         self.findings = findings
         self.rules = row_rules(cfg.max_seq_len, cfg.min_loss_tokens)
@@ -96,6 +98,10 @@ class Scanner:
             self.findings.add("features", len(shard.diffs),
                               [f"{path.name}: {d}" for d in shard.diffs])
         for summary in shard.summaries:
+            if self.budget is not None:
+                self.budget.add(pc.fill_null(summary.column("input_ids_len"), 0).to_numpy(),
+                                pc.fill_null(summary.column("supervised"), 0).to_numpy(),
+                                summary.column("source"))
             first = pc.add(summary.column("row"), self.rows)
             self.pending.append(summary.set_column(0, "row", first))
             self.pending_rows += summary.num_rows

@@ -88,7 +88,10 @@ def _scan(cfg: params.Validate, findings: rowcheck.Findings, shards: list, data:
     """Every row check over every shard, and the `datasets` load beside it (if
     `loadable`: else that check fails, not tried); every row fed to `budget` too."""
     vocab = cfg.vocab_size
-    threads = cfg.threads or cpus.idle(at_most=4)  # memory-bound numpy: a busy CPU adds hand-offs
+    # memory-bound numpy: past 4 threads nothing is gained. Not fewer on a busy machine:
+    # the load average lags (a run just before reads as load), and on a shared CPU
+    # more threads get a larger share of it, not a smaller one
+    threads = cfg.threads or min(4, cpus.usable())
     log.info("%d shards, vocabulary %d, %d threads", len(shards), vocab, threads)
     # beside the scan, in a process forked before the scan starts its threads
     loads = Opening(data) if loadable else None

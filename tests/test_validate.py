@@ -334,7 +334,6 @@ def test_many_failures_across_chunks_are_counted_and_capped(repo, monkeypatch):
 def test_the_report_is_the_same_whatever_the_threads(repo, monkeypatch):
     monkeypatch.setattr(rowcheck, "CHUNK_ROWS", 3)
     monkeypatch.setattr(cpus, "usable", lambda: 3)  # automatic: neither 1 nor 2
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     parts = shards(5, 7)
     for r in [r for p in parts for r in p][::5]:
         mask_two(r)
@@ -343,7 +342,6 @@ def test_the_report_is_the_same_whatever_the_threads(repo, monkeypatch):
     for threads in (1, 2, 0):
         failures(threads=threads)
         reports.append(Path("reports/validate.json").read_bytes())  # the facts: no timings
-    assert cpus.idle(at_most=4) == 3
     assert reports[0] == reports[1] == reports[2]
 
 

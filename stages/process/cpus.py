@@ -62,8 +62,3 @@ def workers_beside_reader() -> int:
     n = min(usable() - 1, 8)
     return n if n >= 2 else 1
 
-
-def idle(at_most: int) -> int:
-    """CPUs not already busy (the 1-minute load average), 1 to `at_most`."""
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(at_most, int(usable() - busy + 0.5)))

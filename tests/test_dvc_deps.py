@@ -221,3 +221,27 @@ def test_the_rerun_table_says_what_dvc_yaml_says():
             assert deps_it == said, f"{module}: dvc.yaml reruns {sorted(deps_it)}, the table says {runs!r}"
         named = _stage_names(runs)
         assert _stage_names(skipped, rest=named) == EVERY_STAGE - named, (modules, skipped)
+
+
+def test_bytecode_beside_a_folder_dep_changes_no_dep(tmp_path):
+    """Python writes __pycache__ into stages/... whenever a stage runs (unless
+    PYTHONDONTWRITEBYTECODE is set, as on CI): counted by dvc, it would make every folder
+    dep of every stage look changed after the first run, and `dvc repro` rerun them."""
+    import shutil
+    import subprocess
+    import sys
+
+    dvc = [sys.executable, "-m", "dvc"]
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/a.py").write_text("x = 1\n")
+    shutil.copy(ROOT / ".dvcignore", tmp_path / ".dvcignore")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  s:\n    cmd: echo run > out.txt\n    deps: [code]\n    outs: [out.txt]\n")
+    for cmd in (["git", "init", "-q"], [*dvc, "init", "-q"], [*dvc, "repro", "-q"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "code/__pycache__").mkdir()
+    (tmp_path / "code/__pycache__/a.cpython-311.pyc").write_bytes(b"\x00" * 16)
+    (tmp_path / "code/b.pyc").write_bytes(b"\x00" * 16)
+    status = subprocess.run([*dvc, "status"], cwd=tmp_path, check=True, capture_output=True,
+                            text=True)
+    assert "up to date" in status.stdout, status.stdout

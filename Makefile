@@ -29,6 +29,9 @@ SGLANG_CPU := $(SGLANG_VENV)/sglang-cpu/sgl_kernel/__init__.py
 export PATH := $(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+# the tests start hundreds of stage processes: each compiling every module of stages/
+# again costs more than the bytecode on disk (.dvcignore keeps it out of the deps)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install engine-venv demo check test bench clean-demo
 
@@ -75,13 +78,14 @@ demo: install
 	$(BIN)/python -m stages.demo
 
 # The quick loop: no engine venv, no test marked slow (pyproject.toml says which are).
+# Each test file runs on one worker: module fixtures (a real tokenize and merge) built once.
 check: install
-	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadgroup
+	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadfile
 
 # the quick tests on every CPU, then the slow ones one at a time (real engines and whole
 # pipelines: each keeps a CPU busy, and their time limits assume it does not wait for one)
 test: install engine-venv
-	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadgroup
+	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadfile
 	$(BIN)/python -m pytest -m slow
 
 bench: install engine-venv

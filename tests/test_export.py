@@ -34,9 +34,6 @@ from tests.helpers.sets import EDGE_ROWS, L, edge_row as row, write_merged
 from tests.helpers.stagecli import export_fails as fails
 from tests.helpers.repo import ROOT, link_caches
 
-# one worker runs the module: its sets (a real tokenize and merge) are built once
-pytestmark = pytest.mark.xdist_group("export")
-
 IGNORE = -100
 
 

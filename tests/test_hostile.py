@@ -304,6 +304,7 @@ def ready_or_one_line(url: str) -> None:
 ENDPOINTS = ["/v1/models", "/get_server_info", "/workers", "/metrics", "/health_generate"]
 
 
+@pytest.mark.slow  # 25 bodies, every probe of each: about 10 s
 @settings(PROPERTY, max_examples=25)
 @given(st.sampled_from(ENDPOINTS), values.map(json.dumps) | st.sampled_from(
     [j.decode("latin-1") for j in JUNK]) | st.integers(101, 5000).map(lambda d: "[" * d + "]" * d)

@@ -88,7 +88,7 @@ def main() -> dict:
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.models.tokenizer import load_once
 
-    tok, _ = load_once("bundled:qwen3.6")
+    tok = load_once("bundled:qwen3.6")
     pool = Pool(tok)
     figures = {"seed_scale": scale, "seed_base": "foreign" if foreign else "contract"}
     half = _run(scale / 2, pool, tok, foreign, floor=False)
@@ -353,7 +353,7 @@ def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
         config = _setup(repo, foreign)
         facts = write_completions(repo, scale, tok, pool)
         cfg = params.load("tokenize", repo / "params.yaml")
-        _, tok_id = load_once(cfg.tokenizer)
+        tok_id = tokenizer.identity_of(cfg.tokenizer, load_once(cfg.tokenizer))
         base_tokens = write_base(repo / "data/base", round(BASE_ROWS * scale),
                                  fp_file.build(tok_id, tokenizer.template_sha256(tok), cfg), len(tok), foreign)
         harness.sh(["dvc", "add", "-q", "data/base"], repo)

@@ -197,7 +197,7 @@ def _encode_part(part: tuple[int, int]) -> None:
     from stages.chat.encoder import off_main_thread
     from stages.models.tokenizer import load_once
 
-    tok = load_once("bundled:qwen3.6")[0]  # inherited through fork
+    tok = load_once("bundled:qwen3.6")  # inherited through fork
     # off the main thread, as the stage does (the main thread's heap is slower)
     off_main_thread(tok.backend_tokenizer.encode_batch_fast, _TEXTS[part[0]:part[1]],
                     add_special_tokens=False)
@@ -289,7 +289,7 @@ def main(quick: bool | None = None) -> dict:
 
     n = 300 if quick else 1000
     n_naive = 60 if quick else 150
-    tok, _ = load_once("bundled:qwen3.6")
+    tok = load_once("bundled:qwen3.6")
     path = WORK / f"realistic-v3-{n}.jsonl"  # v3: Qwen3.6 format, engine token ids kept
     make_completions(path, n, tok=tok)
     rows = [json.loads(line) for line in path.open(encoding="utf-8")]

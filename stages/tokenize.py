@@ -67,7 +67,8 @@ def tokenize_file(src: str | Path, dst: str | Path, cfg: Optional[params.Tokeniz
     started = time.monotonic()
     generation = generation_facts(src)
     cfg = dataclasses.replace(cfg, enable_thinking=thinking_of(cfg, generation, src))
-    tok, tok_id = tokenizer.load_once(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code)
+    tok = tokenizer.load_once(cfg.tokenizer, cfg.chat_template, cfg.trust_remote_code)
+    tok_id = tokenizer.identity_of(cfg.tokenizer, tok)
     encoder = ChatEncoder(tok, enable_thinking=cfg.enable_thinking, name=_template_name(cfg))
     log.info("tokenizing %s with %s (template %s), multi_turn=%s, enable_thinking=%s, "
              "ids=%s, %d process(es)", src, cfg.tokenizer, _template_name(cfg),

@@ -35,7 +35,7 @@ def tok():
     # the stage's per-process cache: one load for every test module in the session
     from stages.models.tokenizer import load_once
 
-    return load_once("bundled:qwen3.6")[0]
+    return load_once("bundled:qwen3.6")
 
 
 def completion(i, source, messages, truncated=False, tools=None):

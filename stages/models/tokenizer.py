@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from stages.common.errors import StageError
 
 from stages.common.reading import json_file, open_regular, read_regular, regular
-from stages.common.outputs import atomic_dir
+from stages.common.outputs import atomic_dir, write_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -44,6 +44,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 BUNDLED_TEMPLATE = TEMPLATES / "qwen3.6.jinja"
 CACHE_ROOT = Path(".cache") / "tokenizers"
 STAMP = "bundled-stamp.json"
+IDENTITY = "identity.json"  # identity() of the build, with the stamp it was made for
 # Bump when the way the tokenizer is assembled changes, so old caches are rebuilt.
 BUILD_VERSION = 2
 # The added tokens Qwen's published tokenizer marks `special: false` (Qwen3.5/3.6:
@@ -98,18 +99,34 @@ def load_tokenizer(
 
 
 def load_once(spec: str, chat_template: str | None = None, trust_remote_code: bool = False
-              ) -> tuple["PreTrainedTokenizerFast", dict]:
-    """`load_tokenizer`'s tokenizer and its `identity`, loaded once per process (loading
-    takes seconds) for a spec, template and version of the template file."""
+              ) -> "PreTrainedTokenizerFast":
+    """`load_tokenizer`'s tokenizer, loaded once per process (loading takes seconds) for a
+    spec, template and version of the template file."""
     return _load_cached(spec, chat_template, trust_remote_code, _file_stamp(chat_template))
 
 
 @functools.lru_cache(maxsize=2)
 def _load_cached(spec: str, chat_template: str | None, trust_remote_code: bool, stamp: Any):
     tok = load_tokenizer(spec, chat_template, trust_remote_code)
-    ident = identity(tok)
     _release_free_heap()
-    return tok, ident
+    return tok
+
+
+def identity_of(spec: str, tok: "PreTrainedTokenizerFast") -> dict:
+    """`identity(tok)` of the tokenizer `spec` loaded. A bundled one's is saved in its
+    folder, beside the stamp it belongs to, by the first process that asks: hashing its
+    248K-token vocabulary takes most of a second, which every tokenize run paid."""
+    if not spec.startswith(BUNDLED_PREFIX):
+        return identity(tok)
+    folder = bundled_dir(spec[len(BUNDLED_PREFIX):])
+    stamp = read_stamp(folder)
+    saved = read_stamp(folder, IDENTITY)
+    if stamp is not None and saved is not None and saved.get("stamp") == stamp:
+        return saved["identity"]
+    ident = identity(tok)
+    if stamp is not None:  # written whole or not at all: a reader sees one or the other
+        write_json(folder / IDENTITY, {"stamp": stamp, "identity": ident})
+    return ident
 
 
 def _release_free_heap() -> None:

@@ -86,7 +86,7 @@ class PromptCounter:
 
         self.spec = spec
         self.engine = engine  # whose rendering of tools to count (serving/toolshape.py)
-        tok = load_once(spec)[0]
+        tok = load_once(spec)
         self.encoder = ChatEncoder(tok, enable_thinking=enable_thinking, name=spec)
         norm = tok.backend_tokenizer.normalizer
         self._normalize = norm.normalize_str if norm else None

@@ -51,7 +51,7 @@ def test_the_request_renders_as_the_template_renders_the_row_up_to_that_turn():
     exactly as its request (reasoning left out)."""
     from stages.models.tokenizer import load_once  # the per-process cache the stage uses
 
-    enc = ChatEncoder(load_once("bundled:qwen3.6")[0])
+    enc = ChatEncoder(load_once("bundled:qwen3.6"))
     prompt = {"messages": [user("a")], "turns": [[user("b")], [user("c")]]}
     row_msgs = [user("a"), answer("A", "r1"), user("b"), answer("B", "r2"), user("c")]
     request = regenerate.next_request(prompt["messages"], answer("A", "r1"), prompt, 1)
@@ -69,7 +69,7 @@ def test_an_answer_that_writes_think_close_again_renders_whole_in_the_next_reque
     from stages.chat import thinking
     from stages.models.tokenizer import load_once
 
-    enc = ChatEncoder(load_once("bundled:qwen3.6")[0])
+    enc = ChatEncoder(load_once("bundled:qwen3.6"))
     prompt = {"messages": [user("a")], "turns": [[user("b")]]}
     content = "early </think> late"
     for reasoning in ("r1", thinking.recorded_reasoning(None, content)):

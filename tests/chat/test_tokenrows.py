@@ -16,7 +16,7 @@ from stages.models.tokenizer import load_once
 
 @pytest.fixture(scope="module")
 def encoder():
-    return ChatEncoder(load_once("bundled:qwen3.6")[0], enable_thinking=True)
+    return ChatEncoder(load_once("bundled:qwen3.6"), enable_thinking=True)
 
 
 def line(i: int, source: str, answer: str, **extra) -> bytes:

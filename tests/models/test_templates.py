@@ -31,7 +31,7 @@ USER = "<|im_start|>user\n{}<|im_end|>\n"
 def tok():
     from stages.models.tokenizer import load_once
 
-    return load_once("bundled:qwen3.6")[0]
+    return load_once("bundled:qwen3.6")
 
 
 def render(tok, messages, tools=None, gen=False, **kwargs):

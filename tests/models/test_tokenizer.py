@@ -280,6 +280,30 @@ def test_fingerprint_is_stable_and_complete(tok):
         tokenizer.BUNDLED_TEMPLATE.read_bytes()).hexdigest()
 
 
+def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(tok, tmp_path,
+                                                                          monkeypatch):
+    """identity_of reads a bundled tokenizer's identity from its folder once saved there,
+    and works it out again (and saves it) when the stamp it was saved with is not the
+    build's: a saved identity never outlives the tokenizer it describes."""
+    folder = tmp_path / "qwen3.6"
+    shutil.copytree(tokenizer.bundled_dir(), folder)
+    (folder / tokenizer.IDENTITY).unlink(missing_ok=True)
+    monkeypatch.setattr(tokenizer, "CACHE_ROOT", tmp_path)
+    worked_out: list[int] = []
+    real = tokenizer.identity
+    monkeypatch.setattr(tokenizer, "identity", lambda t: (worked_out.append(1), real(t))[1])
+    first = tokenizer.identity_of("bundled:qwen3.6", tok)
+    assert first == real(tok) and worked_out == [1]
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1]
+    saved = json.loads((folder / tokenizer.IDENTITY).read_text(encoding="utf-8"))
+    (folder / tokenizer.IDENTITY).write_text(json.dumps(
+        {"stamp": {**saved["stamp"], "build_version": -1},
+         "identity": {**first, "vocab_sha256": "0" * 64}}), encoding="utf-8")
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1, 1]
+    (folder / tokenizer.IDENTITY).write_text("{not json", encoding="utf-8")
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1, 1, 1]
+
+
 # -------------------------------------------------------------------------- cache
 
 

@@ -27,7 +27,7 @@ from stages.common import outputs, params
 from stages.common.errors import StageError
 from stages.common.reading import existing_folder
 from stages.dataset import adopt, fingerprint, lineage, mergeshards
-from stages.dataset.schema import FEATURES, schema_differences
+from stages.dataset.schema import ARROW_SCHEMA, features_of, schema_differences
 from stages.dataset.shards import (
     list_shards,
     loaded_rows_and_features,
@@ -168,7 +168,7 @@ def _check_loads(folder: Path, rows: int) -> None:
         loaded_rows, features = loaded_rows_and_features(folder)
     except Exception as e:  # noqa: BLE001 - any failure here is ours to report
         raise StageError(f"merge: the merged folder does not load with datasets: {e}") from None
-    if loaded_rows != rows or features != FEATURES:
+    if loaded_rows != rows or features != features_of(ARROW_SCHEMA):
         raise StageError(
             f"merge: the merged folder loads with {loaded_rows} rows and {features}, "
             f"expected {rows} rows and the contract features"

@@ -5,23 +5,55 @@ pass and a pandera schema). Where such rows sit on disk: stages/dataset/shards.p
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
-import datasets
 import pyarrow as pa
 
-FEATURES = datasets.Features(
-    {
-        "id": datasets.Value("string"),
-        "source": datasets.Value("string"),
-        "input_ids": datasets.List(datasets.Value("int32")),
-        "loss_mask": datasets.List(datasets.Value("int8")),
-        "num_tokens": datasets.Value("int32"),
-        "num_loss_tokens": datasets.Value("int32"),
-    }
-)
+# datasets' name for each Arrow type a row holds (its `Value` dtypes)
+_DTYPES = {pa.string(): "string", pa.int8(): "int8", pa.int32(): "int32", pa.int64(): "int64"}
 
-ARROW_SCHEMA: pa.Schema = FEATURES.arrow_schema
+
+def _feature(type_: pa.DataType) -> dict:
+    """How datasets describes an Arrow type of a row (as `Features.to_dict` writes it)."""
+    if pa.types.is_list(type_):
+        return {"feature": _feature(type_.value_type), "_type": "List"}
+    return {"dtype": _DTYPES[type_], "_type": "Value"}
+
+
+def hf_schema(fields: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    """An Arrow schema as datasets writes one: the fields, and in its `huggingface`
+    metadata the features datasets reads them back as. Built here, not by datasets,
+    whose import costs a stage that only writes shards half a second at every start
+    (tests/dataset/test_schema.py holds it equal to datasets' own)."""
+    features = {name: _feature(type_) for name, type_ in fields}
+    return pa.schema([pa.field(name, type_) for name, type_ in fields],
+                     metadata={"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def features_of(schema: pa.Schema) -> dict:
+    """The features (as dataset_info.json holds them) of a schema made by hf_schema."""
+    return json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+
+
+ARROW_SCHEMA: pa.Schema = hf_schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    ("num_loss_tokens", pa.int32()),
+])
+
+
+def __getattr__(name: str):
+    """FEATURES: the contract as datasets' own Features, for comparing with what
+    datasets loads; datasets is imported by the code that asks, not by every stage."""
+    if name == "FEATURES":
+        import datasets
+
+        return datasets.Features.from_dict(features_of(ARROW_SCHEMA))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def schema_differences(schema: pa.Schema, expected: pa.Schema = ARROW_SCHEMA) -> list[str]:

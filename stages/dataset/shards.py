@@ -13,14 +13,13 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-import datasets
 import pyarrow as pa
 
 from stages.common import outputs
 from stages.common.errors import StageError
 from stages.common.reading import arrow_input, json_file, open_regular
 from stages.dataset import fingerprint, ipcstream
-from stages.dataset.schema import ARROW_SCHEMA, FEATURES, schema_differences
+from stages.dataset.schema import ARROW_SCHEMA, features_of, schema_differences
 from stages.process import children
 
 # A dataset folder is either a `save_to_disk` folder (state.json lists the shards in
@@ -289,9 +288,10 @@ class ShardFile:
 
 def write_metadata(folder: str | Path, shard_names: list[str],
                    state: Optional[str] = None,
-                   features: datasets.Features = FEATURES) -> None:
+                   schema: pa.Schema = ARROW_SCHEMA) -> None:
     """Write the state.json and dataset_info.json that make `folder` a save_to_disk folder
-    of rows with `features` (the contract's unless an export says otherwise).
+    of rows of `schema` (the contract's unless an export says otherwise; made by
+    schema.hf_schema, which holds the features datasets reads it by).
 
     `state` is the state hash (dataset/fingerprint.py); by default the folder's, which
     then must already hold its shards (and its fingerprint.json, where it has one).
@@ -307,21 +307,23 @@ def write_metadata(folder: str | Path, shard_names: list[str],
         "_output_all_columns": False,
         "_split": None,
     }
-    info = {"citation": "", "description": "", "features": features.to_dict(),
+    info = {"citation": "", "description": "", "features": features_of(schema),
             "homepage": "", "license": ""}
     for name, obj in ((STATE_FILE, doc), (INFO_FILE, info)):
         (folder / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
-def loaded_rows_and_features(folder: str | Path) -> tuple[int, datasets.Features]:
-    """(rows, features) of `folder` opened with `datasets.load_from_disk`, as training
-    opens it (Opening, waited for); StageError saying what stops that."""
+def loaded_rows_and_features(folder: str | Path) -> tuple[int, dict]:
+    """(rows, features as dataset_info.json holds them) of `folder` opened with
+    `datasets.load_from_disk`, as training opens it (Opening, waited for); StageError
+    saying what stops that."""
     return Opening(folder).result()
 
 
 class Opening:
     """`datasets.load_from_disk(folder)` in a worker process of its own, forked at once
-    (before the caller starts any thread), for (rows, features).
+    (before the caller starts any thread), for (rows, features as a dict: datasets is
+    imported by that worker alone).
 
     datasets memory-maps every shard: one cut short under the map (another process
     truncating it) kills the process reading it with SIGBUS, which Python cannot turn
@@ -333,7 +335,7 @@ class Opening:
         self._workers = children.Workers("fork", 1)
         self._job = self._workers.submit(_opened, str(folder))
 
-    def result(self) -> tuple[int, datasets.Features]:
+    def result(self) -> tuple[int, dict]:
         try:
             got = self._workers.result(self._job, "datasets")
         finally:
@@ -344,11 +346,13 @@ class Opening:
 
 
 def _opened(folder: str):
+    import datasets
+
     try:
         loaded = datasets.load_from_disk(folder)
     except Exception as e:  # noqa: BLE001 - whatever stops training from opening it
         return f"{type(e).__name__}: {e}"
-    return len(loaded), loaded.features
+    return len(loaded), loaded.features.to_dict()
 
 
 class ShardWriter:

@@ -5,26 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import numpy as np
 import pyarrow as pa
 
 from stages.dataset.loader import IGNORE
+from stages.dataset.schema import hf_schema
 from stages.trainers.base import ArrowTrainer, length_note
 from stages.trainers.batch import Part
 from stages.trainers.rules import Rule, longer, none_supervised, shorter_than_two
 
 # int64 labels: PyTorch's cross-entropy refuses int32 targets, and a trainer that formats
 # the dataset as torch tensors hands the column's own type to the loss
-FEATURES = datasets.Features({
-    "input_ids": datasets.List(datasets.Value("int32")),
-    "attention_mask": datasets.List(datasets.Value("int8")),
-    "labels": datasets.List(datasets.Value("int64")),
-})
+SCHEMA = hf_schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("attention_mask", pa.list_(pa.int8())),
+    ("labels", pa.list_(pa.int64())),
+])
 
 
 class Axolotl(ArrowTrainer):
-    features = FEATURES
+    schema = SCHEMA
     name = "axolotl"
     default_max_length = 512
     max_length_key = "sequence_len"

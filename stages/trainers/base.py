@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import datasets
 import pyarrow as pa
 
 from stages.trainers.batch import Part
@@ -33,17 +32,18 @@ class Trainer:
 
 
 class ArrowTrainer(Trainer):
-    """A format written as a save_to_disk folder: `features` and the `columns` of a part."""
+    """A format written as a save_to_disk folder: its `schema` (schema.hf_schema: with
+    the features datasets reads it by) and the `columns` of a part."""
 
-    features: datasets.Features
+    schema: pa.Schema
 
     @staticmethod
     def columns(part: Part) -> list[pa.Array]:
-        """The arrays of `features`, in order, for one part of the merged set."""
+        """The arrays of `schema`, in order, for one part of the merged set."""
         raise NotImplementedError
 
     def writer(self, folder: Path, vocab: Optional[VocabCounts]) -> ArrowFolder:
-        return ArrowFolder(folder, self.features, self.columns)
+        return ArrowFolder(folder, self.schema, self.columns)
 
 
 def length_note(report: dict, verb: str) -> str:

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import pyarrow as pa
 
-from stages.dataset.schema import FEATURES as ROW
+from stages.dataset.schema import ARROW_SCHEMA as ROW, hf_schema
 from stages.trainers.base import ArrowTrainer, length_note
 from stages.trainers.batch import Part
 from stages.trainers.rules import LONGER_CUT, Rule, none_supervised
 
 # the merged set's own columns and types, loss_mask under the name SFTTrainer reads
-FEATURES = datasets.Features({"id": ROW["id"], "input_ids": ROW["input_ids"],
-                              "assistant_masks": ROW["loss_mask"]})
+SCHEMA = hf_schema([("id", ROW.field("id").type), ("input_ids", ROW.field("input_ids").type),
+                    ("assistant_masks", ROW.field("loss_mask").type)])
 
 
 class Trl(ArrowTrainer):
-    features = FEATURES
+    schema = SCHEMA
     name = "trl"
     default_max_length = 1024
     max_length_key = "SFTConfig.max_length"

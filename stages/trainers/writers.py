@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-import datasets
 import pyarrow as pa
 
 from stages.dataset.shards import ShardFile, shard_name, write_metadata
@@ -31,13 +30,13 @@ class Writer:
 
 
 class ArrowFolder(Writer):
-    """A save_to_disk folder of `features`, one shard for each shard of the merged set."""
+    """A save_to_disk folder of rows of `schema` (schema.hf_schema), one shard for each
+    shard of the merged set."""
 
-    def __init__(self, folder: Path, features: datasets.Features,
+    def __init__(self, folder: Path, schema: pa.Schema,
                  columns: Callable[[Part], list[pa.Array]]):
         self.folder = folder
-        self.features = features
-        self.schema = features.arrow_schema
+        self.schema = schema
         self.columns = columns
         self.names: list[str] = []
         self._shard: Optional[ShardFile] = None
@@ -56,5 +55,5 @@ class ArrowFolder(Writer):
         self._shard = None
 
     def finish(self) -> dict:
-        write_metadata(self.folder, self.names, features=self.features)
-        return {"files": self.names, "columns": list(self.features)}
+        write_metadata(self.folder, self.names, schema=self.schema)
+        return {"files": self.names, "columns": self.schema.names}

@@ -10,11 +10,39 @@ from stages.dataset.schema import (
     NOT_NULL_CHECKS,
     ROW_CHECKS,
     castable,
+    features_of,
     row_rules,
     row_schema,
     rows_pass,
     schema_differences,
 )
+from stages.trainers import axolotl, trl
+
+
+@pytest.mark.parametrize("schema", [ARROW_SCHEMA, trl.SCHEMA, axolotl.SCHEMA],
+                         ids=["contract", "trl", "axolotl"])
+def test_each_schema_written_is_datasets_own_metadata_and_all(schema):
+    """hf_schema builds what datasets would (no stage imports datasets to write shards):
+    the same fields and the same `huggingface` metadata, byte for byte, and the features
+    read back are the features meant."""
+    import datasets
+
+    own = datasets.Features.from_arrow_schema(schema.remove_metadata())
+    assert own.arrow_schema == schema
+    assert own.arrow_schema.metadata == schema.metadata
+    assert own.to_dict() == features_of(schema)
+    assert datasets.Features.from_arrow_schema(schema) == own
+
+
+def test_a_stage_that_only_writes_shards_never_imports_datasets():
+    import subprocess
+    import sys
+
+    code = ("import sys; import stages.export, stages.tokenize, stages.merge, stages.show; "
+            "print('datasets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_contract_types_are_explicit():

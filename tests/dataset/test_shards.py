@@ -127,7 +127,7 @@ def test_shard_file_writes_a_whole_stream_under_the_shared_name(tmp_path):
         assert pa.Table.from_batches(list(reader)).equals(_table(5))
     (tmp_path / fingerprint.FILE).write_text("{}")
     write_metadata(tmp_path, [path.name])
-    assert loaded_rows_and_features(tmp_path) == (5, FEATURES)
+    assert loaded_rows_and_features(tmp_path) == (5, FEATURES.to_dict())
 
 
 def test_a_reader_of_a_few_columns_reads_and_checks_only_those(tmp_path):

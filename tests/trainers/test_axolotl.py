@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.trainers.axolotl import FEATURES, Axolotl
+from stages.trainers.axolotl import SCHEMA, Axolotl
 from stages.trainers.batch import read_part
 from tests.helpers.trainerparts import part, record_batch
 
@@ -17,7 +17,7 @@ def test_labels_are_the_supervised_ids_and_minus_100_elsewhere():
     assert ids == [[11, 12, 13], [], [14, 15]]
     assert attention == [[1, 1, 1], [], [1, 1]]
     assert labels == [[IGNORE, 12, 13], [], [14, IGNORE]]
-    assert list(FEATURES) == ["input_ids", "attention_mask", "labels"]
+    assert SCHEMA.names == ["input_ids", "attention_mask", "labels"]
 
 
 def test_a_part_sliced_from_a_batch_keeps_its_rows():

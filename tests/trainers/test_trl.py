@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.trainers.trl import FEATURES, Trl
+from stages.trainers.trl import SCHEMA, Trl
 from tests.helpers.trainerparts import part
 
 
@@ -10,7 +10,7 @@ def test_the_merged_columns_as_trl_names_them():
     p = part([("a", [1, 2, 3], [0, 1, 1])])
     columns = Trl.columns(p)
     assert [c.to_pylist() for c in columns] == [["a"], [[1, 2, 3]], [[0, 1, 1]]]
-    assert list(FEATURES) == ["id", "input_ids", "assistant_masks"]
+    assert SCHEMA.names == ["id", "input_ids", "assistant_masks"]
 
 
 def test_a_row_with_nothing_trained_in_its_first_max_length_is_dropped():

@@ -5,15 +5,17 @@ from __future__ import annotations
 import datasets
 import pyarrow as pa
 
+from stages.dataset.schema import hf_schema
 from stages.trainers.writers import ArrowFolder
 from tests.helpers.trainerparts import part
 
+SCHEMA = hf_schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32()))])
 FEATURES = datasets.Features({"id": datasets.Value("string"),
                               "input_ids": datasets.List(datasets.Value("int32"))})
 
 
 def test_one_shard_per_merged_shard_loaded_by_datasets(tmp_path):
-    writer = ArrowFolder(tmp_path, FEATURES, lambda p: [p.id, p.input_ids])
+    writer = ArrowFolder(tmp_path, SCHEMA, lambda p: [p.id, p.input_ids])
     for index, rows in enumerate([[("a", [1, 2], [0, 1])], [("b", [3], [1]), ("c", [4], [0])]]):
         writer.begin(index, 2)
         writer.write(part(rows))

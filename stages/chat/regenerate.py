@@ -112,6 +112,20 @@ def conversation_row(turn_rows: list[dict], prompt: dict, sample: Optional[int])
     return row
 
 
+def before_last_turn(row: dict) -> Optional[dict]:
+    """A regenerated row of two or more answered turns seen as the conversation of its
+    turns before the last (turn_view of the answer before it); None for any other row.
+    tokenize takes it when the last answer was cut off and is not kept: every turn before
+    it is a whole answer of the target's, asked with the history it was served."""
+    turns = row.get(TURNS_KEY)
+    if not isinstance(turns, list) or len(turns) < 2:
+        return None
+    answers = [i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant"]
+    if len(answers) != len(turns):
+        return None
+    return turn_view(row, answers[-2] + 1)
+
+
 def turn_view(row: dict, n_messages: int) -> Optional[dict]:
     """A regenerated row seen as the row of its turn that ends at message `n_messages`
     (that turn's request and answer, its finish reason, usage and engine ids); None for

@@ -100,3 +100,15 @@ def test_turn_view_is_the_row_of_one_turn():
     assert first["engine_tokens"] == {"prompt_ids": [1], "completion_ids": [2]}
     assert "engine_tokens" not in regenerate.turn_view(row, 4)  # that turn kept none
     assert regenerate.turn_view({k: v for k, v in row.items() if k != "turns"}, 2) is None
+
+
+def test_before_last_turn_is_the_row_up_to_the_answer_before_the_last():
+    turn = {"finish_reason": "stop", "truncated": False, "usage": {"prompt_tokens": 1,
+                                                                   "completion_tokens": 2}}
+    cut = dict(turn, finish_reason="length", truncated=True)
+    msgs = [user("a"), answer("A", "r"), user("b"), user("b2"), answer("B")]
+    row = {"id": "x", "source": "s", "messages": msgs, "truncated": True, "turns": [turn, cut]}
+    kept = regenerate.before_last_turn(row)
+    assert kept["messages"] == msgs[:2] and kept["truncated"] is False
+    assert regenerate.before_last_turn(dict(row, turns=[cut], messages=msgs[:2])) is None
+    assert regenerate.before_last_turn({k: v for k, v in row.items() if k != "turns"}) is None

@@ -39,6 +39,22 @@ def test_split_stops_before_the_first_tool_call_or_result():
     assert regenerate.split([answer("", calls=CALL), user("x")]) is None
 
 
+def test_split_stops_before_a_system_message_that_is_not_first():
+    system = {"role": "system", "content": "S2"}
+    parts = regenerate.split([{"role": "system", "content": "S"}, user("a"), answer("A"),
+                              user("b"), answer("B"), system, user("c"), answer("C")])
+    assert parts.turns == [[user("b")]] and parts.system_cut and not parts.tool_cut
+    parts = regenerate.split([user("a"), system, user("b"), answer("B")])
+    assert parts.request == [user("a")] and parts.turns == [] and parts.system_cut
+
+
+def test_split_drops_an_answer_before_the_first_user_turn():
+    parts = regenerate.split([{"role": "system", "content": "S"}, answer("Hello!"), user("a"),
+                              answer("A"), user("b")])
+    assert parts.request == [{"role": "system", "content": "S"}, user("a")]
+    assert parts.turns == [[user("b")]] and not parts.system_cut
+
+
 def test_a_request_carries_earlier_answers_without_their_reasoning():
     prompt = {"messages": [user("a")], "turns": [[user("b")]]}
     nxt = regenerate.next_request(prompt["messages"], answer("A", "why"), prompt, 1)

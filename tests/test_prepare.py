@@ -407,8 +407,6 @@ def test_regenerate_writes_lines_generate_takes_from_a_greeting_and_a_later_syst
     # only first): the conversation is regenerated up to it, counted as system_cut.
     # Written as they came, the first was dropped as no_user_turn and the second stopped
     # generate on the whole file ('turns' must be a list of lists of user messages)
-    from stages.serving import turns
-
     def m(role, text):
         return {"role": role, "content": text}
 
@@ -425,8 +423,8 @@ def test_regenerate_writes_lines_generate_takes_from_a_greeting_and_a_later_syst
     assert rows[0]["messages"] == [m("system", "S"), m("user", "Q1")]
     assert rows[0]["turns"] == [[m("user", "Q2")]]
     assert rows[1]["messages"] == [m("user", "P1")] and rows[1]["turns"] == [[m("user", "P2")]]
-    for i, row in enumerate(rows):
-        turns._turn_problem(row, f"prompts.jsonl:{i + 1}")  # generate takes each line
+    # what generate takes: every later turn is user messages only
+    assert all(t["role"] == "user" for row in rows for turn in row["turns"] for t in turn)
     assert report["sources"]["a"]["regenerate"] == {
         "single_turn": 0, "regenerated": 1, "tool_cut": 0, "tool_context": 0, "system_cut": 1}
 

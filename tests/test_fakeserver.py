@@ -47,6 +47,26 @@ def test_fake_replies_are_deterministic_and_shaped_like_sglang():
     assert raw["reasoning_content"] is None and "\n</think>\n\n" in raw["content"]
 
 
+def test_a_tool_call_reply_has_the_ids_of_the_call_it_makes():
+    # an engine's generated ids are those of the text its tool-call parser took the call
+    # from; ids of the text answer the fault replaced made tokenize drop every row where
+    # the target called a tool (answers.text_differs), failing the stage
+    from transformers import PreTrainedTokenizerFast
+
+    from stages.models.tokenizer import ensure_bundled
+    from tests.helpers.fakeserver import load_spec, reply_for
+
+    folder = str(ensure_bundled().resolve())
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    body = {"messages": [{"role": "user", "content": "x y"}], "tools": tools,
+            "return_token_ids": True}
+    choice = reply_for(body, load_spec({"tokenizer": folder}), "tool_call")["choices"][0]
+    said = PreTrainedTokenizerFast.from_pretrained(folder).decode(choice["response_token_ids"])
+    thought = choice["message"]["reasoning_content"]
+    assert said == (f"{thought}\n</think>\n\n<tool_call>\n<function=lookup>\n</function>\n"
+                    "</tool_call><|im_end|>")
+
+
 def test_fake_faults_follow_the_spec_and_are_counted(fake_server):
     server = fake_server({
         "seed": 3,

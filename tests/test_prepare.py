@@ -395,10 +395,38 @@ def test_regenerate_keeps_the_user_turns_and_drops_every_source_answer(tmp_path)
     assert rows[2] == context[2]  # a one-turn conversation is a plain prompt, id and all
     assert rows[0]["id"] != context[0]["id"]
     assert report["sources"]["a"]["regenerate"] == {
-        "single_turn": 1, "regenerated": 1, "tool_cut": 1, "tool_context": 0}
+        "single_turn": 1, "regenerated": 1, "tool_cut": 1, "tool_context": 0, "system_cut": 0}
     report, rows, _ = run(tmp_path, source, multi_turn="regenerate", tool_conversations="context")
     assert rows[1] == context[1]  # kept as in context mode
     assert report["sources"]["a"]["regenerate"]["tool_context"] == 1
+
+
+def test_regenerate_writes_lines_generate_takes_from_a_greeting_and_a_later_system(tmp_path):
+    # an answer before the first user turn (a greeting) is the source's, dropped; a system
+    # message after the first ones cannot be asked (the template takes a system message
+    # only first): the conversation is regenerated up to it, counted as system_cut.
+    # Written as they came, the first was dropped as no_user_turn and the second stopped
+    # generate on the whole file ('turns' must be a list of lists of user messages)
+    def m(role, text):
+        return {"role": role, "content": text}
+
+    rows_in = [
+        {"messages": [m("system", "S"), m("assistant", "Hello!"), m("user", "Q1"),
+                      m("assistant", "A1"), m("user", "Q2"), m("assistant", "A2")]},
+        {"messages": [m("user", "P1"), m("assistant", "B1"), m("user", "P2"),
+                      m("assistant", "B2"), m("system", "Now in French."), m("user", "P3"),
+                      m("assistant", "B3")]},
+    ]
+    path = write_jsonl(tmp_path / "a.jsonl", rows_in)
+    source = [{"name": "a", "path": str(path), "format": "messages"}]
+    report, rows, _ = run(tmp_path, source, multi_turn="regenerate")
+    assert rows[0]["messages"] == [m("system", "S"), m("user", "Q1")]
+    assert rows[0]["turns"] == [[m("user", "Q2")]]
+    assert rows[1]["messages"] == [m("user", "P1")] and rows[1]["turns"] == [[m("user", "P2")]]
+    # what generate takes: every later turn is user messages only
+    assert all(t["role"] == "user" for row in rows for turn in row["turns"] for t in turn)
+    assert report["sources"]["a"]["regenerate"] == {
+        "single_turn": 0, "regenerated": 1, "tool_cut": 0, "tool_context": 0, "system_cut": 1}
 
 
 def test_text_kept_exactly_in_output(tmp_path):

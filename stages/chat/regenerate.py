@@ -26,22 +26,34 @@ class Split(NamedTuple):
     request: list[dict]  # the first turn's request: system and user turns up to answer 1
     turns: list[list[dict]]  # what follows each answer 1..T-1
     tool_cut: bool  # cut before the source's first tool call (or tool result)
+    system_cut: bool = False  # cut before a system message that is not first
+
+
+def _stop(messages: list[dict]) -> tuple[int, str]:
+    """Where regeneration stops, and why: at the source's first tool call or result (its
+    results answer the source's calls), or at a system message after the leading ones
+    (the Qwen3 and Qwen3.6 templates take a system message only first: a request holding
+    it is refused by the engine, and a line holding it by generate)."""
+    leading = True
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" or (m["role"] == "assistant" and m.get("tool_calls")):
+            return i, "tool"
+        if m["role"] == "system" and not leading:
+            return i, "system"
+        leading = leading and m["role"] == "system"
+    return len(messages), ""
 
 
 def split(messages: list[dict]) -> Optional[Split]:
     """The user turns of `messages` in order, the source's answers dropped; None when no
     user turn comes before the first tool call. Turns that follow one another without an
-    answer between them go into one request."""
-    stop = len(messages)
-    for i, m in enumerate(messages):
-        if m["role"] == "tool" or (m["role"] == "assistant" and m.get("tool_calls")):
-            stop = i
-            break
-    tool_cut = stop < len(messages)
+    answer between them go into one request; an answer before the first user turn (a
+    greeting) is the source's like any other, dropped without starting a turn."""
+    stop, why = _stop(messages)
     groups: list[list[dict]] = [[]]
     for m in messages[:stop]:
         if m["role"] == "assistant":
-            if groups[-1]:
+            if any(g["role"] == "user" for g in groups[-1]):
                 groups.append([])
             continue
         groups[-1].append(m)
@@ -49,7 +61,7 @@ def split(messages: list[dict]) -> Optional[Split]:
         groups.pop()
     if not groups or not any(m["role"] == "user" for m in groups[0]):
         return None
-    return Split(groups[0], groups[1:], tool_cut)
+    return Split(groups[0], groups[1:], why == "tool", why == "system")
 
 
 def turn_count(prompt: dict) -> int:
@@ -110,6 +122,20 @@ def conversation_row(turn_rows: list[dict], prompt: dict, sample: Optional[int])
     if sample is not None:
         row["sample"] = sample
     return row
+
+
+def before_last_turn(row: dict) -> Optional[dict]:
+    """A regenerated row of two or more answered turns seen as the conversation of its
+    turns before the last (turn_view of the answer before it); None for any other row.
+    tokenize takes it when the last answer was cut off and is not kept: every turn before
+    it is a whole answer of the target's, asked with the history it was served."""
+    turns = row.get(TURNS_KEY)
+    if not isinstance(turns, list) or len(turns) < 2:
+        return None
+    answers = [i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant"]
+    if len(answers) != len(turns):
+        return None
+    return turn_view(row, answers[-2] + 1)
 
 
 def turn_view(row: dict, n_messages: int) -> Optional[dict]:

@@ -98,8 +98,13 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: param
         final = row["messages"][-1]
         truncated = row["truncated"]
         if truncated and not cfg.keep_truncated:
-            st["dropped"]["truncated"] += 1
-            continue
+            st["dropped"]["truncated"] += 1  # the answer cut off: a row, or a turn's row
+            # a regenerated conversation keeps the turns before it (rows of `expand`,
+            # `all`): whole answers of the target's, each asked with what it was served
+            row = regenerate.before_last_turn(row) if cfg.multi_turn != "last" else None
+            if row is None:
+                continue
+            final, truncated = row["messages"][-1], False
         if not _has_answer(final, allow_reasoning=truncated):
             st["dropped"]["empty_content"] += 1
             continue

@@ -36,6 +36,7 @@ class Progress:
         self.t0 = time.monotonic()
         self.last_log = self.t0
         self.bar = None
+        self.skipped = 0  # what the bar has moved past without timing it (tick's skipped)
         if sys.stderr.isatty():
             self.bar = tqdm(
                 total=total, initial=done, unit="req", dynamic_ncols=True, smoothing=0.05
@@ -46,12 +47,22 @@ class Progress:
         return logging_redirect_tqdm() if self.bar is not None else contextlib.nullcontext()
 
     def tick(
-        self, done: int, failed: int, out_tokens: int, in_flight: int, final: bool = False
+        self, done: int, failed: int, out_tokens: int, in_flight: int, final: bool = False,
+        skipped: int = 0,
     ) -> None:
+        """`skipped`: of `done`, the work found done already after the start (a resumed
+        turn-by-turn run meets its cached turns as it walks), left out of the speed as the
+        `done` given at the start is: counted, they made a resumed run's req/s the cache's
+        reading speed and its ETA near zero while most of the sending was still to come."""
         elapsed = max(time.monotonic() - self.t0, 1e-9)
-        rate = (done - self.start_done) / elapsed
+        rate = (done - self.start_done - skipped) / elapsed
         tok = out_tokens / elapsed
         if self.bar is not None:
+            # moved past outside tqdm's speed, as its `initial` is: n and the n it last
+            # timed both advance
+            self.bar.n += skipped - self.skipped
+            self.bar.last_print_n += skipped - self.skipped
+            self.skipped = skipped
             self.bar.update(done - self.bar.n)
             self.bar.set_postfix_str(
                 f"failed={failed} {rate:.1f} req/s {tok:.0f} tok/s in-flight={in_flight}"

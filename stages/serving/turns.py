@@ -362,7 +362,8 @@ class Regeneration:
                 await asyncio.sleep(tick)
                 if self.cache.sync_due():
                     await asyncio.to_thread(self.cache.sync)
-                progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight)
+                progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight,
+                              skipped=self.cached)
 
         self.tally.start()
         try:
@@ -380,7 +381,8 @@ class Regeneration:
         finally:
             os.close(fd)
             self.gate.release()  # held failures stay reported, uncached
-            progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight, final=True)
+            progress.tick(self.done, self.failed, self.tally.out_tokens, client.in_flight,
+                          final=True, skipped=self.cached)
 
 
     # --------------------------------------------------------------------- writing

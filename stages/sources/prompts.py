@@ -65,7 +65,7 @@ class Candidate:
 
 
 # what multi_turn: regenerate made of a prompt, counted per source in prepare's report
-REGEN_KINDS = ("single_turn", "regenerated", "tool_cut", "tool_context")
+REGEN_KINDS = ("single_turn", "regenerated", "tool_cut", "tool_context", "system_cut")
 
 
 class Prepared(NamedTuple):
@@ -140,7 +140,8 @@ class PromptMaker:
             if parts is not None and (not parts.tool_cut or spec.tool_conversations == "cut"):
                 messages, turns = parts.request, parts.turns or None
                 calls = any("tool_calls" in m for m in messages)
-                regen = "tool_cut" if parts.tool_cut else "regenerated" if turns else "single_turn"
+                regen = "tool_cut" if parts.tool_cut else "system_cut" if parts.system_cut \
+                    else "regenerated" if turns else "single_turn"
             else:
                 regen = "tool_context"
         payload = {"messages": messages, "tools": tools} if tools else {"messages": messages}

@@ -39,6 +39,22 @@ def test_split_stops_before_the_first_tool_call_or_result():
     assert regenerate.split([answer("", calls=CALL), user("x")]) is None
 
 
+def test_split_stops_before_a_system_message_that_is_not_first():
+    system = {"role": "system", "content": "S2"}
+    parts = regenerate.split([{"role": "system", "content": "S"}, user("a"), answer("A"),
+                              user("b"), answer("B"), system, user("c"), answer("C")])
+    assert parts.turns == [[user("b")]] and parts.system_cut and not parts.tool_cut
+    parts = regenerate.split([user("a"), system, user("b"), answer("B")])
+    assert parts.request == [user("a")] and parts.turns == [] and parts.system_cut
+
+
+def test_split_drops_an_answer_before_the_first_user_turn():
+    parts = regenerate.split([{"role": "system", "content": "S"}, answer("Hello!"), user("a"),
+                              answer("A"), user("b")])
+    assert parts.request == [{"role": "system", "content": "S"}, user("a")]
+    assert parts.turns == [[user("b")]] and not parts.system_cut
+
+
 def test_a_request_carries_earlier_answers_without_their_reasoning():
     prompt = {"messages": [user("a")], "turns": [[user("b")]]}
     nxt = regenerate.next_request(prompt["messages"], answer("A", "why"), prompt, 1)
@@ -100,3 +116,15 @@ def test_turn_view_is_the_row_of_one_turn():
     assert first["engine_tokens"] == {"prompt_ids": [1], "completion_ids": [2]}
     assert "engine_tokens" not in regenerate.turn_view(row, 4)  # that turn kept none
     assert regenerate.turn_view({k: v for k, v in row.items() if k != "turns"}, 2) is None
+
+
+def test_before_last_turn_is_the_row_up_to_the_answer_before_the_last():
+    turn = {"finish_reason": "stop", "truncated": False, "usage": {"prompt_tokens": 1,
+                                                                   "completion_tokens": 2}}
+    cut = dict(turn, finish_reason="length", truncated=True)
+    msgs = [user("a"), answer("A", "r"), user("b"), user("b2"), answer("B")]
+    row = {"id": "x", "source": "s", "messages": msgs, "truncated": True, "turns": [turn, cut]}
+    kept = regenerate.before_last_turn(row)
+    assert kept["messages"] == msgs[:2] and kept["truncated"] is False
+    assert regenerate.before_last_turn(dict(row, turns=[cut], messages=msgs[:2])) is None
+    assert regenerate.before_last_turn({k: v for k, v in row.items() if k != "turns"}) is None

@@ -83,3 +83,34 @@ def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch
     assert [line.decode() for _, part in chunks for line in part] == lines
     assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)
     assert sizes[-2] == 100  # the tail comes in the smallest pieces
+
+
+def regenerated_line(last_truncated: bool) -> bytes:
+    """A conversation regenerated turn by turn (generate's row): three answered turns,
+    the last one cut off by max_tokens when `last_truncated`."""
+    turn = {"finish_reason": "stop", "truncated": False,
+            "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
+    last = dict(turn, finish_reason="length", truncated=True) if last_truncated else turn
+    msgs = []
+    for k in (1, 2, 3):
+        msgs += [{"role": "user", "content": f"question {k}"},
+                 {"role": "assistant", "content": f"answer number {k}", "reasoning_content": "hm"}]
+    row = {"id": "conv", "source": "a", "messages": msgs, "finish_reason": last["finish_reason"],
+           "truncated": last_truncated, "usage": turn["usage"], "turns": [turn, turn, last]}
+    return (json.dumps(row) + "\n").encode()
+
+
+@pytest.mark.parametrize("policy, rows", [("expand", ["conv#1", "conv"]), ("all", ["conv"]),
+                                          ("last", [])])
+def test_a_regenerated_conversation_cut_off_at_its_last_turn_keeps_the_turns_before(
+        encoder, policy, rows):
+    # every turn before the cut-off one is a whole answer of the target's, asked with the
+    # history it was served: dropping the conversation would lose them all
+    result = chunk(Tokenize(ids="render", multi_turn=policy), encoder, [regenerated_line(True)])
+    got = [] if result.batch is None else result.batch.column("id").to_pylist()
+    assert got == rows
+    assert result.stats["a"]["dropped"]["truncated"] == 1  # the answer cut off
+    whole = chunk(Tokenize(ids="render", multi_turn=policy), encoder, [regenerated_line(False)])
+    if policy == "expand":  # the turns kept are the same rows as in the whole conversation
+        ids = whole.batch.column("input_ids").to_pylist()
+        assert result.batch.column("input_ids").to_pylist() == ids[:2]

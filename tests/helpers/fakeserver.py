@@ -96,7 +96,8 @@ no_choices (200, valid JSON without choices), drop (connection closed, no respon
 exit (the process exits at once), stall (stall from now on), length (finish_reason
 "length", content cut short), unclosed_think (reasoning only, content null,
 "length"), abort (finish_reason "abort"), tool_call (a well-formed call of the request's
-first tool, arguments "{}", content "", finish_reason "tool_calls").
+first tool, arguments "{}", content "", finish_reason "tool_calls"; with a tokenizer
+its generated ids are the thinking and the call as the chat template writes them).
 
 Hostile replies (a 200 that must never be cached): content_dict, content_number,
 reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
@@ -536,7 +537,8 @@ def reply_for(body: dict, spec: dict, fault: str | None = None) -> dict:
         closed = bool(content) or finish == "stop"  # the model wrote </think>
         ids = _engine_ids(spec["tokenizer"], body, thinking, reasoning_text, content_text,
                           closed, finish == "stop", spec["answer_by_characters"],
-                          spec["tools_as"] or spec["dialect"])
+                          spec["tools_as"] or spec["dialect"],
+                          message["tool_calls"] if fault == "tool_call" else None)
         prompt_tokens, completion_tokens = len(ids[0]), len(ids[1])
     reply = {
         "id": body.get("rid") or "chatcmpl-" + digest[:12].hex(),
@@ -568,13 +570,16 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
                 content: str | None, closed: bool, stopped: bool,
-                by_characters: bool = False, dialect: str = "sglang") -> tuple[list[int], list[int]]:
+                by_characters: bool = False, dialect: str = "sglang",
+                answer_calls: list | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) as an engine serving `folder` would have them: the
     chat template renders the request (JSON-text tool arguments parsed into objects,
     as vLLM and SGLang do; the tools as the dialect's engine dumps them), the text is encoded whole with control tokens parsed, and
     the completion is what the model wrote after the generation prompt, through its stop
     token (with `by_characters`, its answer one token per character: the same text, not
-    its canonical encoding)."""
+    its canonical encoding). With `answer_calls` (the tool_call fault), the model wrote its
+    thinking and those calls as the template writes them, which the engine's tool-call
+    parser took out of the text: the ids are of that text, not of an answer it replaced."""
     from transformers import PreTrainedTokenizerFast
 
     from stages.serving.toolshape import served_tools  # held to real SGLang's own dump
@@ -599,6 +604,17 @@ def _engine_ids(folder: str, body: dict, thinking: bool, reasoning: str | None,
         add_generation_prompt=True,
         **(body.get("chat_template_kwargs") or {}))
     encode = functools.partial(tok, add_special_tokens=False)
+    if answer_calls:
+        said = {"role": "assistant", "content": "", "tool_calls": [
+            {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in answer_calls]}
+        if thinking and reasoning:
+            said["reasoning_content"] = reasoning
+        whole = tok.apply_chat_template(
+            messages + [said], tools=served_tools(dialect, body.get("tools")), tokenize=False,
+            **(body.get("chat_template_kwargs") or {}))
+        if whole.startswith(prompt):  # through <|im_end|>, not the newline the format adds
+            return encode(prompt)["input_ids"], encode(whole[len(prompt):].rstrip("\n"))["input_ids"]
     written = ((reasoning or "") + ("\n</think>\n\n" if closed else "")) if thinking else ""
     end = "<|im_end|>" if stopped else ""
     if not by_characters:

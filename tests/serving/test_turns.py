@@ -288,3 +288,21 @@ def test_a_bad_turns_field_is_one_line_naming_the_line(tmp_path, turns, message)
     last = proc.stderr.strip().splitlines()[-1]
     assert "prompts.jsonl:2: " in last and message in last, last
     assert not (tmp_path / "data/completions").exists()
+
+
+def test_progress_leaves_the_turns_found_in_the_cache_out_of_the_speed(tmp_path, monkeypatch):
+    from stages.serving import progress
+
+    ticks = []
+    real = progress.Progress.tick
+    monkeypatch.setattr(progress.Progress, "tick", lambda self, *a, **kw: (
+        ticks.append((self.total, a[0], kw.get("skipped", 0))), real(self, *a, **kw))[1])
+    write_prompts(tmp_path, [conversation(i, 3) for i in range(4)])
+    with spawn() as server:
+        write_params(tmp_path, server=url_server(server.url), max_turns=1)
+        here(tmp_path)
+        ticks.clear()
+        write_params(tmp_path, server=url_server(server.url))  # every turn: 4 cached, 8 sent
+        here(tmp_path)
+    # progress counts turns; the cached first turns are done but not the run's speed
+    assert ticks[-1] == (12, 12, 4)

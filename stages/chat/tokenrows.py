@@ -22,7 +22,6 @@ import pyarrow as pa
 
 from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
-from stages.serving import engineids
 from stages.serving.engineids import Served
 from stages.common import params
 from stages.common.errors import StageError
@@ -138,7 +137,7 @@ def _kept_rows(plans: list, meta: list, batch, check: "rendercheck.ServeCheck",
             served = Served(row)
             check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
             # the engine's ids are checked in either mode: they say what was served
-            if served.unusable and engineids.bad_values(served.unusable):
+            if served.unusable and served.unusable.bad_values:
                 raise StageError(f"{path}:{no}: row {rid!r}: its engine token ids are not "
                                  f"token ids ({served.unusable}): no engine serves those (a "
                                  "damaged completions file, or a server that is no engine)")

@@ -109,6 +109,7 @@ def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
         "no_engine_ids": 0, "answer_mismatch": 0}
     assert rep["conversations"] == len(ROWS)
     assert rep["rows"] == 3 and rep["dropped_total"] == 5
+    assert rep["max_row_bytes"] == 128 * 600  # the bound used: 128 bytes a token of max_seq_len
     assert rep["tokens"] == sum(ds["num_tokens"])
     assert rep["loss_tokens"] == sum(ds["num_loss_tokens"])
     assert rep["lookalike_rows"] == 2

@@ -221,11 +221,11 @@ def _views(text: str) -> Iterator[tuple[re.Pattern, Any, str]]:
             yield pattern, repl, view
 
 
-# Runs of MIN_PIECE characters hashed in numpy (texts from _HASHED characters on, _BLOCK
-# characters at a time so that memory stays a few MB whatever the text): a run is looked
-# up only where its hash's top _TABLE_BITS bits are set in the table of the forms' runs.
-_HASHED = 1 << 12
-_BLOCK = 1 << 20
+# Runs of MIN_PIECE characters hashed in numpy (texts from HASHED_FROM characters on,
+# HASH_BLOCK characters at a time so that memory stays a few MB whatever the text): a run
+# is looked up only where its hash's top _TABLE_BITS bits are set in the forms' table.
+HASHED_FROM = 1 << 12
+HASH_BLOCK = 1 << 20
 _TABLE_BITS = 20
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: each character changes every high bit
 
@@ -250,11 +250,11 @@ def _window_table(windows: set[str]) -> np.ndarray:
     return table
 
 
-def _hash_hits(text: str, table: np.ndarray) -> Iterator[int]:
+def hash_hits(text: str, table: np.ndarray) -> Iterator[int]:
     """Where a MIN_PIECE run of `text` starts whose hash `table` holds: every run that is
     one of its windows, and a few that only share the hash's top bits."""
-    for start in range(0, len(text) - MIN_PIECE + 1, _BLOCK):
-        hashes = _run_hashes(text[start : start + _BLOCK + MIN_PIECE - 1])
+    for start in range(0, len(text) - MIN_PIECE + 1, HASH_BLOCK):
+        hashes = _run_hashes(text[start : start + HASH_BLOCK + MIN_PIECE - 1])
         hits = table[hashes >> np.uint64(64 - _TABLE_BITS)]
         yield from (start + int(i) for i in np.flatnonzero(hits))
 
@@ -348,13 +348,13 @@ class Redactor:
     def _has_piece(self, text: str) -> bool:
         # each MIN_PIECE run of the text looked up in the set of the forms' runs: one
         # pass over the text, several times faster than a search per run of the forms
-        if len(text) < _HASHED:
+        if len(text) < HASHED_FROM:
             return not self._windows.isdisjoint(
                 text[i : i + MIN_PIECE] for i in range(len(text) - MIN_PIECE + 1))
         # a long text's runs hashed in numpy first: only those whose hash is a form run's
         # are sliced and looked up (a Python step per character cost 0.15 s per 770 kB)
         return any(text[i : i + MIN_PIECE] in self._windows
-                   for i in _hash_hits(text, self._table))
+                   for i in hash_hits(text, self._table))
 
     def found_in(self, value: Any) -> bool:
         """True when a string of the JSON value `value` (keys included) holds a secret:

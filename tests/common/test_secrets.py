@@ -216,10 +216,10 @@ def test_a_long_text_is_searched_as_a_short_one_across_every_block_edge(monkeypa
     wherever it stands, a block's edge included, as the short path finds it."""
     r = Redactor([KEY2])
     short = f"denied <{spell}> done"
-    assert len(short) < secrets._HASHED
+    assert len(short) < secrets.HASHED_FROM
     expected = r(short)
-    monkeypatch.setattr(secrets, "_HASHED", 16)
-    monkeypatch.setattr(secrets, "_BLOCK", 32)
+    monkeypatch.setattr(secrets, "HASHED_FROM", 16)
+    monkeypatch.setattr(secrets, "HASH_BLOCK", 32)
     for pad in range(40):  # the text's start at every offset of a block
         text = "." * pad + short + "." * 50
         assert r(text) == "." * pad + expected + "." * 50, pad
@@ -230,9 +230,10 @@ def test_a_long_text_is_searched_as_a_short_one_across_every_block_edge(monkeypa
 def test_each_view_is_made_and_searched_once(monkeypatch):
     """A view that holds a piece is searched once, not once to say so and again for where."""
     r = Redactor([KEY2])
+    monkeypatch.setattr(secrets, "HASHED_FROM", 16)  # every text's runs hashed, and counted
     searched = []
-    piece = Redactor._has_piece
-    monkeypatch.setattr(Redactor, "_has_piece", lambda self, t: searched.append(t) or piece(self, t))
+    hits = secrets.hash_hits
+    monkeypatch.setattr(secrets, "hash_hits", lambda t, table: searched.append(t) or hits(t, table))
     # a piece of the key's hex, spaced: in the separator view only, and never whole
     text = "x %41 " + " ".join(f"{ord(c):02x}" for c in KEY2[2:20])
     assert MASK in r(text)

@@ -49,7 +49,7 @@ BYTES_PER_TOKEN = 128
 def row_bytes_limit(cfg: params.Tokenize) -> int:
     """The longest completion line rendered (tokenize.max_row_bytes, null: BYTES_PER_TOKEN
     for each token of max_seq_len). Encoding takes ~100 times a row's size (the
-    tokenizer's per-token records: 1.7 GB peak for a 10 MB answer, 9 GB for 80 MB), so a
+    tokenizer's per-token records: 1.7 GB peak for a 10 MB answer), so a
     longer line is dropped before it is rendered, which bounds each worker's memory."""
     return cfg.max_row_bytes or BYTES_PER_TOKEN * cfg.max_seq_len
 

@@ -102,13 +102,14 @@ def test_end_to_end_output_counts_and_masks(tmp_path, src, tok):
     # thinking block and "Yo")
     assert ds["id"] == ["c0", "c5", "c6"]
     assert rep["sources"]["alpha"]["dropped"] == {
-        "truncated": 1, "empty_content": 0, "too_long": 0, "too_few_loss_tokens": 1,
+        "truncated": 1, "empty_content": 0, "too_large": 0, "too_long": 0, "too_few_loss_tokens": 1,
         "no_engine_ids": 0, "answer_mismatch": 0}
     assert rep["sources"]["beta"]["dropped"] == {
-        "truncated": 0, "empty_content": 2, "too_long": 1, "too_few_loss_tokens": 0,
+        "truncated": 0, "empty_content": 2, "too_large": 0, "too_long": 1, "too_few_loss_tokens": 0,
         "no_engine_ids": 0, "answer_mismatch": 0}
     assert rep["conversations"] == len(ROWS)
     assert rep["rows"] == 3 and rep["dropped_total"] == 5
+    assert rep["max_row_bytes"] == 128 * 600  # the bound used: 128 bytes a token of max_seq_len
     assert rep["tokens"] == sum(ds["num_tokens"])
     assert rep["loss_tokens"] == sum(ds["num_loss_tokens"])
     assert rep["lookalike_rows"] == 2

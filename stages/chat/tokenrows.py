@@ -22,7 +22,6 @@ import pyarrow as pa
 
 from stages.chat import conversation, regenerate, rendercheck, servedrows
 from stages.chat.encoder import ChatEncoder
-from stages.serving import engineids
 from stages.serving.engineids import Served
 from stages.common import params
 from stages.common.errors import StageError
@@ -39,8 +38,20 @@ CHUNK_ROWS = 256
 
 log = logging.getLogger(__name__)
 
-DROP_REASONS = ("truncated", "empty_content", "too_long", "too_few_loss_tokens",
+DROP_REASONS = ("truncated", "empty_content", "too_large", "too_long", "too_few_loss_tokens",
                 "no_engine_ids", "answer_mismatch")
+
+# Qwen's longest token spells 128 bytes: a line with more bytes than that for each token
+# of max_seq_len holds more tokens than max_seq_len, unless most of it is no message text
+BYTES_PER_TOKEN = 128
+
+
+def row_bytes_limit(cfg: params.Tokenize) -> int:
+    """The longest completion line rendered (tokenize.max_row_bytes, null: BYTES_PER_TOKEN
+    for each token of max_seq_len). Encoding takes ~100 times a row's size (the
+    tokenizer's per-token records: 1.7 GB peak for a 10 MB answer), so a
+    longer line is dropped before it is rendered, which bounds each worker's memory."""
+    return cfg.max_row_bytes or BYTES_PER_TOKEN * cfg.max_seq_len
 
 
 def _new_stats() -> dict:
@@ -88,8 +99,12 @@ def _plan_chunk(chunk: tuple[int, list[bytes]], encoder: ChatEncoder, cfg: param
     when the plan ends with the engine's answer) for each; drops counted in `stats`."""
     first, lines = chunk
     plans, meta = [], []
+    limit = row_bytes_limit(cfg)
     for no, raw in enumerate(lines, first):
         if not raw.strip():
+            continue
+        if len(raw) > limit:
+            _drop_too_large(raw, path, no, limit, stats)
             continue
         row = _parse(raw, path, no)
         src = row["source"]
@@ -143,7 +158,7 @@ def _kept_rows(plans: list, meta: list, batch, check: "rendercheck.ServeCheck",
             served = Served(row)
             check.row(row, served, p, ids, mask, batch.prompt_lens[i], f"{path}:{no}", rid)
             # the engine's ids are checked in either mode: they say what was served
-            if served.unusable and engineids.bad_values(served.unusable):
+            if served.unusable and served.unusable.bad_values:
                 raise StageError(f"{path}:{no}: row {rid!r}: its engine token ids are not "
                                  f"token ids ({served.unusable}): no engine serves those (a "
                                  "damaged completions file, or a server that is no engine)")
@@ -237,13 +252,29 @@ def _text(value: Any) -> str:
     return ""
 
 
-def _parse(raw: bytes, path: str, no: int) -> dict:
-    """One completion line, checked enough that rendering cannot misread it."""
-    where = f"{path}:{no}"
-    row = json_object(raw, where)
+def _drop_too_large(raw: bytes, path: str, no: int, limit: int, stats: dict) -> None:
+    """Count a line over the row limit as its source's `too_large`, and name it in the
+    log; only parsed for its id and source (a few times its size, never rendered)."""
+    row = _named(json_object(raw, f"{path}:{no}"), f"{path}:{no}")
+    st = stats[row["source"]]
+    st["conversations"] += 1
+    st["dropped"]["too_large"] += 1
+    log.warning("%s:%d: row %r is %d bytes, over tokenize.max_row_bytes (%d): dropped "
+                "unrendered", path, no, row["id"], len(raw), limit)
+
+
+def _named(row: dict, where: str) -> dict:
+    """`row`, once its id and source are non-empty strings."""
     for key in ("id", "source"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise StageError(f"{where}: '{key}' must be a non-empty string")
+    return row
+
+
+def _parse(raw: bytes, path: str, no: int) -> dict:
+    """One completion line, checked enough that rendering cannot misread it."""
+    where = f"{path}:{no}"
+    row = _named(json_object(raw, where), where)
     bad = conversation.problem(row.get("messages"), row.get("tools")) or \
         conversation.unicode_problem(raw, row)
     if bad:
@@ -308,6 +339,7 @@ class Totals:
             "shards": shards,
             "serve_check": rendercheck.summary(self.served),
             "multi_turn": cfg.multi_turn,
+            "max_row_bytes": row_bytes_limit(cfg),
             "seconds": round(seconds, 2),
             "tokens_per_second": round(total["tokens"] / max(seconds, 1e-9)),
             "sources": sources,

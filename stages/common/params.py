@@ -272,6 +272,9 @@ class Tokenize:
     # with ids: engine, rows whose generated ids decode to other text than the recorded
     # answer (dropped, named) before the stage fails
     max_answer_mismatch: int = ranged(0, ge=0, le=INT64)
+    # a completion line over this many bytes is dropped unrendered (too_large): encoding a
+    # row takes ~100 times its size. null: 128 bytes a token of max_seq_len
+    max_row_bytes: Optional[int] = ranged(None, ge=1, le=INT64)
 
 
 # ------------------------------------------------------------------ merge / validate

@@ -23,6 +23,8 @@ import re
 from typing import Any, Iterable, Iterator, Optional
 from urllib.parse import quote, quote_plus, unquote, urlsplit
 
+import numpy as np
+
 log = logging.getLogger("secrets")
 
 MASK = "***"
@@ -179,11 +181,14 @@ def _base32_forms(data: bytes) -> set[str]:
 
 # escapes a secret's characters can be spelled with, decoded in place for the search:
 # runs of %XX or \xXX (UTF-8 bytes), \uXXXX, HTML entities of any case and padding,
-# and the zero-width characters (soft hyphen too) that split a word unseen
+# and the zero-width characters (soft hyphen too) that split a word unseen. Each
+# alternative opens with a literal character: the regex engine then skips to those
+# characters instead of trying every alternative at every position (16 times faster on
+# prose without escapes)
 _ESCAPES = re.compile(
-    r"(?:%[0-9A-Fa-f]{2})+|(?:\\x[0-9A-Fa-f]{2})+|\\u[0-9A-Fa-f]{4}"
-    r"|&#[xX]0*[0-9A-Fa-f]{1,6};|&#0*[0-9]{1,7};|&[A-Za-z][A-Za-z0-9]{1,31};"
-    "|[\u00ad\u200b-\u200d\u2060\ufeff]")
+    r"%[0-9A-Fa-f]{2}(?:%[0-9A-Fa-f]{2})*|\\x[0-9A-Fa-f]{2}(?:\\x[0-9A-Fa-f]{2})*"
+    r"|\\u[0-9A-Fa-f]{4}|&#[xX]0*[0-9A-Fa-f]{1,6};|&#0*[0-9]{1,7};|&[A-Za-z][A-Za-z0-9]{1,31};"
+    "|\u00ad|\u200b|\u200c|\u200d|\u2060|\ufeff")
 # what may stand between the characters of a hex or base64 run: spaces, line breaks,
 # colons, commas, and the 0x before each hex byte
 _SEPARATORS = re.compile(r"[\s:,]+|0[xX](?=[0-9A-Fa-f]{2})")
@@ -208,6 +213,53 @@ def _unescaped(m: re.Match) -> str:
 
 # each view of a text searched besides the text itself: (pattern, replacement)
 _VIEWS = ((_ESCAPES, _unescaped), (_SEPARATORS, lambda m: ""))
+
+
+def _views(text: str) -> Iterator[tuple[re.Pattern, Any, str]]:
+    """(pattern, replacement, view) for each view of `text` that differs from it, made
+    when asked for: `found` stops at the first view that holds a secret."""
+    for pattern, repl in _VIEWS:
+        view = pattern.sub(repl, text)
+        if view != text:
+            yield pattern, repl, view
+
+
+# Runs of MIN_PIECE characters hashed in numpy (texts from HASHED_FROM characters on,
+# HASH_BLOCK characters at a time so that memory stays a few MB whatever the text): a run
+# is looked up only where its hash's top _TABLE_BITS bits are set in the forms' table.
+HASHED_FROM = 1 << 12
+HASH_BLOCK = 1 << 20
+_TABLE_BITS = 20
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: each character changes every high bit
+
+
+def _run_hashes(text: str) -> np.ndarray:
+    """A uint64 hash of each MIN_PIECE run of `text` (len(text) - MIN_PIECE + 1 of them;
+    lone surrogates are code points like any other)."""
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32).astype(np.uint64)
+    n = len(codes) - MIN_PIECE + 1
+    hashes = codes[:n].copy()
+    for k in range(1, MIN_PIECE):
+        hashes *= _MULTIPLIER  # wraps modulo 2**64, as it should
+        hashes += codes[k : k + n]
+    return hashes
+
+
+def _window_table(windows: set[str]) -> np.ndarray:
+    """Which top bits of a run's hash may be one of `windows` (each MIN_PIECE long)."""
+    table = np.zeros(1 << _TABLE_BITS, dtype=bool)
+    if windows:
+        table[_run_hashes("".join(windows))[::MIN_PIECE] >> np.uint64(64 - _TABLE_BITS)] = True
+    return table
+
+
+def hash_hits(text: str, table: np.ndarray) -> Iterator[int]:
+    """Where a MIN_PIECE run of `text` starts whose hash `table` holds: every run that is
+    one of its windows, and a few that only share the hash's top bits."""
+    for start in range(0, len(text) - MIN_PIECE + 1, HASH_BLOCK):
+        hashes = _run_hashes(text[start : start + HASH_BLOCK + MIN_PIECE - 1])
+        hits = table[hashes >> np.uint64(64 - _TABLE_BITS)]
+        yield from (start + int(i) for i in np.flatnonzero(hits))
 
 
 def _view_spans(text: str, pattern: re.Pattern, repl, spans: list[tuple[int, int]]
@@ -251,6 +303,7 @@ class Redactor:
         self._whole: list[str] = []
         self._long: list[str] = []
         self._windows: set[str] = set()
+        self._table = _window_table(self._windows)
         self.add(secrets, urls)
 
     def add(self, secrets: Iterable[Optional[str]] = (), urls: Iterable[str] = ()) -> None:
@@ -282,6 +335,7 @@ class Redactor:
         self._windows = {
             f[i : i + MIN_PIECE] for f in self._long for i in range(len(f) - MIN_PIECE + 1)
         }
+        self._table = _window_table(self._windows)
 
     def __bool__(self) -> bool:
         return bool(self._whole)
@@ -289,8 +343,7 @@ class Redactor:
     def found(self, text: str) -> bool:
         """True when `text` holds a secret (whole) or a piece long enough to mask, as it
         stands or in one of its views (escapes decoded, separators dropped)."""
-        return self._found(text) or any(
-            self._found(pattern.sub(repl, text)) for pattern, repl in _VIEWS)
+        return self._found(text) or any(self._found(view) for _, _, view in _views(text))
 
     def _found(self, text: str) -> bool:
         return any(w in text for w in self._whole) or self._has_piece(text)
@@ -298,8 +351,13 @@ class Redactor:
     def _has_piece(self, text: str) -> bool:
         # each MIN_PIECE run of the text looked up in the set of the forms' runs: one
         # pass over the text, several times faster than a search per run of the forms
-        return not self._windows.isdisjoint(
-            text[i : i + MIN_PIECE] for i in range(len(text) - MIN_PIECE + 1))
+        if len(text) < HASHED_FROM:
+            return not self._windows.isdisjoint(
+                text[i : i + MIN_PIECE] for i in range(len(text) - MIN_PIECE + 1))
+        # a long text's runs hashed in numpy first: only those whose hash is a form run's
+        # are sliced and looked up (a Python step per character cost 0.15 s per 770 kB)
+        return any(text[i : i + MIN_PIECE] in self._windows
+                   for i in hash_hits(text, self._table))
 
     def found_in(self, value: Any) -> bool:
         """True when a string of the JSON value `value` (keys included) holds a secret:
@@ -312,10 +370,10 @@ class Redactor:
         if not self._whole:
             return text
         spans = self._spans(text)
-        for pattern, repl in _VIEWS:
-            view = pattern.sub(repl, text)
-            if view != text and self._found(view):
-                spans += _view_spans(text, pattern, repl, self._spans(view))
+        for pattern, repl, view in _views(text):
+            found = self._spans(view)  # each view made and searched once
+            if found:
+                spans += _view_spans(text, pattern, repl, found)
         return _masked(text, spans) if spans else text
 
     def _spans(self, text: str) -> list[tuple[int, int]]:

@@ -296,6 +296,11 @@ class Stream:
 
     def field(self, name: str) -> pa.Field:
         """The column `name`; StageError naming the file when it has none, or two."""
+        # get_field_index gives -1 for a name given twice as for one that is absent
+        twice = self.schema.names.count(name)
+        if twice > 1:
+            raise StageError(f"{self.path}: has column {name} {twice} times (a column "
+                             "read by name must be there once)")
         index = self.schema.get_field_index(name)
         if index < 0:
             raise StageError(f"{self.path}: has no column {name} (columns: "

@@ -121,7 +121,14 @@ class ShardReader:
     def _peek(self) -> None:
         """Look at the next message's head before pyarrow reads it: a compressed body
         would be decompressed whole (a few kB of zstd can hold gigabytes), and a damaged
-        body length allocated whole. A cut head is left to pyarrow, which names it."""
+        body length allocated whole. A cut head is left to pyarrow, which names it.
+
+        The head is read twice, here and by pyarrow: read_next_batch decompresses as it
+        reads and shows no head before, and reading the messages here instead
+        (pa.ipc.MessageReader) would read each body by its stated length before it could
+        be checked, and leave dictionary batches with no reader. It costs a seek and a
+        small read a batch: measured 17 us a batch on 2-row batches, nothing seen on
+        batches of 256 rows of 2,000 tokens (ipcstream.Stream reads each head once)."""
         here = self._source.tell()
         try:
             head = ipcstream.read_head(self._read_at, here, self._size)

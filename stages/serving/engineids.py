@@ -7,7 +7,8 @@ both switches, and `why_without` says so. A completion row keeps them whole,
 
     "engine_tokens": {"prompt_ids": [...], "completion_ids": [...] or null}
 
-or `{"unusable": why}` for ids that are not a list of token ids, or the digest form of
+or `{"unusable": why, "problem": kind}` for ids that are not a list of token ids (an
+`Unusable`: its kind says whether tokenize refuses the row), or the digest form of
 vLLM's ids that cached replies may hold. Asking for ids changes no request-cache key.
 Where each engine puts them, and how tokenize checks and trains on them: docs/stages.md
 (generate, "Client"; tokenize, "Serve-render check" and "Engine-exact rows").
@@ -15,6 +16,8 @@ Where each engine puts them, and how tokenize checks and trains on them: docs/st
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from typing import Any, Optional
 
 import numpy as np
@@ -69,7 +72,7 @@ def from_reply(data: Any) -> Optional[dict]:
     module docstring); None when the reply carries none."""
     if "engine_tokens" in data:  # a reply cached by an earlier run, ids already reduced
         kept = data["engine_tokens"]
-        return kept if digest_problem(kept) is None else {"unusable": "a malformed digest"}
+        return kept if digest_problem(kept) is None else MALFORMED_DIGEST.kept()
     choice = data["choices"][0]
     prompt = choice.get("prompt_token_ids", data.get("prompt_token_ids"))
     completion = choice.get("response_token_ids", choice.get("token_ids"))
@@ -79,42 +82,78 @@ def from_reply(data: Any) -> Optional[dict]:
     if why is None and completion is not None:
         why = ids_problem(completion, "the completion's token ids", allow_empty=True)
     if why:
-        return {"unusable": why}
+        return why.kept()
     return {"prompt_ids": prompt, "completion_ids": completion}
 
 
-def ids_problem(ids: Any, what: str, allow_empty: bool) -> Optional[str]:
-    """Why `ids` is not a list of token ids (a short phrase), or None."""
+class Problem(enum.Enum):
+    """What makes engine ids unusable, as a completion row records it (`problem`)."""
+
+    NOT_A_LIST = "not_a_list"
+    EMPTY = "empty"
+    NOT_IDS = "not_ids"  # a list holding something other than integers
+    NOT_AN_ID = "not_an_id"  # an integer no token id can be (negative, past 2**32)
+    MALFORMED_DIGEST = "malformed_digest"
+    UNNAMED = "unnamed"  # a reason that came without its problem (by hand, an older generate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unusable:
+    """Why a row's engine ids cannot be used: the phrase the report and errors show, and
+    its kind, which callers ask (`bad_values`) instead of reading the phrase."""
+
+    why: str
+    problem: Problem
+
+    def __str__(self) -> str:
+        return self.why
+
+    @property
+    def bad_values(self) -> bool:
+        """The ids hold values that are no token ids: no engine serves those (a damaged
+        file, a server that is no engine), so tokenize refuses the row. An empty or absent
+        list is only unusable: the row is checked by the count the engine reported."""
+        return self.problem in (Problem.NOT_IDS, Problem.NOT_AN_ID)
+
+    def kept(self) -> dict:
+        """What a completion row keeps as its `engine_tokens`."""
+        return {"unusable": self.why, "problem": self.problem.value}
+
+    @classmethod
+    def read(cls, kept: dict) -> "Unusable":
+        """A row's `{"unusable": why, "problem": kind}`, as read back from disk (a kind
+        that is missing or unknown is UNNAMED: counted as unusable, never refused)."""
+        problem = kept.get("problem")
+        known = {p.value for p in Problem}
+        return cls(str(kept["unusable"])[:200],
+                   Problem(problem) if problem in known else Problem.UNNAMED)
+
+
+MALFORMED_DIGEST = Unusable("a malformed digest", Problem.MALFORMED_DIGEST)
+
+
+def ids_problem(ids: Any, what: str, allow_empty: bool) -> Optional[Unusable]:
+    """Why `ids` is not a list of token ids (`what` names it in the phrase), or None."""
     return token_array(ids, what, allow_empty)[1]
 
 
 def token_array(ids: Any, what: str, allow_empty: bool) -> tuple[Optional[np.ndarray],
-                                                                 Optional[str]]:
+                                                                 Optional[Unusable]]:
     """(`ids` as an int64 array, None), or (None, why it is not a list of token ids)."""
     if not isinstance(ids, list):
-        return None, f"{what} is not a list"
+        return None, Unusable(f"{what} is not a list", Problem.NOT_A_LIST)
     if not ids:
-        return (np.zeros(0, np.int64), None) if allow_empty else (None, f"{what} is empty")
+        return (np.zeros(0, np.int64), None) if allow_empty else \
+            (None, Unusable(f"{what} is empty", Problem.EMPTY))
     if set(map(type, ids)) != {int}:  # a JSON true would pass as 1 in numpy
-        return None, f"{what} {NOT_IDS}"
+        return None, Unusable(f"{what} is not a list of token ids", Problem.NOT_IDS)
     try:
         a = np.asarray(ids, dtype=np.int64)
     except OverflowError:
         a = None
     if a is None or a.min() < 0 or a.max() >= 1 << 32:
-        return None, f"{what} {NOT_AN_ID}"
+        return None, Unusable(f"{what} holds a number that is not a token id", Problem.NOT_AN_ID)
     return a, None
-
-
-# why a list of ids holds values no engine serves (tokenize refuses such a row); an empty
-# or absent list is only unusable (the row is checked by the count the engine reported)
-NOT_IDS = "is not a list of token ids"
-NOT_AN_ID = "holds a number that is not a token id"
-
-
-def bad_values(why: str) -> bool:
-    """Whether an `unusable` reason says the ids hold values that are no token ids."""
-    return why.endswith((NOT_IDS, NOT_AN_ID))
 
 
 def digest_problem(kept: Any) -> Optional[str]:
@@ -135,7 +174,7 @@ class Served:
         self.prompt_ids: Optional[np.ndarray] = None
         self.completion_ids: Optional[np.ndarray] = None
         self.digest: Optional[str] = None
-        self.unusable: Optional[str] = None
+        self.unusable: Optional[Unusable] = None
         n_prompt = n_completion = None
         if isinstance(served, dict) and "prompt_ids" in served:
             prompt, why = token_array(served["prompt_ids"], "prompt_ids", allow_empty=False)
@@ -149,13 +188,13 @@ class Served:
                 n_prompt = len(prompt)
                 n_completion = None if completion is None else len(completion)
         elif isinstance(served, dict) and "unusable" in served:
-            self.unusable = str(served["unusable"])[:200]
+            self.unusable = Unusable.read(served)
         elif served is not None:
             if digest_problem(served) is None:
                 self.digest, n_prompt, n_completion = (served["prompt_sha256"], served["prompt"],
                                                        served["completion"])
             else:
-                self.unusable = "a malformed digest"
+                self.unusable = MALFORMED_DIGEST
         self.by_ids = self.prompt_ids is not None or self.digest is not None
         self.n_prompt = n_prompt if self.by_ids else _count(usage.get("prompt_tokens"))
         if n_completion is None:

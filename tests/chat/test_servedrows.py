@@ -186,7 +186,7 @@ def test_an_engine_id_that_is_no_token_id_is_one_line_naming_the_row(tmp_path, b
     def change(rows):
         if value == "reduced":  # as generate keeps such ids: the reason alone
             why = engineids.ids_problem([-1], "the completion's token ids", allow_empty=True)
-            rows[3]["engine_tokens"] = {"unusable": why}
+            rows[3]["engine_tokens"] = why.kept()
         else:
             rows[3]["engine_tokens"]["completion_ids"][1] = value
     path = tampered(src, change)

@@ -43,6 +43,28 @@ def test_a_chunk_keeps_rows_of_the_contract_and_counts_each_drop(encoder):
     assert [len(v) for v in result.lengths.values()] == [1, 1]
 
 
+def test_a_line_over_max_row_bytes_is_counted_and_never_rendered(encoder, monkeypatch, caplog):
+    """Encoding takes ~100 times a row's size: a huge answer is bad input, dropped before
+    the template or the tokenizer sees it, so a worker's memory stays bounded."""
+    big = line(1, "b", "word " * 400)
+    cfg = Tokenize(ids="render", max_row_bytes=len(big) - 1)
+    rendered = []
+    plan = encoder.plan
+    monkeypatch.setattr(encoder, "plan", lambda messages, *a, **k:
+                        rendered.append(messages[-1]["content"]) or plan(messages, *a, **k))
+    result = chunk(cfg, encoder, [line(0, "a", "four"), big, line(2, "b", "five")])
+    assert result.batch.column("id").to_pylist() == ["r0", "r2"]
+    assert rendered == ["four", "five"]
+    assert result.stats["b"]["dropped"]["too_large"] == 1
+    assert result.stats["b"]["conversations"] == 2
+    assert f"c.jsonl:2: row 'r1' is {len(big)} bytes, over tokenize.max_row_bytes" in caplog.text
+    # the bound goes with max_seq_len when not set: 128 bytes (Qwen's longest token) a token
+    assert tokenrows.row_bytes_limit(Tokenize(max_seq_len=1000)) == 128_000
+    assert tokenrows.row_bytes_limit(Tokenize(max_seq_len=1000, max_row_bytes=5)) == 5
+    with pytest.raises(StageError, match=r"c\.jsonl:1: 'source' must be a non-empty string"):
+        chunk(cfg, encoder, [line(0, "", "word " * 400)])  # named before it is dropped
+
+
 def test_a_bad_line_names_its_file_and_line(encoder):
     with pytest.raises(StageError, match=r"c\.jsonl:2: 'source' must be a non-empty string"):
         chunk(Tokenize(ids="render"), encoder, [line(0, "a", "ok"), line(1, "", "ok")])

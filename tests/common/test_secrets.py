@@ -202,3 +202,39 @@ def test_a_secret_is_found_in_a_parsed_body_whatever_escapes_spelled_it():
     assert r.found(mixed) and MASK in r(mixed)  # and unparsed, its escapes decoded
     assert r.found_in({key[2:]: 1}) and not r.found_in({"a": [1, None, "x" * 100]})
     assert not Redactor([]).found_in({"a": key})
+
+
+# ------------------------------------------------- long texts: hashed runs, views once
+
+SPELLS = [KEY2, KEY2[3:14], " ".join(f"{ord(c):02x}" for c in KEY2), KEY2.replace("-", "%2D"),
+          "".join(f"&#{ord(c)};" for c in KEY2), base64.b64encode(KEY2.encode()).decode()]
+
+
+@pytest.mark.parametrize("spell", SPELLS)
+def test_a_long_text_is_searched_as_a_short_one_across_every_block_edge(monkeypatch, spell):
+    """Long texts' runs are hashed in numpy, a block at a time: a piece is found and masked
+    wherever it stands, a block's edge included, as the short path finds it."""
+    r = Redactor([KEY2])
+    short = f"denied <{spell}> done"
+    assert len(short) < secrets.HASHED_FROM
+    expected = r(short)
+    monkeypatch.setattr(secrets, "HASHED_FROM", 16)
+    monkeypatch.setattr(secrets, "HASH_BLOCK", 32)
+    for pad in range(40):  # the text's start at every offset of a block
+        text = "." * pad + short + "." * 50
+        assert r(text) == "." * pad + expected + "." * 50, pad
+        assert r.found(text) and not r.found(r(text)), pad
+    assert r("." * 5000) == "." * 5000 and not r.found("." * 5000)
+
+
+def test_each_view_is_made_and_searched_once(monkeypatch):
+    """A view that holds a piece is searched once, not once to say so and again for where."""
+    r = Redactor([KEY2])
+    monkeypatch.setattr(secrets, "HASHED_FROM", 16)  # every text's runs hashed, and counted
+    searched = []
+    hits = secrets.hash_hits
+    monkeypatch.setattr(secrets, "hash_hits", lambda t, table: searched.append(t) or hits(t, table))
+    # a piece of the key's hex, spaced: in the separator view only, and never whole
+    text = "x %41 " + " ".join(f"{ord(c):02x}" for c in KEY2[2:20])
+    assert MASK in r(text)
+    assert len(searched) == len(set(searched)) == 3  # the text and its two views

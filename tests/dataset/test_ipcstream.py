@@ -182,3 +182,14 @@ def test_a_column_the_shard_lacks_is_named(tmp_path):
             batch.lengths("tokens")
         with pytest.raises(StageError, match=rf"^{path}: column count is int64, not a list"):
             batch.lengths("count")
+
+
+def test_a_column_given_twice_is_named_so_not_missing(tmp_path):
+    path = tmp_path / "s.arrow"
+    _write(path, pa.Table.from_arrays([pa.array([1]), pa.array([2]), pa.array(["a"])],
+                                      names=["count", "count", "id"]))
+    with open(path, "rb") as f:
+        (batch,) = Stream(path, f.fileno())
+        with pytest.raises(StageError, match=rf"^{path}: has column count 2 times \("):
+            batch.column("count")
+        assert batch.column("id").to_pylist() == ["a"]

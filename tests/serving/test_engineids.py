@@ -31,9 +31,33 @@ def test_both_engines_placements_are_read_into_one_form():
 def test_ids_that_are_not_token_ids_are_kept_as_unusable(bad, why):
     """Counted as such by the serve-render check, never silently 'unchecked'."""
     kept = from_reply({"choices": [{"prompt_token_ids": bad, "response_token_ids": [5]}]})
-    assert set(kept) == {"unusable"} and why in kept["unusable"]
+    assert set(kept) == {"unusable", "problem"} and why in kept["unusable"]
     assert from_reply({"choices": [{"prompt_token_ids": [1], "response_token_ids": []}]}) == {
         "prompt_ids": [1], "completion_ids": []}  # an empty answer is an answer
+
+
+def test_whether_ids_are_refused_is_their_problem_never_the_phrase():
+    """tokenize refuses ids holding values no engine serves, and only counts an empty or
+    absent list: it asks the kind the row records, never the wording of its reason."""
+    def read(prompt_ids):
+        kept = from_reply({"choices": [{"prompt_token_ids": prompt_ids}]})
+        return kept, Served({"engine_tokens": kept}).unusable
+
+    for bad, problem in [([1, True], "not_ids"), ([1.0], "not_ids"), ([-1], "not_an_id")]:
+        kept, unusable = read(bad)
+        assert kept["problem"] == problem and unusable.bad_values, bad
+        assert str(unusable) == kept["unusable"]  # the phrase the report and errors show
+    for bad, problem in [([], "empty"), ("abc", "not_a_list")]:
+        kept, unusable = read(bad)
+        assert kept["problem"] == problem and not unusable.bad_values, bad
+    reworded = {"unusable": "prompt_ids: numbers out of range", "problem": "not_an_id"}
+    assert Served({"engine_tokens": reworded}).unusable.bad_values
+    for unnamed in ({"unusable": "prompt_ids holds a number that is not a token id"},
+                    {"unusable": "x", "problem": "no such kind"}):
+        unusable = Served({"engine_tokens": unnamed}).unusable
+        assert unusable.problem is engineids.Problem.UNNAMED and not unusable.bad_values
+    digest = Served({"engine_tokens": {"prompt": 1}}).unusable
+    assert digest.problem is engineids.Problem.MALFORMED_DIGEST and not digest.bad_values
 
 
 def test_a_row_says_what_was_served():

@@ -41,7 +41,7 @@ RUN: dict[str, tuple[str, ...]] = {
     "generate": _GENERATE_SPEED + _GENERATE_TRAFFIC + _GENERATE_HOST,
     "tokenize": ("seconds", "tokens_per_second"),
     # linked or copied depends on the filesystems, not on the data
-    "merge": ("seconds", "bytes_written", "shards.base_linked", "shards.base_copied",
+    "merge": ("seconds", "created", "bytes_written", "shards.base_linked", "shards.base_copied",
               "shards.new_linked", "shards.new_copied"),
     "validate": ("seconds", "samples_page_seconds", "train_check.tokens_per_second", "train_check.batches_per_second",
                  "train_check.peak_memory_mb", "train_check.peak_memory_mb_per_step",

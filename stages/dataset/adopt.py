@@ -440,7 +440,7 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
         log.warning("merge.adopt: columns dropped from %s: %s", p.base, ", ".join(sorted(dropped)))
     report = {
         "path": str(p.base),
-        "folder": str(p.base.resolve()),
+        "folder": real_folder(p.base),
         "formats": sorted(set(p.formats)),
         "columns": {f.name: str(f.type) for f in p.schema},
         "mapping": p.layout.mapping(p.schema, p.source),
@@ -456,6 +456,17 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
     }
     policy = {"max_seq_len": totals.longest, "min_loss_tokens": totals.fewest}
     return Adopted(shards, report, policy)
+
+
+def real_folder(base: Path) -> str:
+    """Where the base really is, links followed: relative to the working directory (the
+    repository) when inside it, so the card and report of a clone elsewhere are the same
+    bytes; else absolute, the user's own place for it."""
+    real = base.resolve()
+    try:
+        return str(real.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(real)
 
 
 def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, p: Plan,

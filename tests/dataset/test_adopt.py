@@ -531,6 +531,17 @@ def test_rows_validate_would_refuse_are_dropped_and_counted_when_asked(repo):
     validate_passes()
 
 
+def test_the_base_folder_is_recorded_without_the_host_s_path(repo, tmp_path_factory):
+    """The report and the card say where the base really is (links followed), relative to
+    the repository when inside it: a clone elsewhere writes the same bytes."""
+    datasets.Dataset.from_dict(columns(user_rows(3))).save_to_disk("legacy")
+    (repo / "data/base").symlink_to(repo / "legacy")
+    assert merge.run(cfg("data/base"), PATHS)["adopted"]["folder"] == "legacy"
+    outside = tmp_path_factory.mktemp("elsewhere") / "set"
+    datasets.Dataset.from_dict(columns(user_rows(3))).save_to_disk(str(outside))
+    assert merge.run(cfg(outside), PATHS)["adopted"]["folder"] == str(outside.resolve())
+
+
 # ------------------------------------------------------------ what adopting refuses up front
 
 

@@ -498,6 +498,10 @@ def _adopted(history: list[dict]) -> list[str]:
     lines.append(f"\nThe base's columns as found: {markdown.text(shape) or '–'}. Dropped: "
                  f"{markdown.text(dropped)}. Rows repeating an earlier row's content: "
                  f"{_n(a.get('repeated_rows'))}.\n")
+    if a.get("fully_supervised_rows"):  # an adoption before that count has none
+        lines.append(f"Rows training every token, the prompt included: "
+                     f"{_n(a['fully_supervised_rows'])} "
+                     f"({markdown.code('merge.adopt_fully_supervised: ' + str(a.get('fully_supervised')))}).\n")
     return ["\n".join(lines)]
 
 

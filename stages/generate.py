@@ -149,6 +149,7 @@ async def _run(cfg: params.Generate, key: Optional[str], redact: Redactor, paths
         "server": server.info(),
         "cache_dir": str(cache.dir),
         "cache_damaged": damaged,
+        "cache_unverified": cache.unverified,
     }
     outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
     _conclude(counts, plan.n, cfg, transient, paths.out)
@@ -185,6 +186,7 @@ async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: Prom
         "sampling_params": meta["sampling"], "samples_per_prompt": cfg.samples_per_prompt,
         "seed_honoured": seed_used, "server": server.info(),
         "cache_dir": str(cache.dir), "cache_damaged": regen.index.damaged,
+        "cache_unverified": cache.unverified,
     }
     outputs.write_report(paths.reports, "generate", server.redact.scrub(report))
     # every failed turn counts against the tolerances, kept conversations cut by one too

@@ -16,6 +16,7 @@ keep-new, error). The rules in full: docs/stages.md, "merge".
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -93,6 +94,10 @@ def run(cfg: params.Merge, paths) -> dict:
         _check_loads(tmp, report["merged"]["rows"])
     report["version"] = lin["version"]
     report["seconds"] = round(time.perf_counter() - start, 3)
+    # when this version was written: a run figure, never in data/merged (a rerun would
+    # differ from a clean run by it)
+    report["created"] = datetime.datetime.now(datetime.timezone.utc).replace(
+        microsecond=0).isoformat().replace("+00:00", "Z")
     outputs.write_report(paths.reports, "merge", report)
     log.info(
         "merged %d base + %d new rows -> %d rows in %d shards (%s)",

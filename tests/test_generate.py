@@ -616,6 +616,28 @@ def test_the_cache_reader_survives_any_bytes_and_resends_the_damaged_records(tmp
     assert len(outputs(tmp_path)[0]) == len(rows)
 
 
+def test_an_edited_cache_record_is_resent_not_trained(tmp_path):
+    """An answer edited in the cache, its line still valid JSON, fails its checksum: the
+    request is sent again and the completions are those of an untouched cache."""
+    make_prompts(tmp_path, 6)
+    with spawn() as fake:
+        write_params(tmp_path, server=url_server(fake.url), concurrency=1)
+        here(tmp_path)
+        before = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+        (seg,) = (tmp_path / ".cache/requests").glob("*/seg-*.log")
+        lines = seg.read_bytes().splitlines(keepends=True)
+        rec = json.loads(lines[2][65:])
+        rec["reply"]["choices"][0]["message"]["content"] = "an answer nobody was sent"
+        lines[2] = lines[2][:65] + json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+        seg.write_bytes(b"".join(lines))
+        fake.reset({})
+        out = ok(stage(tmp_path))
+        assert fake.stats()["received"] == 1
+    assert f"{seg.relative_to(tmp_path)}: 1 record(s) fail their checksum" in out
+    assert report(tmp_path)["cache_damaged"] == 1
+    assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == before
+
+
 SECRET_KEY = 'sk-live/5f0c+1e9a"77b2=4d3c 8e61\\aa02%b9d4/f3e7'  # JSON and URL forms differ
 PASSWORD = "hunter2-correct-horse-battery"
 

@@ -305,6 +305,10 @@ class Merge:
     # adopted rows validate would refuse (empty, unsupervised, one token): false refuses the
     # base naming file and row; true drops them, counted
     adopt_drop_invalid: bool = False
+    # adopted rows whose mask trains every token, the prompt included (a chat row's prompt
+    # is never trained): error refuses the base naming file and row; drop drops them,
+    # keep keeps them (text meant to be trained whole); both count them
+    adopt_fully_supervised: Literal["error", "drop", "keep"] = "error"
     # tokens an adopted Parquet row group may average a row: more, read from its footer
     # before any page is decoded, is a decompression bomb, not a training set
     adopt_max_row_tokens: int = ranged(1 << 20, ge=1, le=INT32)

@@ -30,7 +30,8 @@ _GENERATE_SPEED = ("wall_time_s", "duration_s", "request_throughput", "input_thr
                    "p90_e2e_latency_ms", "p99_e2e_latency_ms", "concurrency")
 # how this run reached the answers: a rerun reads from the request cache what the first
 # one sent, for the same completions
-_GENERATE_TRAFFIC = ("from_cache", "sent", "retries", "clamped", "context", "cache_damaged")
+_GENERATE_TRAFFIC = ("from_cache", "sent", "retries", "clamped", "context", "cache_damaged",
+                     "cache_unverified")
 # where and how the engine ran on this host (the card keeps engine, version, model, args)
 _GENERATE_HOST = ("server.url", "server.python", "server.model_path", "server.served_model",
                   "server.restarts", "server.restart_reasons", "server.log")
@@ -40,7 +41,7 @@ RUN: dict[str, tuple[str, ...]] = {
     "generate": _GENERATE_SPEED + _GENERATE_TRAFFIC + _GENERATE_HOST,
     "tokenize": ("seconds", "tokens_per_second"),
     # linked or copied depends on the filesystems, not on the data
-    "merge": ("seconds", "bytes_written", "shards.base_linked", "shards.base_copied",
+    "merge": ("seconds", "created", "bytes_written", "shards.base_linked", "shards.base_copied",
               "shards.new_linked", "shards.new_copied"),
     "validate": ("seconds", "samples_page_seconds", "train_check.tokens_per_second", "train_check.batches_per_second",
                  "train_check.peak_memory_mb", "train_check.peak_memory_mb_per_step",

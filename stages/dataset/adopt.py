@@ -277,6 +277,7 @@ class Plan:
     schema: pa.Schema  # the first file's
     source: str
     drop_invalid: bool = False  # merge.adopt_drop_invalid
+    fully_supervised: str = "error"  # merge.adopt_fully_supervised: error, drop or keep
     row_tokens: int = 1 << 20  # merge.adopt_max_row_tokens
 
 
@@ -304,7 +305,7 @@ def plan(cfg: params.Merge, base: Path, files: list[Path], out: Path) -> Optiona
         raise _refusal(base, files, formats, path, fmt, schema, cfg.base_columns, source, out)
     _check_source(source, cfg.base_source is None)
     return Plan(base, files, formats, layout(path, schema, cfg.base_columns), schema, source,
-                cfg.adopt_drop_invalid, cfg.adopt_max_row_tokens)
+                cfg.adopt_drop_invalid, cfg.adopt_fully_supervised, cfg.adopt_max_row_tokens)
 
 
 def _check_source(source: str, from_folder: bool) -> None:
@@ -424,15 +425,18 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
                                                              p.layout.kind))
             dropped.update(n for n in schema.names if n not in (file_layout.input_ids,
                                                                 file_layout.mask))
-            rows, invalid = _convert_file(path, fmt, dst, file_layout, vocab, p, hashes, totals)
-            files.append({"file": path.name, "shard": dst.name, "rows": rows,
-                          "invalid_rows_dropped": invalid})
-            log.info("adopted %s (%s): %d rows -> %s", path, fmt, rows, dst.name)
-            if invalid:
-                log.warning("merge.adopt: %s: %d rows validate would refuse dropped "
-                            "(merge.adopt_drop_invalid)", path, invalid)
+            got = _convert_file(path, fmt, dst, file_layout, vocab, p, hashes, totals)
+            files.append({"file": path.name, "shard": dst.name, "rows": got.written,
+                          "invalid_rows_dropped": got.invalid,
+                          "fully_supervised_rows": got.fully})
+            log.info("adopted %s (%s): %d rows -> %s", path, fmt, got.written, dst.name)
+            got.tell(path, p.fully_supervised)
         repeated = _number_repeats(shards, [f["rows"] for f in files], hashes.repeated_rows())
-    if totals.tokens and totals.loss_tokens == totals.tokens:
+    fully = sum(f["fully_supervised_rows"] for f in files)
+    read = sum(f["rows"] + f["invalid_rows_dropped"] for f in files) + (
+        fully if p.fully_supervised == "drop" else 0)
+    if fully and fully == read and p.fully_supervised != "keep":
+        # dropping them all would leave no base: the column is not a mask of what to train
         raise StageError(f"merge.adopt: {p.base}: {p.layout.mask} marks every token of every "
                          "row as trained, prompts included: not a mask of what to train "
                          "(name the right column in merge.base_columns.mask)")
@@ -440,7 +444,7 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
         log.warning("merge.adopt: columns dropped from %s: %s", p.base, ", ".join(sorted(dropped)))
     report = {
         "path": str(p.base),
-        "folder": str(p.base.resolve()),
+        "folder": real_folder(p.base),
         "formats": sorted(set(p.formats)),
         "columns": {f.name: str(f.type) for f in p.schema},
         "mapping": p.layout.mapping(p.schema, p.source),
@@ -451,6 +455,10 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
         "loss_tokens": totals.loss_tokens,
         "repeated_rows": repeated,
         "invalid_rows_dropped": sum(f["invalid_rows_dropped"] for f in files),
+        # rows whose mask trains every token, the prompt included: kept or dropped as
+        # merge.adopt_fully_supervised says
+        "fully_supervised_rows": fully,
+        "fully_supervised": p.fully_supervised,
         "bytes": sum(path.stat().st_size for path in shards),
         "files": files,
     }
@@ -458,23 +466,61 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
     return Adopted(shards, report, policy)
 
 
+def real_folder(base: Path) -> str:
+    """Where the base really is, links followed: relative to the working directory (the
+    repository) when inside it, so the card and report of a clone elsewhere are the same
+    bytes; else absolute, the user's own place for it."""
+    real = base.resolve()
+    try:
+        return str(real.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(real)
+
+
+@dataclasses.dataclass
+class _FileCounts:
+    """What converting one base file did, for the report and its log lines."""
+
+    written: int = 0
+    invalid: int = 0  # rows validate would refuse, dropped (merge.adopt_drop_invalid)
+    fully: int = 0  # rows that train every token (merge.adopt_fully_supervised)
+    first_fully: Optional[int] = None  # the file's row number of the first of them
+
+    def tell(self, path: Path, rule: str) -> None:
+        if self.invalid:
+            log.warning("merge.adopt: %s: %d rows validate would refuse dropped "
+                        "(merge.adopt_drop_invalid)", path, self.invalid)
+        if self.fully:
+            log.warning("merge.adopt: %s: %d rows train every token, the prompt included "
+                        "(the first: row %d): %s (merge.adopt_fully_supervised: %s)", path,
+                        self.fully, self.first_fully, "dropped" if rule == "drop" else "kept",
+                        rule)
+
+
 def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, p: Plan,
-                  hashes: IdHashes, totals: _Totals) -> tuple[int, int]:
-    """(rows written, rows validate would refuse that were dropped)."""
-    row = written = 0
+                  hashes: IdHashes, totals: _Totals) -> _FileCounts:
+    """Convert one base file into the shard `dst`, counting what it dropped or flagged."""
+    row = 0
+    got = _FileCounts()
     with batches(path, fmt, lay.read(), p.row_tokens) as stream, ShardFile(dst) as writer:
         for batch in stream:
             for start in range(0, batch.num_rows, BATCH_ROWS):
                 part = batch.slice(start, BATCH_ROWS)
-                out, digests = _rows(part, lay, vocab, p.source, Where(path, row), p.drop_invalid)
+                out, digests, fully = _rows(part, lay, vocab, p.source, Where(path, row),
+                                            p.drop_invalid, p.fully_supervised)
+                if fully.any():
+                    got.fully += int(np.count_nonzero(fully))
+                    if got.first_fully is None:
+                        got.first_fully = row + int(np.flatnonzero(fully)[0])
                 first = totals.rows  # dataset-wide number of the batch's first row
                 writer.write(out)
                 lengths = out.column("num_tokens").to_numpy()
                 totals.add(lengths, out.column("num_loss_tokens").to_numpy())
                 hashes.add(digests, np.arange(first, first + len(lengths)))
                 row += part.num_rows
-                written += out.num_rows
-    return written, row - written
+                got.written += out.num_rows
+    got.invalid = row - got.written - (got.fully if p.fully_supervised == "drop" else 0)
+    return got
 
 
 @dataclasses.dataclass
@@ -494,8 +540,10 @@ class Where:
 
 
 def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, where: Where,
-          drop_invalid: bool = False) -> tuple[pa.RecordBatch, np.ndarray]:
-    """One batch of base rows in the contract, and the 64-bit hashes of their ids."""
+          drop_invalid: bool = False, fully_supervised: str = "error",
+          ) -> tuple[pa.RecordBatch, np.ndarray, np.ndarray]:
+    """One batch of base rows in the contract, the 64-bit hashes of their ids, and which
+    of the batch's rows train every token (merge.adopt_fully_supervised)."""
     ids_col, mask_col = part.column(lay.input_ids), part.column(lay.mask)
     offsets, ids = _values(ids_col, lay.input_ids, where)
     mask_offsets, mask = _values(mask_col, lay.mask, where)
@@ -526,17 +574,39 @@ def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, where: Whe
     ]
     out = pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
     keep = _trainable(loss, offsets)
+    fully = _fully_supervised(lengths, supervised, keep)
+    refused = (~keep if not drop_invalid else False) | (
+        fully if fully_supervised == "error" else False)
+    if np.any(refused):  # the first row refused, whichever rule refuses it
+        r = int(np.flatnonzero(refused)[0])
+        raise where.row_error(r, _row_refusal(r, lengths, supervised, lay.mask))
+    if fully_supervised == "drop":
+        keep &= ~fully
     if not keep.all():
-        if not drop_invalid:
-            r = int(np.flatnonzero(~keep)[0])
-            why = ("an empty row" if lengths[r] == 0 else "no supervised token"
-                   if supervised[r] == 0 else "one token" if lengths[r] == 1
-                   else "no two consecutive supervised tokens")
-            raise where.row_error(r, f"{why}, which validate refuses (supervised_run); fix "
-                                     "the base, or set merge.adopt_drop_invalid: true to drop "
-                                     "such rows (counted)")
         out, digests = out.filter(pa.array(keep)), digests[keep]
-    return out, digests
+    return out, digests, fully
+
+
+def _row_refusal(r: int, lengths: np.ndarray, supervised: np.ndarray, mask: str) -> str:
+    """Why row `r` is refused and what to set instead."""
+    if lengths[r] > 1 and supervised[r] == lengths[r]:  # a row refused as trained whole
+        return (f"{mask} trains all {lengths[r]} of its tokens, the prompt included: not a "
+                "mask of what to train (name the right column in merge.base_columns.mask, "
+                "or set merge.adopt_fully_supervised: drop or keep, counted)")
+    why = ("an empty row" if lengths[r] == 0 else "no supervised token"
+           if supervised[r] == 0 else "one token" if lengths[r] == 1
+           else "no two consecutive supervised tokens")
+    return (f"{why}, which validate refuses (supervised_run); fix the base, or set "
+            "merge.adopt_drop_invalid: true to drop such rows (counted)")
+
+
+def _fully_supervised(lengths: np.ndarray, supervised: np.ndarray,
+                      trainable: np.ndarray) -> np.ndarray:
+    """Per row: whether its mask trains every token. A chat row opens with a prompt that
+    is never trained; a row trained whole is a column that is no such mask (or text meant
+    to be trained whole: merge.adopt_fully_supervised keep). Rows validate refuses anyway
+    (one token, nothing supervised) are left to that rule."""
+    return (supervised == lengths) & trainable
 
 
 def _trainable(loss: np.ndarray, offsets: np.ndarray) -> np.ndarray:

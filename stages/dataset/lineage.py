@@ -15,7 +15,6 @@ secret is written: URL credentials and the values of secret flags are removed fi
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -36,7 +35,9 @@ log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 LINEAGE_FILE = "lineage.json"
-FORMAT = 2  # 2: the state hash is `state_hash` (was dataset_fingerprint), sampling.hash
+# 2: the state hash is `state_hash` (was dataset_fingerprint), sampling.hash; 3: no
+# `created` time (a rerun writes the same bytes; reports/runs/merge.json keeps the time)
+FORMAT = 3
 LOCK = Path("dvc.lock")
 SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
                    (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
@@ -59,11 +60,11 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
     generate = reports["generate"]
     merged = merge_report["merged"]
     earlier = base_history(base, merge_report["base"], merge_report.get("adopted"))
-    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    # no wall-clock time: a version is its data and its code, so a rerun (or a merge
+    # killed and run again) writes the same bytes as a clean run
     commit, dirty = git_commit()
     version = {
         "version": (earlier[-1]["version"] + 1) if earlier else 1,
-        "created": created.isoformat().replace("+00:00", "Z"),
         "git_commit": commit,
         "git_dirty": dirty,
         "rows": merged["rows"],
@@ -75,7 +76,7 @@ def build(merge_report: dict, fingerprint: dict, base: Optional[Path],
     }
     lineage = {
         "format": FORMAT,
-        **{k: version[k] for k in ("version", "created", "git_commit", "git_dirty")},
+        **{k: version[k] for k in ("version", "git_commit", "git_dirty")},
         "rows": merged["rows"],
         "tokens": merged["tokens"],
         "supervised_tokens": merged["loss_tokens"],
@@ -261,7 +262,7 @@ def base_history(base: Optional[Path], base_totals: dict,
     if base is None or not base_totals.get("present"):
         return []
     if adopted:
-        return [{"version": 0, "created": None, "git_commit": None, "rows": adopted["rows"],
+        return [{"version": 0, "git_commit": None, "rows": adopted["rows"],
                  "base_rows": None, "new_rows": None, "tokens": adopted["tokens"],
                  "model": None, "state_hash": None,
                  "note": f"adopted from {adopted['path']} (merge.adopt)", "adopted": adopted}]
@@ -270,7 +271,7 @@ def base_history(base: Optional[Path], base_totals: dict,
         return earlier
     if not base_totals.get("rows"):
         return []
-    return [{"version": 0, "created": None, "git_commit": None, "rows": base_totals["rows"],
+    return [{"version": 0, "git_commit": None, "rows": base_totals["rows"],
              "base_rows": None, "new_rows": None, "tokens": base_totals.get("tokens"),
              "model": None, "state_hash": _state_hash_of(base),
              "note": f"base {base} had no lineage card"}]
@@ -450,7 +451,7 @@ def _intro(lin: dict, merged: Path) -> str:
     opened = markdown.code(f"datasets.load_from_disk({json.dumps(str(merged))})")
     return (
         f"# distill-data training set, version {lin['version']}\n\n"
-        f"Written by the merge stage on {lin['created']} from code at git commit {commit}. "
+        f"Written by the merge stage from code at git commit {commit}. "
         f"Open it with {opened}; the same facts are in `{LINEAGE_FILE}` beside this card.\n"
     )
 
@@ -497,6 +498,10 @@ def _adopted(history: list[dict]) -> list[str]:
     lines.append(f"\nThe base's columns as found: {markdown.text(shape) or '–'}. Dropped: "
                  f"{markdown.text(dropped)}. Rows repeating an earlier row's content: "
                  f"{_n(a.get('repeated_rows'))}.\n")
+    if a.get("fully_supervised_rows"):  # an adoption before that count has none
+        lines.append(f"Rows training every token, the prompt included: "
+                     f"{_n(a['fully_supervised_rows'])} "
+                     f"({markdown.code('merge.adopt_fully_supervised: ' + str(a.get('fully_supervised')))}).\n")
     return ["\n".join(lines)]
 
 
@@ -606,12 +611,14 @@ def _provenance(lin: dict) -> str:
 
 
 def _history(history: list[dict]) -> str:
+    # no `created` column: this release writes no time (earlier versions' stays in the
+    # history of lineage.json and the header)
     lines = ["## History\n", "Every version this one extends, oldest first.\n",
-             "| version | created | git commit | rows | base rows | new rows | model |",
-             "|---:|---|---|---:|---:|---:|---|"]
+             "| version | git commit | rows | base rows | new rows | model |",
+             "|---:|---|---:|---:|---:|---|"]
     for v in history:
         commit = markdown.text((v.get("git_commit") or "–")[:12])
-        lines.append(f"| {v['version']} | {markdown.text(v.get('created') or '–')} | {commit} | "
+        lines.append(f"| {v['version']} | {commit} | "
                      f"{_n(v.get('rows'))} | {_n(v.get('base_rows'))} | "
                      f"{_n(v.get('new_rows'))} | "
                      f"{markdown.text(v.get('model') or v.get('note') or '–')} |")

@@ -3,7 +3,8 @@ request failed.
 
 `success(reply)` and `failure(f)` make the record of a finished request;
 `cached_record(js)` reads one back from the cache, None for anything else on disk (a
-damaged record: its request is sent again). docs/stages.md, generate, "Resume".
+damaged record, or None where the cache found its checksum wrong: its request is sent
+again). docs/stages.md, generate, "Resume".
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def failure(f: Failure) -> dict:
     }  # fmt: skip
 
 
-def cached_record(js: bytes) -> Optional[dict]:
-    """A cache record as `success` or `failure` wrote it, or None for anything else on disk."""
+def cached_record(js: Optional[bytes]) -> Optional[dict]:
+    """A cache record as `success` or `failure` wrote it, or None for anything else on disk
+    (`js` None: the request cache found the line damaged, requestcache.read_json)."""
+    if js is None:
+        return None
     try:  # the record is one object around a reply the client read to MAX_FILE_DEPTH
         rec = parse_json(js, MAX_FILE_DEPTH + 1)
     except ValueError:  # UnicodeDecodeError included

@@ -1,15 +1,17 @@
 """Crash-safe, content-addressed cache of chat-completion replies.
 
-    <cache_dir>/<namespace>/meta.json            model + sampling params of this key space
-    <cache_dir>/<namespace>/seg-<ns>-<pid>.log   one append-only segment per run
+    <cache_dir>/<namespace>/meta.json                model + sampling params of this key space
+    <cache_dir>/<namespace>/seg-<ns>-<pid>.sum.log   one append-only segment per run
 
 The namespace is a hash of the model name and every sampling param; a key is the sha256
 of the request payload that decides the reply (messages + tools + namespace). Each
-segment line, `<64 hex key> <JSON record>`, is written with one `os.write`, so a SIGKILL
-leaves at most one torn last line, which the reader skips; segments are fsync'd about
-once a second and on close; nothing is rewritten in place. The in-memory index is a few
-numpy arrays over the run's prompts (about 50 bytes a prompt), never a dict of replies.
-What it means for a run (resume, key spaces): docs/stages.md, generate, "Resume".
+segment line, `<64 hex key> {"sum":"<16 hex>",<record's members>}`, is one `os.write`
+(a SIGKILL leaves at most a torn last line, skipped), fsync'd about once a second; nothing
+is rewritten in place. `sum` (sha256 of key + record, 64 bits) fails for a record edited,
+damaged or moved: not used, its request sent again. Older segments (`seg-*.log`) carry
+none: used unchecked, counted. The in-memory index is a few numpy arrays over the run's
+prompts (about 50 bytes a prompt), never a dict of replies.
+What it means for a run (resume, key spaces, checksums): docs/stages.md, generate.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 KEY_HEX = 64
 FSYNC_EVERY_S = 1.0
+SUM_HEX = 16  # 64 bits: an accidental edit passes once in 2**64; scan cost stays small
+SUMMED = ".sum.log"  # the name's end of a segment every record of which carries its sum
+_SUM_OPEN = b'{"sum":"'
+_SUM_END = len(_SUM_OPEN) + SUM_HEX
 
 
 def canonical(obj: Any) -> bytes:
@@ -50,6 +56,35 @@ def request_key(namespace: str, messages: Any, tools: Any) -> bytes:
     h.update(b"\0")
     h.update(canonical({"messages": messages, "tools": tools}))
     return h.digest()
+
+
+def record_sum(key: bytes, record: bytes) -> bytes:
+    """The checksum of a record under its key (the key included: a line moved under
+    another key fails it)."""
+    h = hashlib.sha256(key)
+    h.update(record)
+    return h.hexdigest()[:SUM_HEX].encode()
+
+
+def summed(key: bytes, record: bytes) -> bytes:
+    """A record as a line holds it: its checksum first, then the record's own members."""
+    return b"".join((_SUM_OPEN, record_sum(key, record), b'",', record[1:]))
+
+
+def unsummed(key: bytes, stored: bytes) -> Optional[bytes]:
+    """The record a line holds with its checksum, or None when the checksum is missing
+    or does not match (the line was edited or damaged)."""
+    if not stored.startswith(_SUM_OPEN) or stored[_SUM_END : _SUM_END + 2] != b'",':
+        return None
+    record = b"{" + stored[_SUM_END + 2 :]
+    return record if record_sum(key, record) == stored[len(_SUM_OPEN) : _SUM_END] else None
+
+
+def _record(checked: bool, key: bytes, line: bytes) -> Optional[bytes]:
+    """The record of a framed line: in a segment whose records carry their sum (`checked`),
+    the record once its sum matches, else None; in an older segment, as it is."""
+    stored = line[KEY_HEX + 1 : -1]
+    return unsummed(key, stored) if checked else stored
 
 
 def _key_of(line: bytes) -> Optional[bytes]:
@@ -133,19 +168,23 @@ class RequestCache:
         self._pos = 0
         self._last_sync = time.monotonic()
         self._dirty = False
-        self.damaged = 0  # lines scan() skipped as damaged
+        self.damaged = 0  # lines scan() skipped as damaged (checksum failures included)
+        self.unverified = 0  # records scan() read from segments written without checksums
+        self._told: set[tuple[Path, str]] = set()  # what _tell logged, by segment
 
     # ------------------------------------------------------------------ reading
 
     def scan(self) -> Iterator[tuple[bytes, int, int, bytes]]:
-        """Yield (key, segment number, offset, JSON bytes) for every intact line.
+        """Yield (key, segment number, offset, record JSON bytes) for every intact line.
 
-        Any bytes at all may be on disk: a line that is not `<hex key> {...}` is skipped
-        and counted in `self.damaged` (a torn last line, what a killed run leaves, is
-        expected and only logged). Whether the JSON inside parses is the caller's check.
+        Any bytes at all may be on disk: a line that is not `<hex key> {...}`, or whose
+        checksum is missing or wrong, is skipped and counted in `self.damaged` (a torn
+        last line, what a killed run leaves, is expected and only logged). Whether the
+        JSON inside parses is the caller's check.
         """
         for seg_no, path in enumerate(self.segments):
-            torn = 0
+            checked = path.name.endswith(SUMMED)
+            torn = failed = unverified = 0
             with open_regular(path) as f:
                 offset = 0
                 for line in f:
@@ -155,29 +194,53 @@ class RequestCache:
                         torn += 1
                         continue
                     key = _key_of(line)
-                    if key is None:
+                    record = None if key is None else _record(checked, key, line)
+                    if record is None:
                         self.damaged += 1
+                        failed += key is not None
                         continue
-                    yield key, seg_no, start, line[KEY_HEX + 1 : -1]
-            if torn:
-                log.info("%s: skipped a torn last line (a killed run)", path)
+                    unverified += not checked
+                    yield key, seg_no, start, record
+            self._tell(path, torn, failed, unverified)
+
+    def _tell(self, path: Path, torn: int, failed: int, unverified: int) -> None:
+        """One log line a segment for what its scan found beside intact records, once a
+        run (a turn-by-turn run scans twice)."""
+        if torn:
+            log.info("%s: skipped a torn last line (a killed run)", path)
+        if failed and (path, "failed") not in self._told:
+            self._told.add((path, "failed"))
+            log.warning("%s: %d record(s) fail their checksum (edited or damaged on disk): "
+                        "not used, their requests are sent again", path, failed)
+        if unverified and (path, "unverified") not in self._told:
+            self._told.add((path, "unverified"))
+            self.unverified += unverified  # an older segment is never appended to
+            log.info("%s: %d record(s) written before records carried a checksum: used as "
+                     "they are (an edit to them cannot be detected)", path, unverified)
 
     def read(self, seg_no: int, offset: int) -> dict:
         """The record at a location found by scan() or returned by append()."""
-        return json.loads(self.read_json(seg_no, offset))
+        record = self.read_json(seg_no, offset)
+        if record is None:
+            raise ValueError(f"{self.segments[seg_no]}: the record at {offset} is damaged")
+        return json.loads(record)
 
-    def read_json(self, seg_no: int, offset: int) -> bytes:
-        """The JSON bytes of the record at a location (unparsed: the caller checks them)."""
+    def read_json(self, seg_no: int, offset: int) -> Optional[bytes]:
+        """The JSON bytes of the record at a location (unparsed: the caller checks them);
+        None when the line there is no longer intact (changed since it was found)."""
         f = self._readers.get(seg_no)
         if f is None:
             f = self._readers[seg_no] = open_regular(self.segments[seg_no])
         f.seek(offset)
-        return f.readline()[KEY_HEX + 1 : -1]
+        line = f.readline()
+        key = _key_of(line)
+        return None if key is None else _record(self.segments[seg_no].name.endswith(SUMMED),
+                                                key, line)
 
     # ------------------------------------------------------------------ writing
 
     def _open_segment(self) -> None:
-        name = f"seg-{time.time_ns():020d}-{os.getpid()}.log"
+        name = f"seg-{time.time_ns():020d}-{os.getpid()}{SUMMED}"
         path = self.dir / name
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         dfd = os.open(self.dir, os.O_RDONLY)
@@ -196,11 +259,11 @@ class RequestCache:
 
     def append_json(self, key: bytes, record: bytes) -> tuple[int, int]:
         """Append one record given as the bytes of a JSON object on one line."""
-        if b"\n" in record or not record.startswith(b"{") or not record.endswith(b"}"):
-            raise ValueError("a cache record must be one JSON object on one line")
+        if b"\n" in record or not record.startswith(b'{"') or not record.endswith(b"}"):
+            raise ValueError("a cache record must be one JSON object of members on one line")
         if self._fd is None:
             self._open_segment()
-        data = b"".join((key.hex().encode(), b" ", record, b"\n"))
+        data = b"".join((key.hex().encode(), b" ", summed(key, record), b"\n"))
         view = memoryview(data)
         while view:
             n = os.write(self._fd, view)

@@ -57,7 +57,8 @@ def user_rows(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        prompt, answer = int(rng.integers(0, 20)), int(rng.integers(2, 30))
+        # at least one prompt token: a row trained whole is refused (adopt_fully_supervised)
+        prompt, answer = int(rng.integers(1, 20)), int(rng.integers(2, 30))
         out.append((rng.integers(0, VOCAB, prompt + answer).tolist(), [0] * prompt + [1] * answer))
     return out
 
@@ -366,8 +367,13 @@ def test_without_adopt_the_refusal_says_what_was_found_and_what_adopting_writes(
      r"row 1: no supervised token.*merge.adopt_drop_invalid: true"),
     ({"input_ids": [[1, 2, 3], [4, 5, 6]], "loss_mask": [[0, 1, 1], [1, 0, 1]]},
      r"row 1: no two consecutive supervised tokens"),
+    # a row that trains its prompt is judged on its own, not by the whole base
     ({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[1, 1, 1], [1, 1]]},
-     r"legacy: loss_mask marks every token of every row as trained"),
+     r"legacy/data-00000-of-00001.arrow, row 0: loss_mask trains all 3 of its tokens, the "
+     r"prompt included"),
+    ({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8, 9]], "labels": [[-100, 2, 3], [4, 5, 6, 7],
+                                                                 [-100, 9]]},
+     r"row 1: labels trains all 4 of its tokens.*merge.adopt_fully_supervised: drop or keep"),
 ])
 def test_a_broken_base_stops_in_one_line_naming_file_and_row(repo, data, says):
     datasets.Dataset.from_dict(data).save_to_disk("legacy")
@@ -529,6 +535,52 @@ def test_rows_validate_would_refuse_are_dropped_and_counted_when_asked(repo):
     merged = datasets.load_from_disk("data/merged")
     assert len(merged) == 4 + 5
     validate_passes()
+
+
+def fully_supervised_base(n: int, trained_whole: list[int]) -> dict:
+    """`n` chat rows (a prompt, then a supervised answer), those in `trained_whole` with a
+    mask of all ones: what a base joined from two sets, one with a wrong mask, holds."""
+    data = columns(user_rows(n))
+    for r in trained_whole:
+        data["loss_mask"][r] = [1] * len(data["input_ids"][r])
+    return data
+
+
+@pytest.mark.parametrize("rule, kept", [("drop", 4), ("keep", 6)])
+def test_rows_that_train_every_token_are_counted_per_file_and_dropped_or_kept(repo, caplog,
+                                                                           rule, kept):
+    datasets.Dataset.from_dict(fully_supervised_base(6, [1, 4])).save_to_disk("legacy")
+    with caplog.at_level("WARNING"):
+        report = merge.run(cfg("legacy", adopt_fully_supervised=rule), PATHS)
+    adopted = report["adopted"]
+    assert (adopted["fully_supervised_rows"], adopted["fully_supervised"]) == (2, rule)
+    assert adopted["files"][0]["fully_supervised_rows"] == 2
+    assert adopted["invalid_rows_dropped"] == 0 and adopted["rows"] == kept
+    assert len(datasets.load_from_disk("data/merged")) == kept + 5
+    (line,) = [r.getMessage() for r in caplog.records if "train every token" in r.getMessage()]
+    assert "legacy/data-00000-of-00001.arrow: 2 rows train every token" in line
+    assert "(the first: row 1)" in line and f"merge.adopt_fully_supervised: {rule}" in line
+    assert "Rows training every token, the prompt included: 2" in (
+        repo / "data/merged/README.md").read_text()
+
+
+def test_a_base_whose_every_row_trains_every_token_is_refused_unless_kept(repo):
+    datasets.Dataset.from_dict(fully_supervised_base(3, [0, 1, 2])).save_to_disk("legacy")
+    with pytest.raises(StageError, match=r"legacy: loss_mask marks every token of every row"):
+        merge.run(cfg("legacy", adopt_fully_supervised="drop"), PATHS)
+    assert merge.run(cfg("legacy", adopt_fully_supervised="keep"),
+                     PATHS)["adopted"]["fully_supervised_rows"] == 3
+
+
+def test_the_base_folder_is_recorded_without_the_host_s_path(repo, tmp_path_factory):
+    """The report and the card say where the base really is (links followed), relative to
+    the repository when inside it: a clone elsewhere writes the same bytes."""
+    datasets.Dataset.from_dict(columns(user_rows(3))).save_to_disk("legacy")
+    (repo / "data/base").symlink_to(repo / "legacy")
+    assert merge.run(cfg("data/base"), PATHS)["adopted"]["folder"] == "legacy"
+    outside = tmp_path_factory.mktemp("elsewhere") / "set"
+    datasets.Dataset.from_dict(columns(user_rows(3))).save_to_disk(str(outside))
+    assert merge.run(cfg(outside), PATHS)["adopted"]["folder"] == str(outside.resolve())
 
 
 # ------------------------------------------------------------ what adopting refuses up front

@@ -107,6 +107,28 @@ def test_three_merges_list_every_version_with_its_counts(repo):
     assert "data/base had no lineage card" in body
 
 
+
+def test_a_rerun_writes_the_same_bytes_the_time_only_in_the_run_report(repo):
+    """The card and lineage.json are the data's and the code's facts: a merge run again
+    later (or after a kill) writes every file of data/merged byte for byte as before."""
+    def files() -> dict[str, bytes]:
+        out = repo / "data/merged"
+        return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+                if p.is_file()}
+
+    new_version(repo, "n", 4)
+    merge.run(params.Merge(base="data/base"), MERGE_PATHS)
+    first = files()
+    time.sleep(1.1)  # a time to the second would differ now
+    report = merge.run(params.Merge(base="data/base"), MERGE_PATHS)
+    assert files() == first
+    lin = json.loads(first["lineage.json"])
+    assert "created" not in lin and "created" not in lin["history"][-1]
+    assert lin["format"] == 3 and b"created" not in first["README.md"]
+    run = json.loads((repo / "reports/runs/merge.json").read_text())
+    assert run["created"] == report["created"] and run["created"].endswith("Z")
+    assert "created" not in json.loads((repo / "reports/merge.json").read_text())
+
 def test_card_holds_sources_model_sampling_tokenizer(repo):
     new_version(repo, "n", 6)
     merge.run(params.Merge(base="data/base"), MERGE_PATHS)
@@ -435,12 +457,16 @@ def test_a_base_card_header_that_is_not_plain_data_is_passed_over_quickly(repo, 
 
 
 def test_history_cells_stay_in_their_table_column(repo):
-    entry = {"version": 1, "rows": 30, "model": "a | b\n---\nc", "created": "x|y"}
+    entry = {"version": 1, "rows": 30, "model": "a | b\n---\nc", "git_commit": "x|y",
+             "created": "a time an earlier release wrote"}
     (repo / "data/base/lineage.json").write_text(json.dumps({"history": [entry]}))
     new_version(repo, "n", 2)
     merge.run(params.Merge(base="data/base"), MERGE_PATHS)
     text = (repo / "data/merged/README.md").read_text()
-    assert "| 1 | x\\|y | – | 30 | – | – | a \\| b --- c |" in text
+    assert "| 1 | x\\|y | 30 | – | – | a \\| b --- c |" in text
+    # an earlier version's time is carried forward in its history, not shown
+    assert json.loads((repo / "data/merged/lineage.json").read_text())["history"][0][
+        "created"] == "a time an earlier release wrote"
     card = DatasetCard.load(repo / "data/merged/README.md")
     assert card.data.to_dict()["distill_data"]["history"][0]["model"] == "a | b\n---\nc"
 

@@ -135,3 +135,69 @@ def test_keys_depend_on_payload_and_namespace_only():
     assert request_key("a", msgs, None) != request_key("a", msgs, [{"type": "function"}])
     assert short_hash({"t": 0.6, "k": 20}) == short_hash({"k": 20, "t": 0.6})
     assert short_hash({"t": 0.6}) != short_hash({"t": 0.7})
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def test_a_record_edited_into_other_valid_json_is_not_used_and_named(tmp_path, caplog):
+    """An edit that keeps the line valid JSON (what a person or a tool may do) fails the
+    record's checksum: not used (its request is sent again), one line names the segment."""
+    with RequestCache(tmp_path, "ns", {}) as c:
+        where = [c.append(digest(i), {"ok": True, "text": f"answer {i}"}) for i in range(3)]
+        seg = c.segments[0]
+    seg.write_bytes(seg.read_bytes().replace(b"answer 1", b"answer 7"))
+    with caplog.at_level("INFO"), RequestCache(tmp_path, "ns", {}) as c:
+        found = {k: json.loads(js) for k, _, _, js in c.scan()}
+        assert c.read_json(*where[1]) is None and c.read_json(*where[0]) == b'{"ok":true,"text":"answer 0"}'
+        assert c.damaged == 1 and c.unverified == 0
+    assert found == {digest(0): {"ok": True, "text": "answer 0"},
+                     digest(2): {"ok": True, "text": "answer 2"}}
+    (line,) = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+    assert str(seg) in line and "1 record(s) fail their checksum" in line
+
+
+def test_a_record_moved_under_another_key_or_stripped_of_its_sum_is_not_used(tmp_path):
+    with RequestCache(tmp_path, "ns", {}) as c:
+        for i in range(3):
+            c.append(digest(i), {"ok": True, "i": i})
+        seg = c.segments[0]
+    a, b, rest = seg.read_bytes().splitlines(keepends=True)
+    moved = b[:65] + a[65:]  # line 0's record under line 1's key
+    stripped = rest[:65] + b"{" + rest[65 + len('{"sum":"') + 16 + 2:]  # its sum removed
+    assert json.loads(stripped[65:]) == {"ok": True, "i": 2}
+    seg.write_bytes(a + moved + stripped)
+    with RequestCache(tmp_path, "ns", {}) as c:
+        assert [k for k, *_ in c.scan()] == [digest(0)] and c.damaged == 2
+
+
+def test_segments_from_before_checksums_are_read_counted_and_logged_once(tmp_path, caplog):
+    """The paid-for answers of an earlier release stay usable; that they cannot be checked
+    is said once a segment, and counted."""
+    folder = tmp_path / "ns"
+    folder.mkdir()
+    old = folder / "seg-00000000000000000001-42.log"  # the name and lines that release wrote
+    old.write_bytes(b"".join(digest(i).hex().encode() + b' {"ok":true,"i":%d}\n' % i
+                             for i in range(3)))
+    with caplog.at_level("INFO"), RequestCache(tmp_path, "ns", {}) as c:
+        for _ in range(2):  # a turn-by-turn run scans twice
+            assert [json.loads(js)["i"] for *_, js in c.scan()] == [0, 1, 2]
+        assert c.read(0, 0) == {"ok": True, "i": 0}
+        assert c.unverified == 3 and c.damaged == 0
+        c.append(digest(5), {"ok": True, "i": 5})
+        assert c.segments[1].name.endswith(".sum.log")  # new answers carry their checksum
+    told = [r.getMessage() for r in caplog.records if "before records carried" in r.getMessage()]
+    assert told == [f"{old}: 3 record(s) written before records carried a checksum: used as "
+                    "they are (an edit to them cannot be detected)"]
+
+
+def test_an_earlier_release_reads_checksummed_records_as_its_own(tmp_path):
+    """The checksum is a JSON member, so a checkout of an older version reuses the cache:
+    its reader took `<key> <JSON object>` and looked only at the members it knows."""
+    with RequestCache(tmp_path, "ns", {}) as c:
+        c.append(digest(1), {"ok": True, "reply": {"id": "x"}})
+        seg = c.segments[0]
+    (line,) = seg.read_bytes().splitlines(keepends=True)
+    assert line[64:66] == b" {" and line.endswith(b"}\n")  # that release's framing
+    rec = json.loads(line[65:])
+    assert rec["ok"] is True and rec["reply"] == {"id": "x"} and len(rec["sum"]) == 16

@@ -107,10 +107,12 @@ class Workers:
             self.pool.join()
 
     def terminate(self) -> None:
-        """Stop the workers now (an error, Ctrl-C)."""
+        """Stop the workers now (an error, Ctrl-C): killed, the pool's threads left
+        waiting. Pool.terminate joins its task handler, which can be blocked putting a
+        task into a queue no worker reads any more: tokenize's error path once waited
+        160 s there (a test's run of a few seconds)."""
         if not self.lost:
-            self.pool.terminate()
-            self.pool.join()
+            self._abandon()
 
     def _abandon(self) -> None:
         """Kill every worker (a stopped one too) and leave the pool's threads waiting:

@@ -125,7 +125,10 @@ def identity_of(spec: str, tok: "PreTrainedTokenizerFast") -> dict:
         return saved["identity"]
     ident = identity(tok)
     if stamp is not None:  # written whole or not at all: a reader sees one or the other
-        write_json(folder / IDENTITY, {"stamp": stamp, "identity": ident})
+        try:
+            write_json(folder / IDENTITY, {"stamp": stamp, "identity": ident})
+        except (OSError, StageError) as e:  # a cache it may not write: worked out each time
+            log.info("%s: identity not saved (%s)", folder, e)
     return ident
 
 

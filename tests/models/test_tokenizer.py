@@ -303,6 +303,13 @@ def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(tok, t
     (folder / tokenizer.IDENTITY).write_text("{not json", encoding="utf-8")
     assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1, 1, 1]
 
+    def read_only(*_):  # a shared cache this user may not write
+        raise PermissionError(13, "Permission denied")
+    (folder / tokenizer.IDENTITY).unlink()
+    monkeypatch.setattr(tokenizer, "write_json", read_only)
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1, 1, 1, 1]
+    assert not (folder / tokenizer.IDENTITY).exists()
+
 
 # -------------------------------------------------------------------------- cache
 

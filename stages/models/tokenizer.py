@@ -122,7 +122,10 @@ def identity_of(spec: str, tok: "PreTrainedTokenizerFast") -> dict:
     stamp = read_stamp(folder)
     saved = read_stamp(folder, IDENTITY)
     if stamp is not None and saved is not None and saved.get("stamp") == stamp:
-        return saved["identity"]
+        ident = saved.get("identity")
+        if _describes(ident, tok):
+            return ident
+        log.info("%s: %s does not describe this tokenizer: worked out again", folder, IDENTITY)
     ident = identity(tok)
     if stamp is not None:  # written whole or not at all: a reader sees one or the other
         try:
@@ -130,6 +133,19 @@ def identity_of(spec: str, tok: "PreTrainedTokenizerFast") -> dict:
         except (OSError, StageError) as e:  # a cache it may not write: worked out each time
             log.info("%s: identity not saved (%s)", folder, e)
     return ident
+
+
+def _describes(ident: Any, tok: "PreTrainedTokenizerFast") -> bool:
+    """Whether a saved identity is `identity(tok)`'s shape and agrees with every part of
+    it but the vocabulary's hash (the costly part; a damaged or hand-edited file must not
+    become a fingerprint's tokenizer)."""
+    if not isinstance(ident, dict) or set(ident) != {"name", "vocab_sha256", "vocab_size",
+                                                     "special_tokens"}:
+        return False
+    digest = ident["vocab_sha256"]
+    if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+        return False
+    return {**ident, "vocab_sha256": None} == {**_cheap_identity(tok), "vocab_sha256": None}
 
 
 def _release_free_heap() -> None:
@@ -186,12 +202,17 @@ def identity(tok: "PreTrainedTokenizerFast") -> dict:
     (the `tokenizer` entry of a dataset's fingerprint.json)."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+    return {**_cheap_identity(tok), "vocab_sha256": digest}
+
+
+def _cheap_identity(tok: "PreTrainedTokenizerFast") -> dict:
+    """`identity` less the vocabulary's hash (None in its place), in its key order."""
     # Every added token, special or not: the flag changes no id, only what a decode
     # skips (the bundled tokenizer's flags changed; its sets still mix).
     specials = {t.content: i for i, t in sorted(tok.added_tokens_decoder.items())}
     return {
         "name": str(tok.name_or_path),
-        "vocab_sha256": digest,
+        "vocab_sha256": None,
         "vocab_size": len(tok),
         "special_tokens": specials,
     }

@@ -311,6 +311,31 @@ def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(tok, t
     assert not (folder / tokenizer.IDENTITY).exists()
 
 
+@pytest.mark.parametrize("ident", [
+    None, [], "x", {}, {"name": "bundled:qwen3.6"},
+    {"vocab_sha256": "0" * 64, "extra": 1},
+])  # fmt: skip
+def test_a_saved_identity_of_the_wrong_shape_is_worked_out_again(tok, tmp_path, monkeypatch,
+                                                                  ident):
+    """identity.json under the right stamp but damaged or edited (its identity missing, not
+    an object, missing a part, or a part that is not this tokenizer's) never becomes the
+    fingerprint's tokenizer, nor a KeyError: it is worked out again."""
+    folder = tmp_path / "qwen3.6"
+    shutil.copytree(tokenizer.bundled_dir(), folder)
+    monkeypatch.setattr(tokenizer, "CACHE_ROOT", tmp_path)
+    real = tokenizer.identity(tok)
+    stamp = tokenizer.read_stamp(folder)
+    saved = {"stamp": stamp} if ident is None else {"stamp": stamp, "identity": ident}
+    (folder / tokenizer.IDENTITY).write_text(json.dumps(saved), encoding="utf-8")
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == real
+    for wrong in ({**real, "vocab_size": real["vocab_size"] + 1}, {**real, "vocab_sha256": "x"},
+                  {**real, "special_tokens": {}}, {**real, "name": "other"}):
+        (folder / tokenizer.IDENTITY).write_text(json.dumps({"stamp": stamp, "identity": wrong}),
+                                                 encoding="utf-8")
+        assert tokenizer.identity_of("bundled:qwen3.6", tok) == real
+    assert list(real) == ["name", "vocab_sha256", "vocab_size", "special_tokens"]
+
+
 # -------------------------------------------------------------------------- cache
 
 

@@ -433,9 +433,9 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
             got.tell(path, p.fully_supervised)
         repeated = _number_repeats(shards, [f["rows"] for f in files], hashes.repeated_rows())
     fully = sum(f["fully_supervised_rows"] for f in files)
-    read = sum(f["rows"] + f["invalid_rows_dropped"] for f in files) + (
-        fully if p.fully_supervised == "drop" else 0)
-    if fully and fully == read and p.fully_supervised != "keep":
+    # the rows validate would accept (those merge.adopt_drop_invalid dropped are none)
+    trainable = sum(f["rows"] for f in files) + (fully if p.fully_supervised == "drop" else 0)
+    if fully and fully == trainable and p.fully_supervised != "keep":
         # dropping them all would leave no base: the column is not a mask of what to train
         raise StageError(f"merge.adopt: {p.base}: {p.layout.mask} marks every token of every "
                          "row as trained, prompts included: not a mask of what to train "

@@ -572,6 +572,19 @@ def test_a_base_whose_every_row_trains_every_token_is_refused_unless_kept(repo):
                      PATHS)["adopted"]["fully_supervised_rows"] == 3
 
 
+def test_a_base_whose_every_trainable_row_trains_every_token_is_refused_under_drop(repo):
+    """Rows validate would refuse, dropped by merge.adopt_drop_invalid, do not hide that
+    every other row trains every token: dropping those too would adopt an empty base."""
+    data = fully_supervised_base(3, [0, 1, 2])
+    data["input_ids"].append([5, 6])
+    data["loss_mask"].append([0, 0])
+    data["conversation_id"].append("no-supervised-token")
+    datasets.Dataset.from_dict(data).save_to_disk("legacy")
+    with pytest.raises(StageError, match=r"legacy: loss_mask marks every token of every row"):
+        merge.run(cfg("legacy", adopt_fully_supervised="drop", adopt_drop_invalid=True), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
 def test_the_base_folder_is_recorded_without_the_host_s_path(repo, tmp_path_factory):
     """The report and the card say where the base really is (links followed), relative to
     the repository when inside it: a clone elsewhere writes the same bytes."""

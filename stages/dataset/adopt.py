@@ -440,6 +440,12 @@ def convert(p: Plan, folder: Path, vocab: int) -> Adopted:
         raise StageError(f"merge.adopt: {p.base}: {p.layout.mask} marks every token of every "
                          "row as trained, prompts included: not a mask of what to train "
                          "(name the right column in merge.base_columns.mask)")
+    invalid = sum(f["invalid_rows_dropped"] for f in files)
+    if invalid and not trainable:  # an empty version 1 would stand for the base
+        raise StageError(f"merge.adopt: {p.base}: all {invalid} of its rows are rows validate "
+                         f"would refuse (empty, no two consecutive supervised tokens in "
+                         f"{p.layout.mask}): merge.adopt_drop_invalid would drop the whole base "
+                         "(name the right columns in merge.base_columns)")
     if dropped:
         log.warning("merge.adopt: columns dropped from %s: %s", p.base, ", ".join(sorted(dropped)))
     report = {

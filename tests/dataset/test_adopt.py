@@ -585,6 +585,18 @@ def test_a_base_whose_every_trainable_row_trains_every_token_is_refused_under_dr
     assert not (repo / "data/merged").exists()
 
 
+def test_a_base_whose_every_row_validate_would_refuse_is_no_empty_version(repo):
+    """merge.adopt_drop_invalid dropping every row of the base (a mask column that is not
+    one) would make version 1 of the new rows alone: refused naming the base."""
+    data = columns(user_rows(3))
+    data["loss_mask"] = [[0] * len(ids) for ids in data["input_ids"]]
+    datasets.Dataset.from_dict(data).save_to_disk("legacy")
+    with pytest.raises(StageError, match=r"legacy: all 3 of its rows are rows validate would "
+                                         r"refuse .*merge.base_columns"):
+        merge.run(cfg("legacy", adopt_drop_invalid=True), PATHS)
+    assert not (repo / "data/merged").exists()
+
+
 def test_the_base_folder_is_recorded_without_the_host_s_path(repo, tmp_path_factory):
     """The report and the card say where the base really is (links followed), relative to
     the repository when inside it: a clone elsewhere writes the same bytes."""

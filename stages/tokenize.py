@@ -186,7 +186,7 @@ def _results(src: Path, cfg: params.Tokenize, encoder: ChatEncoder,
     _STATE = (encoder, cfg, str(src), why_without)
     try:
         if cfg.num_proc == 1:
-            for chunk in tokenrows.line_chunks(src, 1):
+            for chunk in tokenrows.line_chunks(src):
                 yield work(chunk)
             return
         # Workers share the parent's objects copy-on-write; a full garbage collection (in
@@ -212,7 +212,7 @@ def _pooled(src: Path, cfg: params.Tokenize) -> Iterator[tokenrows.ChunkResult]:
     window = collections.deque()
     workers = children.Workers("fork", cfg.num_proc)
     try:
-        for chunk in tokenrows.line_chunks(src, cfg.num_proc):
+        for chunk in tokenrows.line_chunks(src):
             window.append(workers.submit(work, chunk))
             if len(window) >= 3 * cfg.num_proc:
                 yield workers.result(window.popleft(), "tokenize")

@@ -161,6 +161,23 @@ def test_num_proc_does_not_change_the_output(tmp_path, monkeypatch, caplog):
     assert load(tmp_path / "auto")["id"] == [f"c{i}" for i in range(60)]
 
 
+def test_num_proc_does_not_change_the_bytes_when_chunks_are_cut_by_size(tmp_path,
+                                                                        monkeypatch):
+    """Chunks cut by bytes, not rows (rows of a few kB, as answers with their thinking
+    are): each chunk is one Arrow batch, so where chunks end must not follow num_proc,
+    or the shards' bytes (and DVC's hash of data/tokenized) change with the machine."""
+    rows = [completion(i, "s", qa(f"question {i}", f"answer {i} " * (i * 37 % 400 + 1)))
+            for i in range(120)]
+    src = write(tmp_path / "c.jsonl", rows)
+    monkeypatch.setattr(tokenrows, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(tokenrows, "MIN_CHUNK_BYTES", 1 << 10)
+    shards = {}
+    for n in (1, 2):
+        tokenize.tokenize_file(src, tmp_path / f"p{n}", num_proc=n, shard_rows=50)
+        shards[n] = {p.name: p.read_bytes() for p in (tmp_path / f"p{n}").glob("*.arrow")}
+    assert len(shards[1]) == 3 and shards[1] == shards[2]
+
+
 def test_num_proc_leaves_the_metrics_file_byte_identical(tmp_path, monkeypatch):
     """What DVC compares (and merge depends on) moves only with the data: a rerun with
     other num_proc writes the same metrics file, its timings go to the run's report."""

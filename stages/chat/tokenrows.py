@@ -29,12 +29,15 @@ from stages.common.reading import json_object, open_regular
 from stages.dataset.schema import ARROW_SCHEMA
 
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
-# the file (a quarter of each worker's share of what is left) so that the last chunks
-# do not leave a worker idle while another finishes a big one; never under
-# MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would show.
+# the file (what is left over TAIL_PIECES: a quarter of each of 16 workers' share) so
+# that the last chunks do not leave a worker idle while another finishes a big one; never
+# under MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would
+# show. Never by num_proc: each chunk is one Arrow batch of the shards, whose bytes must
+# not change with the machine's CPUs.
 CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
+TAIL_PIECES = 4 * 16
 
 log = logging.getLogger(__name__)
 
@@ -355,11 +358,12 @@ def _percentiles(values) -> dict:
             "p99": int(p99), "max": int(a.max())}
 
 
-def line_chunks(src: Path, num_proc: int = 1) -> Iterator[tuple[int, list[bytes]]]:
-    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES)."""
+def line_chunks(src: Path) -> Iterator[tuple[int, list[bytes]]]:
+    """(first line number, lines) groups of lines, by bytes (see CHUNK_BYTES); the same
+    groups whatever the number of processes that take them."""
 
     def limit(left: int) -> int:
-        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // (4 * num_proc)))
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, left // TAIL_PIECES))
 
     left = src.stat().st_size
     cap = limit(left)

@@ -100,7 +100,8 @@ def test_chunks_shrink_towards_the_end_and_keep_every_line(tmp_path, monkeypatch
     lines = [f"{i:099d}\n" for i in range(4000)]  # 100 bytes each
     path = tmp_path / "c.jsonl"
     path.write_text("".join(lines))
-    chunks = list(tokenrows.line_chunks(path, num_proc=2))
+    monkeypatch.setattr(tokenrows, "TAIL_PIECES", 8)
+    chunks = list(tokenrows.line_chunks(path))
     sizes = [sum(map(len, part)) for _, part in chunks]
     assert [line.decode() for _, part in chunks for line in part] == lines
     assert sizes[0] == 4000 and sizes == sorted(sizes, reverse=True)

@@ -332,6 +332,10 @@ def _checked(history: Any, path: Path) -> list[dict]:
             if where:
                 raise StageError(f"{path}: {where[:200]}, not a finite number: strict JSON "
                                  "and the card hold none (merge.base's lineage)")
+    if history and history[-1]["version"] >= 2**63 - 1:  # build numbers the next one
+        raise StageError(f"{path}: history[{len(history) - 1}].version is "
+                         f"{history[-1]['version']}: the next version would not be a count "
+                         "(merge.base's lineage)")
     return history
 
 

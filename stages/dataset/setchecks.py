@@ -10,6 +10,10 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+# validate always checks dataset_info.json's features and the load with datasets: loaded
+# at start, inherited by the load check's forked worker, never imported inside the scan
+import datasets  # noqa: F401
+
 from stages.common import params
 from stages.common.errors import StageError
 from stages.common.reading import json_file

@@ -330,7 +330,7 @@ def loaded_rows_and_features(folder: str | Path) -> tuple[int, dict]:
 class Opening:
     """`datasets.load_from_disk(folder)` in a worker process of its own, forked at once
     (before the caller starts any thread), for (rows, features as a dict: datasets is
-    imported by that worker alone).
+    imported there, or inherited from a stage that imported it at start).
 
     datasets memory-maps every shard: one cut short under the map (another process
     truncating it) kills the process reading it with SIGBUS, which Python cannot turn

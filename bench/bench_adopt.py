@@ -10,7 +10,7 @@ is the adoption. Figures (ratios against baselines measured in the same run, on 
 files):
   adopt_vs_copy               merge (adopt: true) wall time / copying the base's bytes
                               (shutil.copyfile, every shard); best of two merges and of
-                              three copies, interleaved
+                              three copies, interleaved, each after harness.settle_disk()
   adopt_peak_rss_mb           peak RSS of the merge process (bench/peak.py)
   adopt_peak_rss_half_mb      the same with half the base shards: flat means these match
 plus the sizes they were measured on. The base is 2 GB of 256 MB shards (256 MB of 64 MB
@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -79,18 +78,8 @@ def _batch(rng, first: int, n: int) -> pa.RecordBatch:
 def _merge(repo: Path) -> tuple[dict, float]:
     """The merge stage in its own process, from scratch; (its report, its peak RSS in MB)."""
     shutil.rmtree(repo / "data/merged", ignore_errors=True)
+    harness.settle_disk()
     return run_stage("merge", repo)
-
-
-def _copy(base: Path) -> float:
-    dest = WORK / "copy"
-    dest.mkdir()
-    start = time.perf_counter()
-    for path in sorted(base.glob("*.arrow")):
-        shutil.copyfile(path, dest / path.name)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(dest)
-    return seconds
 
 
 def _repo(name: str, base_shards: list[Path], tokenized: Path) -> Path:
@@ -118,9 +107,9 @@ def main(quick: bool | None = None) -> dict:
 
         copies, merges = [], []
         for _ in range(2):  # other load on a shared machine comes and goes: interleave
-            copies.append(_copy(source))
+            copies.append(harness.copy_seconds(shards, WORK / "copy"))
             merges.append(_merge(repo))
-        copies.append(_copy(source))
+        copies.append(harness.copy_seconds(shards, WORK / "copy"))
         report, _ = min(merges, key=lambda m: m[0]["seconds"])
         peak = max(rss for _, rss in merges)
         half_repo = _repo("half", shards[: max(1, len(shards) // 2)], WORK / "tokenized")

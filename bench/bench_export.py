@@ -21,7 +21,8 @@ warm (the set was just written). Work files go to bench/work/export.
 Each export and its writer run ROUNDS times, alternated, and each side's best time is the
 figure: on a virtual machine a write's cost swings several-fold with the pages the kernel
 hands out (memory just freed is cheap, memory never touched costs the host a fault), so
-one run of each says more about the machine's memory than about the code.
+one run of each says more about the machine's memory than about the code. Each side starts
+after harness.settle_disk(): a writer is throttled by the dirty pages the one before it left.
 """
 
 from __future__ import annotations
@@ -90,11 +91,13 @@ print(json.dumps({"rc": 0, "seconds": time.perf_counter() - start,
 
 
 def _export(trainer: str, merged: Path, out: Path, writer: bool = False) -> dict:
+    harness.settle_disk()
     result = harness.python_json(EXPORT, "--for", trainer, "--merged", str(merged),
                                  "--out", str(out))
     result["bytes"] = sum(p.stat().st_size for p in out.iterdir())
     if writer:
         kind, src = ("ndjson", merged) if trainer == "specforge" else ("arrow", out)
+        harness.settle_disk()
         done = harness.python_json(WRITER, kind, str(src), str(out.with_name("writer")))
         result["writer_seconds"] = done["seconds"]
         result["writer_cpu_seconds"] = done["cpu_seconds"]
@@ -120,6 +123,7 @@ def main(quick: bool | None = None) -> dict:
         rows = generate(full, total, shard, "full", 1)
         half_rows = generate(half, total // 2, shard, "half", 2)
         size = sum(p.stat().st_size for p in full.glob("*.arrow"))
+        harness.settle_disk()
         copy = harness.python_json(COPY, str(full), str(WORK / "copy"))
         shutil.rmtree(WORK / "copy")
         figures = {}

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +20,26 @@ MB = 1 << 20
 def quick() -> bool:
     """Smaller inputs (`BENCH_QUICK=1` or `--quick`): a quick look, fixed costs weigh more."""
     return os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
+
+
+def settle_disk() -> None:
+    """Write every dirty page out before a timed side starts: the kernel throttles a
+    writer by the dirty pages the one before it left (a 2 GB copy leaves 2 GB), so
+    without this the side that runs second pays for the first one's writes."""
+    os.sync()
+
+
+def copy_seconds(files: list[Path], dest: Path) -> float:
+    """Seconds to copy `files` into the new folder `dest` (removed again), the disk
+    settled first: the copy baseline of the stages that place shards."""
+    dest.mkdir()
+    settle_disk()
+    start = time.perf_counter()
+    for path in files:
+        shutil.copyfile(path, dest / path.name)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dest)
+    return seconds
 
 
 def set_bytes(quick: bool, full_mb: int) -> tuple[int, int]:

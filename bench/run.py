@@ -22,6 +22,20 @@ ROOT = HERE.parent
 
 
 MARK = "BENCH-RESULT "
+# each figure with a numeric target (bench/README.md says what each compares): at least
+# (>=) or at most (<=) this; the run ends by saying which figures in results.json miss theirs
+TARGETS = {
+    "prepare_vs_read": (">=", 0.5), "decontam_vs_prepare": (">=", 0.7),
+    "generate_vs_floor": (">=", 0.7), "generate_rss_growth_mb": ("<=", 100),
+    "regenerate_vs_single": (">=", 0.7), "generate_vs_engine": (">=", 0.95),
+    "generate_vs_sglang": (">=", 0.95), "tokenize_vs_floor": (">=", 0.85),
+    "tokenize_vs_naive": (">=", 4), "tokenize_scaling_2proc": (">=", 1.7),
+    "merge_vs_copy_new": ("<=", 1.3), "merge_cache_growth_ratio": ("<=", 1.05),
+    "validate_vs_scan": (">=", 0.6), "adopt_vs_copy": ("<=", 1.5),
+    "noop_repro_seconds": ("<=", 10), "loader_vs_train_step": (">=", 1),
+    "export_trl_vs_writer": (">=", 0.8), "export_specforge_vs_writer": (">=", 0.8),
+    "export_axolotl_vs_writer": (">=", 0.8), "seed_tokenize_vs_floor": (">=", 0.85),
+}
 
 
 def run_one(path: Path) -> dict:
@@ -70,10 +84,19 @@ def main(names: list[str]) -> int:
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
     out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
+    measured = {key: results[key] for key in TARGETS if key in results}
+    missed = [f"{key} = {value} (target {' '.join(map(str, TARGETS[key]))})"
+              for key, value in measured.items() if not _meets(value, *TARGETS[key])]
+    print(f"{len(measured) - len(missed)} of {len(measured)} figures with a target met it"
+          + "".join(f"\n   missed: {line}" for line in missed))
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def _meets(value: float, op: str, target: float) -> bool:
+    return value >= target if op == ">=" else value <= target
 
 
 if __name__ == "__main__":

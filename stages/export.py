@@ -9,8 +9,9 @@ stages/trainers/. Every row is exported, in dataset order, unchanged; what the t
 cuts or drops at `--max-length` is counted and named in OUT/export.json and on stdout.
 `--drop-refused` leaves out the rows the trainer would drop, each named in export.json
 (`left_out`). Streamed from the merged shards a record batch at a time (read, not
-mapped), written beside --out and renamed over it; nothing under --merged is opened for writing. Why each layout, and each
-trainer's settings: docs/stages.md, "Hand it to a trainer".
+mapped; the next batch read and checked in a thread while one is written), written beside
+--out and renamed over it; nothing under --merged is opened for writing. Why each layout,
+and each trainer's settings: docs/stages.md, "Hand it to a trainer".
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import pyarrow as pa
-
 from stages.common import outputs, secrets
 from stages.common.params import INT32
 from stages.common.errors import StageError
 from stages.common.reading import json_file, regular
-from stages.dataset import fingerprint
+from stages.dataset import arrays, fingerprint
 from stages.dataset.schema import schema_differences
 from stages.dataset.shards import STATE_FILE, list_shards, open_shard
 from stages.process import cli
@@ -55,12 +54,14 @@ def export(trainer: Trainer, merged: Path, out: Path, max_length: Optional[int] 
                 if differences:
                     raise StageError(f"{path}: {'; '.join(differences)} (not a merged set)")
                 sink.begin(index, len(shards))
-                for batch in (b for b in reader if b.num_rows):
-                    part = read_part(batch, path, max_length)
+                parts = reader.ahead(lambda batch: (batch, read_part(batch, path, max_length)))
+                for batch, part in parts:
+                    if not batch.num_rows:
+                        continue
                     if drop_refused:
                         refused = tally.refuse(part)
                         if refused.any():
-                            part = read_part(batch.filter(pa.array(~refused)), path, max_length)
+                            part = read_part(batch.filter(arrays.array(~refused)), path, max_length)
                         if not len(part.lengths):
                             continue
                     sink.write(part)

@@ -162,11 +162,8 @@ async def _run_turns(cfg: params.Generate, key: Optional[str], paths, plan: Prom
     (`facts`: whether a router is in front, whether the seed is honoured, the start)."""
     router, seed_used, t0 = facts
     with RequestCache(cfg.cache_dir, namespace, meta) as cache:
-        regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, reply:
-                                   completions.completion_row(prompt, reply, meta["model"],
-                                                  meta["sampling_hash"],
-                                                  meta["sampling"]["enable_thinking"],
-                                                  server.engine))
+        regen = turns.Regeneration(cfg, plan, cache, server, namespace, meta, lambda prompt, rec:
+                                   completions.record_row(prompt, rec, meta, server.engine))
         log.info("%d prompts x %d samples: %d turns to walk, cache %s", plan.n,
                  cfg.samples_per_prompt, regen.total_turns, cache.dir)
         if cfg.limit is not None and plan.n:  # the dry run's view: the first turn's request
@@ -222,7 +219,7 @@ async def _serving(cfg: params.Generate, plan: PromptLocations, server: ServerHa
         async with ChatClient(
             urls, api_key=key, concurrency=cfg.concurrency,
             request_timeout=cfg.request_timeout, retry=RetryPolicy.of(cfg),
-            enable_thinking=cfg.enable_thinking,
+            enable_thinking=cfg.enable_thinking, reasoning_split=await server.reasoning_split(),
             unreachable_deadline=cfg.server.unreachable_deadline, gate=watchdog,
             min_new_tokens=cfg.min_new_tokens,
         ) as client:  # fmt: skip

@@ -169,6 +169,9 @@ def test_sglang_serves_from_its_own_venv(sglang):
     models = json.loads(probes.ask(f"{sglang.url}/v1/models").body)
     assert models["data"][0]["max_model_len"] == CONTEXT
     assert models["data"][0]["id"] == sglang.model_name
+    # its setup says it cuts thinking out of replies (--reasoning-parser): generate then
+    # takes an empty thinking's null as SGLang meant it, never cutting the answer again
+    assert probes.reasoning_split("sglang", sglang.url, None)
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -28,16 +28,19 @@ from stages.common.errors import StageError
 from stages.common.reading import json_object, open_regular
 from stages.dataset.schema import ARROW_SCHEMA
 
-# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking towards the end of
-# the file (what is left over TAIL_PIECES: a quarter of each of 16 workers' share) so
-# that the last chunks do not leave a worker idle while another finishes a big one; never
-# under MIN_CHUNK_BYTES, where per-chunk costs (one encode call, one Arrow batch) would
-# show. Never by num_proc: each chunk is one Arrow batch of the shards, whose bytes must
-# not change with the machine's CPUs.
+# A worker's unit of work: at most CHUNK_BYTES of lines, shrinking over the file's last
+# TAIL_PIECES x CHUNK_BYTES (what is left over TAIL_PIECES) so that the last chunks do not
+# leave a worker idle while another finishes a big one; never under MIN_CHUNK_BYTES,
+# where per-chunk costs (one encode call, one Arrow batch) would show. Never by num_proc:
+# each chunk is one Arrow batch of the shards, whose bytes must not change with the
+# machine's CPUs. A small TAIL_PIECES: a 256 KB chunk takes a worker a fraction of a
+# second, so many CPUs lose little at the end, and shrinking earlier (64: over the last
+# 16 MB) made every chunk of a small file small, its per-chunk costs 20% of the stage
+# (BENCH_QUICK=1 bench/run.py tokenize, dev/LOG.md 2026-12-05).
 CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 16 << 10
 CHUNK_ROWS = 256
-TAIL_PIECES = 4 * 16
+TAIL_PIECES = 8
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +265,10 @@ def _drop_too_large(raw: bytes, path: str, no: int, limit: int, stats: dict) -> 
     st = stats[row["source"]]
     st["conversations"] += 1
     st["dropped"]["too_large"] += 1
-    log.warning("%s:%d: row %r is %d bytes, over tokenize.max_row_bytes (%d): dropped "
-                "unrendered", path, no, row["id"], len(raw), limit)
+    rid = row["id"]  # the line is huge: its id may be too, and a log line is not
+    log.warning("%s:%d: row %r%s is %d bytes, over tokenize.max_row_bytes (%d): dropped "
+                "unrendered", path, no, rid[:80], "..." if len(rid) > 80 else "", len(raw),
+                limit)
 
 
 def _named(row: dict, where: str) -> dict:

@@ -26,6 +26,7 @@ import xxhash
 
 from stages.common import params
 from stages.common.errors import StageError
+from stages.dataset import arrays
 from stages.common.reading import arrow_input, check_parquet_rows, open_regular, parquet
 from stages.dataset import fingerprint
 from stages.dataset.idhashes import IdHashes
@@ -520,8 +521,8 @@ def _convert_file(path: Path, fmt: str, dst: Path, lay: Layout, vocab: int, p: P
                         got.first_fully = row + int(np.flatnonzero(fully)[0])
                 first = totals.rows  # dataset-wide number of the batch's first row
                 writer.write(out)
-                lengths = out.column("num_tokens").to_numpy()
-                totals.add(lengths, out.column("num_loss_tokens").to_numpy())
+                lengths = arrays.values(out.column("num_tokens"))
+                totals.add(lengths, arrays.values(out.column("num_loss_tokens")))
                 hashes.add(digests, np.arange(first, first + len(lengths)))
                 row += part.num_rows
                 got.written += out.num_rows
@@ -579,7 +580,7 @@ def _rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, where: Whe
         pa.array(supervised),
     ]
     out = pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
-    keep = _trainable(loss, offsets)
+    keep = trainable_rows(loss, offsets)
     fully = _fully_supervised(lengths, supervised, keep)
     refused = (~keep if not drop_invalid else False) | (
         fully if fully_supervised == "error" else False)
@@ -615,31 +616,28 @@ def _fully_supervised(lengths: np.ndarray, supervised: np.ndarray,
     return (supervised == lengths) & trainable
 
 
-def _trainable(loss: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def trainable_rows(loss: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Per row: whether it has two consecutive supervised tokens, validate's
-    supervised_run rule (an empty, unsupervised or 1-token row has not)."""
+    supervised_run rule (an empty, unsupervised or 1-token row has not). `loss` is 0/1
+    int8: the pairs stay one byte each, ten times faster than a running sum of them."""
     n = len(loss)
-    pair = np.zeros(n, dtype=np.int64)  # 1 at i: tokens i-1 and i both trained, same row
-    if n > 1:
-        pair[1:] = (loss[1:] != 0) & (loss[:-1] != 0)
+    pair = np.zeros(n, dtype=np.int8)  # 1 at i: tokens i-1 and i both trained, same row
+    np.bitwise_and(loss[1:], loss[:-1], out=pair[1:])
     starts = offsets[:-1]
     pair[starts[starts < n]] = 0
-    seen = np.concatenate([[0], np.cumsum(pair)])
-    return (seen[offsets[1:]] - seen[offsets[:-1]]) > 0
+    return _per_row(np.maximum, pair, offsets) > 0
 
 
 def _values(col: pa.Array, name: str, where: Where) -> tuple[np.ndarray, np.ndarray]:
     """(offsets from 0, flat values as numpy) of a list column; StageError on a null."""
     if col.null_count:
-        r = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        r = int(np.flatnonzero(arrays.values(col.is_null()))[0])
         raise where.row_error(r, f"{name} is null")
-    offsets = col.offsets.to_numpy()
-    flat = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    offsets = offsets.astype(np.int64) - offsets[0]
+    offsets, flat = arrays.flat(col)
     if flat.null_count:
-        position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+        position = int(np.flatnonzero(arrays.values(flat.is_null()))[0])
         raise where.error(offsets, position, f"{name}[] is null")
-    return offsets, flat.to_numpy(zero_copy_only=False)
+    return offsets, arrays.values(flat)
 
 
 def _token_ids(ids: np.ndarray, name: str, vocab: int, offsets: np.ndarray,
@@ -714,11 +712,21 @@ def _check_unpadded(col: pa.Array, name: str, where: Where) -> None:
 
 
 def row_sums(loss: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Supervised tokens per row. Counting non-zero bytes row by row runs at memory speed;
-    a widening reduceat over int8 costs ten times more."""
-    bounds = offsets.tolist()
-    return np.fromiter((np.count_nonzero(loss[a:b]) for a, b in zip(bounds, bounds[1:])),
-                       np.int32, len(bounds) - 1)
+    """Supervised tokens per row."""
+    return _per_row(np.add, loss, offsets, np.int32)
+
+
+def _per_row(ufunc: np.ufunc, flat: np.ndarray, offsets: np.ndarray, dtype=None) -> np.ndarray:
+    """`ufunc` reduced over each row's values (offsets from 0, ending at len(flat)); 0 for
+    an empty row. One reduceat over the non-empty rows' starts: it would give an empty row
+    the next row's first value, and it takes no start past the end. Two to thirteen times
+    faster than counting row by row (int8 sums as int32; maxima stay int8)."""
+    lengths = np.diff(offsets)
+    out = np.zeros(len(lengths), dtype or flat.dtype)
+    full = lengths > 0
+    if full.any():
+        out[full] = ufunc.reduceat(flat[:offsets[-1]], offsets[:-1][full], dtype=dtype)
+    return out
 
 
 def _content_ids(tokens: np.ndarray, loss: np.ndarray,

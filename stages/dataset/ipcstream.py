@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages.common.errors import StageError
+from stages.dataset import arrays
 
 CONTINUATION = 0xFFFFFFFF
 _SCHEMA, _DICTIONARY, _RECORD_BATCH = 1, 2, 3  # Message.header_type
@@ -211,7 +212,7 @@ class Batch:
             raise StageError(f"{self._stream.path}: column {name} is {type_}, not a list")
         place = self._stream.places.get(name)
         if place is None:
-            return np.diff(self.read().column(name).offsets.to_numpy())
+            return np.diff(arrays.offsets(self.read().column(name)))
         node, buf = place
         rows, values = self._node(node)[0], self._node(node + 1)[0]
         if rows != self.num_rows:

@@ -281,8 +281,13 @@ def _read_history(base: Path) -> Optional[list[dict]]:
     """The history in base/lineage.json, else in the YAML header of base/README.md."""
     path = base / LINEAGE_FILE
     if path.exists():
-        history = json_file(path).get("history")
-        return _checked(history, path)
+        doc = json_file(path)
+        written = doc.get("format")
+        if written is not None and (type(written) is not int or written > FORMAT):
+            log.warning("%s: format %s, which this release (format %d) does not know: its "
+                        "history is read by the fields it knows, each checked", path,
+                        json.dumps(written)[:40], FORMAT)
+        return _checked(doc.get("history"), path)
     card = base / CARD_FILE
     if card.exists():
         try:

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
+from stages.dataset import arrays
 from stages.dataset.shards import list_shards, open_columns, open_shard
 
 IGNORE = -100  # label value the loss skips
@@ -73,11 +74,10 @@ def _shuffled(items: list, rng: np.random.Generator) -> list:
 def _flat(column: pa.Array, path: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Row offsets and the flattened values of a list column (zero-copy); StageError
     when a value in it is null, a token no model reads (validate names those rows)."""
-    offsets = column.offsets.to_numpy()
-    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    offsets, values = arrays.flat(column)
     if values.null_count:
         raise StageError(f"{path}: {name} holds a null (run validate)")
-    return offsets - offsets[0], values.to_numpy()
+    return offsets, arrays.values(values)
 
 
 # ----------------------------------------------------------------- batching rule
@@ -239,8 +239,8 @@ def budget(folder: str | Path, tokens_per_batch: int, batches_per_step: int = 1)
         for path in list_shards(folder):
             with open_columns(path, ("num_tokens", "num_loss_tokens", "source")) as stream:
                 for batch in stream:
-                    yield (batch.column("num_tokens").to_numpy(zero_copy_only=False),
-                           batch.column("num_loss_tokens").to_numpy(zero_copy_only=False),
+                    yield (arrays.values(pc.fill_null(batch.column("num_tokens"), 0)),
+                           arrays.values(pc.fill_null(batch.column("num_loss_tokens"), 0)),
                            batch.column("source"))
 
     return token_budget(columns(), tokens_per_batch, batches_per_step)
@@ -331,4 +331,4 @@ def _codes(sources: pa.Array | list) -> tuple[np.ndarray, list[str]]:
     values = sources if isinstance(sources, pa.Array) else pa.array(sources)
     text = pc.fill_null(pc.cast(values, pa.large_string()), "None")
     encoded = pc.dictionary_encode(text)  # in Arrow's C++: no Python call per row
-    return encoded.indices.to_numpy(zero_copy_only=False), encoded.dictionary.to_pylist()
+    return arrays.values(encoded.indices), encoded.dictionary.to_pylist()

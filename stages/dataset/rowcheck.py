@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from stages.common import params
 from stages.common.errors import StageError
-from stages.dataset import rowsummary
+from stages.dataset import arrays, rowsummary
 from stages.dataset.idhashes import IdHashes
 from stages.dataset.loader import TokenBudget
 from stages.dataset.schema import NOT_NULL_CHECKS, row_rules, row_schema, rows_pass
@@ -99,8 +99,8 @@ class Scanner:
                               [f"{path.name}: {d}" for d in shard.diffs])
         for summary in shard.summaries:
             if self.budget is not None:
-                self.budget.add(pc.fill_null(summary.column("input_ids_len"), 0).to_numpy(),
-                                pc.fill_null(summary.column("supervised"), 0).to_numpy(),
+                self.budget.add(arrays.values(pc.fill_null(summary.column("input_ids_len"), 0)),
+                                arrays.values(pc.fill_null(summary.column("supervised"), 0)),
                                 summary.column("source"))
             first = pc.add(summary.column("row"), self.rows)
             self.pending.append(summary.set_column(0, "row", first))

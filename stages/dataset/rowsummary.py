@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.common.errors import StageError
+from stages.dataset import arrays
 from stages.dataset.schema import schema_differences
 from stages.dataset.shards import open_shard
 
@@ -88,10 +89,10 @@ def source_stats(summary: pa.RecordBatch, width: int) -> dict[str, np.ndarray]:
     """Per source, one int64 vector of figures: ROWS, TOKENS and SUPERVISED tokens, the
     token-length histogram (LENGTHS: bins of `width`), the supervised-fraction one
     (FRACTIONS)."""
-    lengths = pc.fill_null(summary.column("input_ids_len"), 0).to_numpy()
-    supervised = pc.fill_null(summary.column("supervised"), 0).to_numpy()
+    lengths = arrays.values(pc.fill_null(summary.column("input_ids_len"), 0))
+    supervised = arrays.values(pc.fill_null(summary.column("supervised"), 0))
     encoded = pc.dictionary_encode(pc.fill_null(summary.column("source"), "(null)"))
-    codes = encoded.indices.to_numpy()
+    codes = arrays.values(encoded.indices)
     names = encoded.dictionary.to_pylist()
     k, lb, fb = len(names), LENGTH_BINS + 1, FRACTION_BINS
     length_bin = np.minimum(lengths // width, LENGTH_BINS)
@@ -174,19 +175,16 @@ def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         raise StageError(f"column is {column.type}, not a list")
     if not pa.types.is_integer(column.type.value_type):
         raise StageError(f"column holds {column.type.value_type}, not integers")
-    offsets = column.offsets.to_numpy().astype(np.int64, copy=False)
-    if len(offsets) == 0:  # an empty array may come without its single 0 offset
-        offsets = np.zeros(1, np.int64)
-    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    offsets, values = arrays.flat(column)
     if values.null_count:
         values = pc.fill_null(values, -1)
-    return offsets - offsets[0], values.to_numpy()
+    return offsets, arrays.values(values)
 
 
 def _null_mask(column: pa.Array) -> Optional[np.ndarray]:
     if not column.null_count:
         return None
-    return pc.is_null(column).to_numpy(zero_copy_only=False)
+    return arrays.values(pc.is_null(column))
 
 
 def _count_from(values: np.ndarray, offsets: np.ndarray, limit: int) -> np.ndarray:

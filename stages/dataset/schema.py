@@ -52,7 +52,9 @@ def __getattr__(name: str):
     if name == "FEATURES":
         import datasets
 
-        return datasets.Features.from_dict(features_of(ARROW_SCHEMA))
+        features = datasets.Features.from_dict(features_of(ARROW_SCHEMA))
+        globals()["FEATURES"] = features  # built once: later lookups find it as a global
+        return features
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

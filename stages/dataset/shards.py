@@ -6,12 +6,13 @@ shards hold is stages/dataset/schema.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 import pyarrow as pa
 
@@ -34,6 +35,7 @@ _FILE_MAGIC = b"ARROW1"  # the IPC *file* (Feather v2) format, which datasets ca
 _END_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 # what reading damaged bytes can raise, from pyarrow or the flatbuffer parsing
 _UNREADABLE = (OSError, ipcstream.Damaged, *ipcstream.BAD_BYTES)
+T = TypeVar("T")
 
 
 def list_shards(folder: str | Path) -> list[Path]:
@@ -111,6 +113,7 @@ class ShardReader:
         self.path = path
         self._size = source.size()  # as opened (an OSFile keeps that figure: _cut stats)
         self._source = source
+        self._pending: Optional[concurrent.futures.Future] = None  # ahead()'s next read
         try:
             self._reader = pa.ipc.open_stream(self._source)
             self.schema: pa.Schema = self._reader.schema
@@ -180,6 +183,29 @@ class ShardReader:
                 raise StageError(self._cut() or f"{self.path}: damaged record batch ({e})") from None
             yield batch
 
+    def ahead(self, work: Callable[[pa.RecordBatch], T]) -> Iterator[T]:
+        """work(batch) for each batch of __iter__, the next batch read and worked on in a
+        thread while the caller uses the one before: Arrow's reads and writes and numpy's
+        passes release the GIL, so a stage that writes what it reads overlaps the two.
+        One batch more is held."""
+        batches = iter(self)
+        done = object()
+
+        def step():
+            batch = next(batches, done)
+            return done if batch is done else work(batch)
+
+        with concurrent.futures.ThreadPoolExecutor(1, "shard-ahead") as pool:
+            self._pending = pool.submit(step)
+            while (item := self._pending.result()) is not done:
+                self._pending = pool.submit(step)
+                yield item
+
+    def settle(self) -> None:
+        """Wait for a read ahead() started (before the file it reads is closed)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+
 
 @contextlib.contextmanager
 def open_shard(path: str | Path, columns: Iterable[str] = ()) -> Iterator[ShardReader]:
@@ -191,7 +217,10 @@ def open_shard(path: str | Path, columns: Iterable[str] = ()) -> Iterator[ShardR
         _check_head(path, source)
         reader = ShardReader(path, source)
         require_columns(path, reader.schema, columns)
-        yield reader  # what the caller raises is its own
+        try:
+            yield reader  # what the caller raises is its own
+        finally:
+            reader.settle()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
 """A request's record in the request cache: the reply as the server sent it, or why the
 request failed.
 
-`success(reply)` and `failure(f)` make the record of a finished request;
-`cached_record(js)` reads one back from the cache, None for anything else on disk (a
-damaged record, or None where the cache found its checksum wrong: its request is sent
-again). docs/stages.md, generate, "Resume".
+`success(reply)` and `failure(f)` make the record of a finished request
+(`reasoning_split(rec)`: whether the engine cut its thinking out); `cached_record(js)`
+reads one back from the cache, None for anything else on disk (a damaged record, or None
+where the cache found its checksum wrong: its request is sent again). docs/stages.md,
+generate, "Resume".
 """
 
 from __future__ import annotations
@@ -17,15 +18,26 @@ from stages.serving import replies
 from stages.serving.client import Failure, Reply
 
 
+# in the record of a reply whose thinking the engine cut out itself: the row is derived
+# from the reply as that engine meant it, whichever server a later run talks to
+SPLIT_KEY = "reasoning_split"
+
+
 def success(reply: Reply) -> bytes:
     """The reply cached as it came (no re-encoding): the completion row is derived from it
     when the outputs are written."""
     raw = reply.raw.strip()
     if b"\n" in raw:
         raw = json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":")).encode()
-    return b'{"ok":true,"attempts":%d,"latency":%.4f,"reply":%s}' % (
-        reply.attempts, reply.latency, raw,
+    split = b'"%s":true,' % SPLIT_KEY.encode() if reply.reasoning_split else b""
+    return b'{"ok":true,"attempts":%d,"latency":%.4f,%s"reply":%s}' % (
+        reply.attempts, reply.latency, split, raw,
     )  # fmt: skip
+
+
+def reasoning_split(rec: dict) -> bool:
+    """Whether a success record's reply had its thinking cut out by the engine."""
+    return rec.get(SPLIT_KEY) is True
 
 
 def failure(f: Failure) -> dict:

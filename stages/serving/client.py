@@ -125,6 +125,7 @@ class Reply(ReplyParts):
     attempts: int
     latency: float  # seconds, the successful attempt (sglang.bench_serving's e2e latency)
     raw: bytes = b""  # the reply body exactly as the server sent it
+    reasoning_split: bool = False  # the engine cut the thinking out (parse_reply)
 
 
 class Failure(Exception):
@@ -248,13 +249,19 @@ class BodyEncoder:
         return "".join(parts).encode()
 
 
-def parse_reply(data: Any, enable_thinking: bool) -> ReplyParts:
-    """The parts of a reply body that replies.check accepted."""
+def parse_reply(data: Any, enable_thinking: bool, reasoning_split: bool = False) -> ReplyParts:
+    """The parts of a reply body that replies.check accepted. With thinking on, a reply
+    without reasoning is cut here by the engine parser's rule (thinking.split_reply),
+    unless the engine's own parser cut it (`reasoning_split`, or a reasoning of "" in the
+    reply): then no reasoning means an empty thinking, and a `</think>` left in the
+    content is the answer's own text."""
     choice = data["choices"][0]
     msg = choice["message"]
     content = msg.get("content") or None
-    reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
-    if reasoning is None and enable_thinking:
+    said = (msg.get("reasoning_content"), msg.get("reasoning"))
+    reasoning = said[0] or said[1] or None
+    split = reasoning_split or any(isinstance(r, str) for r in said)  # "": an empty one
+    if reasoning is None and enable_thinking and not split:
         reasoning, content = thinking.split_reply(content)
     tool_calls = msg.get("tool_calls") or None
     usage = data.get("usage") or {}
@@ -365,6 +372,7 @@ class ChatClient:
         retry: RetryPolicy,
         unreachable_deadline: float,
         enable_thinking: bool = False,
+        reasoning_split: bool = False,
         gate: Any = None,
         connect_timeout: float = 30.0,
         min_new_tokens: int = 1,
@@ -385,6 +393,7 @@ class ChatClient:
         self.retry = retry
         self.unreachable_deadline = unreachable_deadline
         self.enable_thinking = enable_thinking
+        self.reasoning_split = reasoning_split  # ServerHandle.reasoning_split
         self.min_new_tokens = min_new_tokens
         # a launched server's watchdog: `.restarting` and `async wait_ready()`
         self.gate = gate
@@ -582,8 +591,9 @@ class ChatClient:
             if self.redact.found_in(data):
                 data = self.redact.scrub(data)
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        parsed = parse_reply(data, self.enable_thinking)
-        return Reply(**vars(parsed), attempts=attempts, latency=latency, raw=raw)
+        parsed = parse_reply(data, self.enable_thinking, self.reasoning_split)
+        return Reply(**vars(parsed), attempts=attempts, latency=latency, raw=raw,
+                     reasoning_split=self.reasoning_split)
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> Optional[bytes]:

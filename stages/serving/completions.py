@@ -36,8 +36,6 @@ def write_outputs(
     generation.json: `meta` (the model, sampling params and their hash the rows were
     generated with), and when some rows lack the engine's ids, why (`why_without_ids`),
     which tokenize reads. Rows hold their tools as `engine` rendered them (toolshape)."""
-    model, sampling_hash = meta["model"], meta["sampling_hash"]
-    enable_thinking = meta["sampling"]["enable_thinking"]
     counts, ids = turns.new_counts()
     kinds: dict[str, int] = {}
     transient_kinds: dict[str, int] = {}
@@ -64,8 +62,7 @@ def write_outputs(
             mine = by_source.setdefault(str(prompt.get("source")), {
                 "completed": 0, "truncated": 0, "failed": 0, "failed_by_kind": {}})
             if rec["ok"]:
-                row = completion_row(prompt, rec["reply"], model, sampling_hash, enable_thinking,
-                                     engine)
+                row = record_row(prompt, rec, meta, engine)
                 turns.count_completed(row, counts, mine, ids)
                 comp.write(dumps(row) + "\n")
             else:
@@ -82,14 +79,21 @@ def write_outputs(
     return counts
 
 
+def record_row(prompt: dict, rec: dict, meta: dict, engine: Optional[str]) -> dict:
+    """The completion row of a success record (cacherecords), `meta` as write_outputs."""
+    return completion_row(prompt, rec["reply"], meta["model"], meta["sampling_hash"],
+                          meta["sampling"]["enable_thinking"], engine,
+                          cacherecords.reasoning_split(rec))
+
+
 def completion_row(
     prompt: dict, reply: dict, model: str, sampling_hash: str, enable_thinking: bool,
-    engine: Optional[str] = None,
+    engine: Optional[str] = None, reasoning_split: bool = False,
 ) -> dict:
     # parsed again here, not taken from the client's Reply: rows are written from the
     # cached reply, so a row from a resumed run (its reply sent by an earlier run) and
     # one from a fresh run come out the same; the client's parse feeds only live counts
-    parts = parse_reply(reply, enable_thinking)
+    parts = parse_reply(reply, enable_thinking, reasoning_split)
     answer: dict[str, Any] = {
         "role": "assistant", "content": parts.content,
         "reasoning_content": thinking.recorded_reasoning(parts.reasoning, parts.content),

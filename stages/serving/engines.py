@@ -234,7 +234,7 @@ class EngineProcess:
         launch = self.launch
         argv = engine_command(launch, self.port, self.model_path)
         if self.engine in ("sglang", "vllm") and not launch.command:
-            if not any(a.startswith("--reasoning-parser") for a in launch.args):
+            if not probes.has_flag(launch.args, probes.REASONING_FLAG):
                 log.warning(
                     "%s launched without --reasoning-parser: reasoning stays inside `content` "
                     "(add e.g. '--reasoning-parser qwen3' to generate.server.launch.args)",

@@ -4,8 +4,9 @@ Every probe is one bounded request (`ask`: the whole answer within its timeout a
 MAX_PROBE_BYTES, redirects never followed) and answers False or None rather than raise
 when a server is down or hostile. `wait_ready(urls, deadline)` waits for URL servers to
 name their model; `GenerationProbe(url, ...).evidence(timeout)` is what the watchdogs ask
-before calling an engine hung; `served_context`, `seed_honoured` and `is_router` read a
-server's setup. docs/stages.md, generate, "Readiness", "Seed" and "Hostile servers".
+before calling an engine hung; `served_context`, `seed_honoured`, `reasoning_split` and
+`is_router` read a server's setup. docs/stages.md, generate, "Readiness", "Seed" and
+"Hostile servers".
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PROBE_PROMPT = [{"role": "user", "content": "Say OK."}]
 MAX_PROBE_BYTES = 8 << 20
 GENERATION_COUNTERS = ("sglang:generation_tokens_total", "vllm:generation_tokens_total")
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+REASONING_FLAG = "--reasoning-parser"
 
 
 class Answer(NamedTuple):
@@ -182,6 +184,21 @@ class GenerationProbe:
         return engine_healthy(self.url, self.engine, self.model, self.api_key, timeout)
 
 
+def has_flag(argv: list[str], flag: str) -> bool:
+    """Whether `argv` gives `flag` (alone or as flag=value)."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _server_info(url: Optional[str], api_key: Optional[str], key: str) -> Any:
+    """One field of SGLang's GET /get_server_info (its server args); None when the server
+    does not answer it or does not hold the field."""
+    try:
+        status, raw = ask(f"{url}/get_server_info", None, api_key, 10.0)
+        return parse_json(raw).get(key) if status == 200 else None
+    except (OSError, urllib.error.URLError, ValueError, AttributeError):
+        return None
+
+
 def seed_honoured(
     engine: str, url: Optional[str], api_key: Optional[str], argv: Optional[list[str]] = None
 ) -> Optional[bool]:
@@ -193,13 +210,23 @@ def seed_honoured(
     if engine != "sglang":
         return None
     if argv is not None:
-        return any(a == DETERMINISTIC_FLAG or a.startswith(DETERMINISTIC_FLAG + "=") for a in argv)
-    try:
-        status, raw = ask(f"{url}/get_server_info", None, api_key, 10.0)
-        value = parse_json(raw).get("enable_deterministic_inference") if status == 200 else None
-    except (OSError, urllib.error.URLError, ValueError, AttributeError):
-        return None
+        return has_flag(argv, DETERMINISTIC_FLAG)
+    value = _server_info(url, api_key, "enable_deterministic_inference")
     return value if isinstance(value, bool) else None
+
+
+def reasoning_split(
+    engine: str, url: Optional[str], api_key: Optional[str], argv: Optional[list[str]] = None
+) -> bool:
+    """Whether the engine cuts the thinking out of a reply's content itself (started with
+    --reasoning-parser: read from `argv` for an engine we launch, else from SGLang's
+    /get_server_info); False where that cannot be told (vLLM or a router at a URL)."""
+    if argv is not None:
+        return has_flag(argv, REASONING_FLAG)
+    if engine != "sglang":
+        return False
+    value = _server_info(url, api_key, "reasoning_parser")
+    return isinstance(value, str) and bool(value)
 
 
 def is_router(url: str, api_key: Optional[str], timeout: float = 10.0) -> bool:

@@ -81,10 +81,16 @@ def unsummed(key: bytes, stored: bytes) -> Optional[bytes]:
 
 
 def _record(checked: bool, key: bytes, line: bytes) -> Optional[bytes]:
-    """The record of a framed line: in a segment whose records carry their sum (`checked`),
-    the record once its sum matches, else None; in an older segment, as it is."""
+    """The record of a framed line once its sum matches, else None. A record with no sum
+    is taken as it is only in an older segment (not `checked`); one that carries a sum is
+    checked wherever it is, so a segment renamed to an older segment's name still is."""
     stored = line[KEY_HEX + 1 : -1]
-    return unsummed(key, stored) if checked else stored
+    return unsummed(key, stored) if checked or _carries_sum(line) else stored
+
+
+def _carries_sum(line: bytes) -> bool:
+    """Whether a framed line's record starts with its checksum member."""
+    return line.startswith(_SUM_OPEN, KEY_HEX + 1)
 
 
 def _key_of(line: bytes) -> Optional[bytes]:
@@ -199,7 +205,7 @@ class RequestCache:
                         self.damaged += 1
                         failed += key is not None
                         continue
-                    unverified += not checked
+                    unverified += not (checked or _carries_sum(line))
                     yield key, seg_no, start, record
             self._tell(path, torn, failed, unverified)
 

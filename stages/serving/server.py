@@ -130,10 +130,7 @@ class ServerHandle:
         when it does not. The seed keys the request cache either way: it is what was asked."""
         if self.cfg.seed is None:
             return None
-        launch = self.cfg.server.launch
-        argv = None if launch is None else list(launch.args) + list(launch.command or [])
-        url = self.urls[0] if self.urls else None
-        used = await asyncio.to_thread(probes.seed_honoured, self.engine, url, self.key, argv)
+        used = await asyncio.to_thread(probes.seed_honoured, *self._setup_source())
         if used is False:
             log.warning(
                 "generate.seed=%s is ignored: SGLang uses a request's seed only when started "
@@ -141,6 +138,22 @@ class ServerHandle:
                 self.cfg.seed, probes.DETERMINISTIC_FLAG,
             )  # fmt: skip
         return used
+
+    async def reasoning_split(self) -> bool:
+        """Whether each reply comes with its thinking already cut out of `content` by the
+        engine's reasoning parser, so that the client must not cut it again: an empty
+        thinking comes back as null, and an answer that writes `</think>` itself would
+        lose its first part (SGLang also needs `separate_reasoning` on)."""
+        if self.engine == "sglang" and not self.cfg.separate_reasoning:
+            return False
+        return await asyncio.to_thread(probes.reasoning_split, *self._setup_source())
+
+    def _setup_source(self) -> tuple:
+        """(engine, url, key, argv) for the probes that read a server's setup: a launched
+        engine's from its argv, a URL server's from the server."""
+        launch = self.cfg.server.launch
+        argv = None if launch is None else list(launch.args) + list(launch.command or [])
+        return self.engine, self.urls[0] if self.urls else None, self.key, argv
 
     async def behind_router(self) -> bool:
         """Whether the URL server is an sglang-router (a warning for each param the run

@@ -244,7 +244,7 @@ class Regeneration:
             turn_prompt = {"id": pid, "source": prompt.get("source"), "messages": request}
             if tools is not None:
                 turn_prompt["tools"] = tools
-            row = self.row_of(turn_prompt, rec["reply"])
+            row = self.row_of(turn_prompt, rec)
             walk.rows.append(row)
             if k < last and regenerate.ends_conversation(row):
                 walk.ended = "truncated" if row["truncated"] else "tool_call"
@@ -301,7 +301,7 @@ class Regeneration:
             self.transient.pop(k2, None)
             self.index.add(k2, rec)
         # the client checked this reply already; the writer reads the cached one back
-        return {"ok": True, "reply": json.loads(reply.raw)}
+        return json.loads(raw)
 
     def _failed(self, key: bytes, f: Failure) -> dict:
         self.tally.gave_up()

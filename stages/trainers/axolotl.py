@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from stages.dataset import arrays
 from stages.dataset.loader import IGNORE
 from stages.dataset.schema import hf_schema
 from stages.trainers.base import ArrowTrainer, length_note
@@ -42,12 +43,12 @@ class Axolotl(ArrowTrainer):
     @staticmethod
     def columns(part: Part) -> list[pa.Array]:
         """input_ids as they are, attention_mask all ones, labels the ids or IGNORE."""
-        offsets = pa.array(part.offsets.astype(np.int32))
+        offsets = arrays.array(part.offsets.astype(np.int32))
         # one pass straight to int64 (a bool view of the 0/1 mask, no comparison array)
         labels = np.where(part.mask.view(np.bool_), part.ids, np.int64(IGNORE))
         return [part.input_ids,
-                pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(part.ids), np.int8))),
-                pa.ListArray.from_arrays(offsets, pa.array(labels))]
+                pa.ListArray.from_arrays(offsets, arrays.array(np.ones(len(part.ids), np.int8))),
+                pa.ListArray.from_arrays(offsets, arrays.array(labels))]
 
     def settings(self, out: Path, report: dict) -> list[str]:
         return [

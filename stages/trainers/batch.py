@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages.common.errors import StageError
+from stages.dataset import arrays
 
 
 class Part:
@@ -115,8 +116,10 @@ def read_part(batch: pa.RecordBatch, path: Path, max_length: Optional[int]) -> P
 
 
 def _first(flags) -> int:
-    """The index of the first true flag."""
-    return int(np.flatnonzero(np.asarray(flags))[0])
+    """The index of the first true flag (a numpy or an Arrow boolean vector)."""
+    if isinstance(flags, pa.Array):
+        flags = arrays.values(flags)
+    return int(np.flatnonzero(flags)[0])
 
 
 def _row_id(ids: pa.Array, row: int) -> str:
@@ -127,11 +130,10 @@ def _flat(column: pa.Array, path: Path, id_col: pa.Array, name: str
           ) -> tuple[np.ndarray, np.ndarray]:
     """Row offsets (from 0) and the flattened values of a list column (zero-copy); a
     StageError naming the row that holds a null value (a token no trainer can read)."""
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+    offsets, values = arrays.flat(column)
     if values.null_count:
         at = _first(values.is_null())
-        row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
+        row = int(np.searchsorted(offsets, at, side="right")) - 1
         raise StageError(f"{path}: row {_row_id(id_col, row)}: {name} holds a null value "
                          "(run validate)")
-    return offsets - offsets[0], values.to_numpy()
+    return offsets, arrays.values(values)

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from stages.dataset import arrays
 from stages.trainers.batch import Part
 
 MAX_NAMED = 20  # ids named per kind of row a trainer does not take whole (counts are whole)
@@ -74,7 +75,7 @@ class Tally:
             hit = rule.rows(part, self._limit()) & ~refused
             if hit.any():
                 self.left_out.setdefault(rule.key, []).extend(
-                    part.id.take(np.flatnonzero(hit)).to_pylist())
+                    part.id.take(arrays.array(np.flatnonzero(hit))).to_pylist())
             refused |= hit
         return refused
 
@@ -92,7 +93,8 @@ class Tally:
             self.counts[rule.key] += int(np.count_nonzero(hit))
             room = MAX_NAMED - len(self.named[rule.key])
             if room > 0 and hit.any():
-                self.named[rule.key] += part.id.take(np.flatnonzero(hit)[:room]).to_pylist()
+                first = arrays.array(np.flatnonzero(hit)[:room])
+                self.named[rule.key] += part.id.take(first).to_pylist()
         self.affected += int(np.count_nonzero(any_rule))
 
     def max_length_used(self) -> int:

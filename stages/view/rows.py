@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from stages.common.errors import StageError
 from stages.common.reading import json_file, open_regular
-from stages.dataset import fingerprint, ipcstream
+from stages.dataset import arrays, fingerprint, ipcstream
 from stages.dataset.loader import IGNORE
 from stages.dataset.shards import list_shards, open_columns, require_columns
 from stages.trainers import REPORT as EXPORT_REPORT
@@ -176,7 +176,7 @@ class Dataset:
             for first, path, k, cols in self.scan(("id",)):
                 column = cols["id"]
                 hits = pc.is_in(column, value_set=pa.array(sorted(wanted), column.type))
-                for j in np.flatnonzero(hits.to_numpy(zero_copy_only=False)).tolist():
+                for j in np.flatnonzero(arrays.values(hits.fill_null(False))).tolist():
                     i = column[j].as_py()
                     found.setdefault(i, (first + j, path, k, j))
                 if len(found) == len(wanted):
@@ -213,8 +213,7 @@ class Dataset:
             if source is not None:
                 if self.kind != "merged":
                     raise StageError(f"{self.folder}: an export has no source column")
-                keep = np.asarray(pc.equal(got["source"], source)
-                                  .fill_null(False).to_numpy(zero_copy_only=False))
+                keep = arrays.values(pc.equal(got["source"], source).fill_null(False))
             idx = np.flatnonzero(keep)
             numbers.append(idx + start)
             lengths.append(length[idx])
@@ -245,7 +244,7 @@ class Dataset:
             column = got["source"]
             for name in pc.unique(column).to_pylist():
                 hit = (pc.is_null(column) if name is None else pc.equal(column, name))
-                idx = np.flatnonzero(hit.fill_null(False).to_numpy(zero_copy_only=False))
+                idx = np.flatnonzero(arrays.values(hit.fill_null(False)))
                 numbers.setdefault(name, []).append(idx + start)
                 lengths.setdefault(name, []).append(got["length"][idx])
         picked: list[int] = []
@@ -271,12 +270,12 @@ class Dataset:
         bounds against their values (the other rows' lists unchecked)."""
         row = _row_values(batch, j, path, self.read)
         for name in ("input_ids", self.mask):
-            if row[name].null_count:  # to_numpy would make it a float, then an id
+            if row[name].null_count:  # no token: named here, with its row
                 where = f" ({row['id']!r})" if row.get("id") is not None else ""
                 raise StageError(f"{path}: row {number}{where}: {name} holds a null value "
                                  "(run validate)")
-        ids = row["input_ids"].to_numpy(zero_copy_only=False).astype(np.int64)
-        values = row[self.mask].to_numpy(zero_copy_only=False).astype(np.int64)
+        ids = arrays.values(row["input_ids"]).astype(np.int64)
+        values = arrays.values(row[self.mask]).astype(np.int64)
         notes = []
         if len(values) != len(ids):
             notes.append(f"{self.mask} has {len(values)} values for {len(ids)} tokens")

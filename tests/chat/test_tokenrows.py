@@ -58,6 +58,11 @@ def test_a_line_over_max_row_bytes_is_counted_and_never_rendered(encoder, monkey
     assert result.stats["b"]["dropped"]["too_large"] == 1
     assert result.stats["b"]["conversations"] == 2
     assert f"c.jsonl:2: row 'r1' is {len(big)} bytes, over tokenize.max_row_bytes" in caplog.text
+    huge_id = line(0, "a", "x").replace(b'"r0"', b'"' + b"i" * 100_000 + b'"')
+    caplog.clear()
+    chunk(Tokenize(ids="render", max_row_bytes=1000), encoder, [huge_id])
+    assert f"row '{'i' * 80}'... is {len(huge_id)} bytes" in caplog.text
+    assert len(caplog.text) < 1000  # the id cut, not written whole into the log
     # the bound goes with max_seq_len when not set: 128 bytes (Qwen's longest token) a token
     assert tokenrows.row_bytes_limit(Tokenize(max_seq_len=1000)) == 128_000
     assert tokenrows.row_bytes_limit(Tokenize(max_seq_len=1000, max_row_bytes=5)) == 5

@@ -196,6 +196,19 @@ def test_a_damaged_base_history_is_refused_in_one_line(repo):
     assert not (repo / "data/merged").exists()
 
 
+@pytest.mark.parametrize("written", [lineage.FORMAT + 1, "3"])
+def test_a_base_lineage_of_a_format_this_release_does_not_know_is_said(repo, caplog, written):
+    (repo / "data/base/lineage.json").write_text(json.dumps(
+        {"format": written, "history": [{"version": 4, "rows": 30}]}))
+    new_version(repo, "n", 2)
+    with caplog.at_level("WARNING"):
+        merge.run(params.Merge(base="data/base"), MERGE_PATHS)
+    (line,) = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert line.startswith(f"data/base/lineage.json: format {json.dumps(written)}, ")
+    lin = json.loads((repo / "data/merged/lineage.json").read_text())
+    assert [(v["version"], v["rows"]) for v in lin["history"]] == [(4, 30), (5, 32)]
+
+
 def test_history_is_read_from_the_card_when_lineage_json_is_gone(repo):
     new_version(repo, "x", 3)
     merge.run(params.Merge(base="data/base"), MERGE_PATHS)

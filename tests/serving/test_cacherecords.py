@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from stages.common.reading import MAX_FILE_DEPTH, deeper_than
-from stages.serving.cacherecords import cached_record, failure, success
+from stages.serving.cacherecords import cached_record, failure, reasoning_split, success
 from stages.serving.client import Failure, Reply, read_body
 
 BODY = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
@@ -19,6 +19,13 @@ def test_a_success_is_the_reply_as_it_came_on_one_line():
     assert b"\n" not in rec
     back = cached_record(rec)
     assert back["ok"] is True and back["attempts"] == 2 and back["reply"] == BODY
+    assert not reasoning_split(back)
+
+
+def test_a_reply_the_engine_split_says_so_in_its_record():
+    raw = json.dumps(BODY).encode()
+    rec = cached_record(success(Reply("hi", None, None, "stop", 1, 1, 1, 0.1, raw, True)))
+    assert reasoning_split(rec) and rec["reply"] == BODY
 
 
 def test_a_failure_reads_back_as_written():

@@ -3,7 +3,7 @@ truncation rule, the engine's ids kept."""
 
 from __future__ import annotations
 
-from stages.serving.completions import completion_row
+from stages.serving.completions import completion_row, record_row
 
 PROMPT = {"id": "p1", "source": "s", "messages": [{"role": "user", "content": "q"}]}
 
@@ -30,6 +30,20 @@ def test_an_answer_holding_think_close_records_a_reasoning_string():
     assert (got["reasoning_content"], got["content"]) == ("", "x </think> y")
     # the engine's own split is kept as it came
     assert answer(reply("c </think> d", "r"), True)["reasoning_content"] == "r"
+
+
+def test_a_reply_the_engine_split_is_not_split_again():
+    """SGLang's parser sends an empty thinking as null: the `</think>` left in the content
+    is the answer's own (seen from a model that closed its thinking at once and wrote
+    `</think>` again), and cutting there would drop the answer's first part."""
+    said = reply("x </think> y")
+    split = completion_row(PROMPT, said, "m", "h", True, reasoning_split=True)["messages"][-1]
+    assert (split["reasoning_content"], split["content"]) == ("", "x </think> y")
+    assert answer(said, True)["content"] == " y"  # the same text from an engine without one
+    assert answer(reply("x </think> y", ""), True) == split  # an engine that says "" cut it
+    rec = {"ok": True, "reasoning_split": True, "reply": said}
+    meta = {"model": "m", "sampling_hash": "h", "sampling": {"enable_thinking": True}}
+    assert record_row(PROMPT, rec, meta, "sglang")["messages"][-1] == split
 
 
 def test_cut_off_or_empty_answers_are_truncated():

@@ -53,3 +53,16 @@ def test_the_served_context_is_max_model_len_of_the_served_model():
         assert probes.served_context([a.url, b.url], "fake-model", None) == 2048
         assert probes.served_context([a.url], "other-model", None) == 4096  # its only model
         assert probes.served_context([a.url, c.url], "fake-model", None) is None
+
+
+def test_whether_the_engine_splits_reasoning_is_read_from_its_flags_or_its_setup(fake_server):
+    assert probes.reasoning_split("sglang", None, None, ["--reasoning-parser", "qwen3"])
+    assert probes.reasoning_split("vllm", None, None, ["--reasoning-parser=qwen3"])
+    assert not probes.reasoning_split("sglang", None, None, ["--tool-call-parser", "qwen3"])
+    url = fake_server().url
+    assert probes.reasoning_split("sglang", url, None)  # /get_server_info's reasoning_parser
+    assert not probes.reasoning_split("vllm", url, None)  # vLLM does not say: split here
+    for body in ('{"reasoning_parser": null}', '{"model_path": "m"}', '{"reasoning_parser": 1}',
+                 "[]", "not json"):
+        bare = fake_server({"endpoints": {"/get_server_info": {"body": body}}}).url
+        assert not probes.reasoning_split("sglang", bare, None), body

@@ -171,6 +171,21 @@ def test_a_record_moved_under_another_key_or_stripped_of_its_sum_is_not_used(tmp
         assert [k for k, *_ in c.scan()] == [digest(0)] and c.damaged == 2
 
 
+def test_a_checksummed_segment_renamed_as_an_older_one_is_still_checked(tmp_path):
+    """A record that carries a sum is checked whatever its segment is named: renaming a
+    segment to an older release's name (`seg-*.log`) does not make an edit pass."""
+    with RequestCache(tmp_path, "ns", {}) as c:
+        for i in range(3):
+            c.append(digest(i), {"ok": True, "text": f"answer {i}"})
+        seg = c.segments[0]
+    older = seg.with_name(seg.name.replace(".sum.log", ".log"))
+    older.write_bytes(seg.read_bytes().replace(b"answer 1", b"answer 7"))
+    seg.unlink()
+    with RequestCache(tmp_path, "ns", {}) as c:
+        assert [json.loads(js)["text"] for *_, js in c.scan()] == ["answer 0", "answer 2"]
+        assert c.damaged == 1 and c.unverified == 0
+
+
 def test_segments_from_before_checksums_are_read_counted_and_logged_once(tmp_path, caplog):
     """The paid-for answers of an earlier release stay usable; that they cannot be checked
     is said once a segment, and counted."""

@@ -54,6 +54,35 @@ def test_four_turns_each_carrying_the_targets_earlier_answers(tmp_path):
     assert rep["completed"] + rep["failed"] == rep["requests"] == 7
 
 
+def test_an_answer_after_an_empty_thinking_goes_on_whole_as_the_engine_split_it(tmp_path):
+    """The engine's parser cut an empty thinking (null) from an answer that writes
+    `</think>` itself: the next turn carries that answer whole, as the engine said it,
+    and a later run against a server that does not say it splits rebuilds the same rows
+    from the cache (the record says who split). A server that says nothing is split here."""
+    rows = write_prompts(tmp_path, [conversation(i, 3) for i in range(2)])
+    patch = {"fault": "patch", "match": "-t1($|~)", "set": {
+        "choices.0.message.content": "x </think> y", "choices.0.message.reasoning_content": None}}
+    silent = {"endpoints": {"/get_server_info": {"body": "{}"}}}
+    with spawn({"record_log": True, "rules": [patch]}) as server:
+        write_params(tmp_path, server=url_server(server.url), enable_thinking=True)
+        here(tmp_path)
+        by_conv = check_history(log_of(server), rows)
+    assert by_conv["c0000"][1]["messages"][2] == {
+        "role": "assistant", "content": "x </think> y", "reasoning_content": ""}
+    first = (tmp_path / "data/completions/completions.jsonl").read_bytes()
+    with spawn({"record_log": True, "rules": [patch], **silent}) as server:
+        write_params(tmp_path, server=url_server(server.url), enable_thinking=True)
+        here(tmp_path)
+        assert log_of(server) == []
+    assert (tmp_path / "data/completions/completions.jsonl").read_bytes() == first
+    with spawn({"record_log": True, "rules": [patch], **silent}) as server:
+        write_params(tmp_path, server=url_server(server.url), enable_thinking=True,
+                     cache_dir=".cache/other")
+        here(tmp_path)
+        said = log_of(server)[-1]["messages"][2]
+    assert (said["content"], said.get("reasoning_content")) == (" y", None)
+
+
 def test_max_turns_bounds_the_turns(tmp_path):
     rows = write_prompts(tmp_path, [conversation(i, 4) for i in range(3)])
     with spawn({"record_log": True}) as server:

@@ -35,6 +35,17 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install engine-venv demo check test bench clean-demo
 
+# pip install in venv $(1) of $(2), tried again whole where it fails: a download cut off
+# mid-wheel (CI once lost a 286 MB wheel at 102 MB, each of pip's resumes refused) needs a
+# fresh request; wheels that did arrive come from pip's cache the next time.
+PIP_TRIES := 3
+comma := ,
+pip_install = for try in $$(seq $(PIP_TRIES)); do \
+	  $(1)/bin/python -m pip install --quiet --retries 10 --timeout 60 $(2) && break; \
+	  [ $$try -lt $(PIP_TRIES) ] || exit 1; \
+	  echo "pip install failed (try $$try of $(PIP_TRIES)); trying again in 30 s" >&2; sleep 30; \
+	done
+
 install: $(STAMP)
 
 # SpecForge (its prompt builder, vocabulary mapping and its own trainer, for the export
@@ -43,9 +54,9 @@ install: $(STAMP)
 # pyproject cannot say --no-deps.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip>=24,<27"
-	$(BIN)/python -m pip install --quiet -e '.[demo,dev]'
-	$(BIN)/python -m pip install --quiet --no-deps specforge==0.2.0
+	$(call pip_install,$(VENV),--upgrade "pip>=24$(comma)<27")
+	$(call pip_install,$(VENV),-e '.[demo$(comma)dev]')
+	$(call pip_install,$(VENV),--no-deps specforge==0.2.0)
 	touch $(STAMP)
 
 engine-venv: $(ENGINE_STAMP) $(SGLANG_CPU)
@@ -53,8 +64,8 @@ engine-venv: $(ENGINE_STAMP) $(SGLANG_CPU)
 $(ENGINE_STAMP):
 	rm -rf $(ENGINE_VENV)
 	$(PYTHON) -m venv $(ENGINE_VENV)
-	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24,<27"
-	$(ENGINE_VENV)/bin/python -m pip install --quiet $(ENGINE_PINS)
+	$(call pip_install,$(ENGINE_VENV),--upgrade "pip>=24$(comma)<27")
+	$(call pip_install,$(ENGINE_VENV),$(ENGINE_PINS))
 	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(ENGINE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
@@ -62,9 +73,9 @@ $(ENGINE_STAMP):
 $(SGLANG_STAMP): $(SGLANG_REQUIREMENTS)
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24,<27"
-	$(SGLANG_VENV)/bin/python -m pip install --quiet -r $(SGLANG_REQUIREMENTS)
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps $(SGLANG_PINS)
+	$(call pip_install,$(SGLANG_VENV),--upgrade "pip>=24$(comma)<27")
+	$(call pip_install,$(SGLANG_VENV),-r $(SGLANG_REQUIREMENTS))
+	$(call pip_install,$(SGLANG_VENV),--no-deps $(SGLANG_PINS))
 	touch $@
 
 # the stand-in alone is copied again when it changes (not the whole venv)

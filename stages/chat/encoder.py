@@ -130,8 +130,9 @@ def _calls_with_parsed_arguments(calls: Any) -> Any:
     return out
 
 
-# (backend id, control tokens) -> (that backend, its copy with them special): _plain_encoder
-_PLAIN_COPIES: dict = {}
+# (backend id, control tokens) -> (that backend, its copy with them special):
+# ChatEncoder._spelling_encoder
+_SPELLING_COPIES: dict = {}
 
 
 class ChatEncoder:
@@ -178,8 +179,9 @@ class ChatEncoder:
         self._lstrip = {s for s in longest if flags[s].lstrip}
         self._rstrip = {s for s in longest if flags[s].rstrip}
         self.codec = ControlTokenCodec(longest, self.name)
-        self._plain = self._plain_encoder(tok.backend_tokenizer, added)
-        self._nfc = is_nfc(self._plain.normalizer)
+        self._backend, self._added = tok.backend_tokenizer, added
+        self._spelling = None  # _spelling_encoder(), made when a piece may need it
+        self._nfc = is_nfc(self._backend.normalizer)
 
         self.generation_tags = bool(_GENERATION_TAG.search(template))
         chatml = IM_START in self.control and IM_END in self.control and IM_START in template
@@ -197,18 +199,22 @@ class ChatEncoder:
 
     # ---------------------------------------------------------------- encoders
 
-    def _plain_encoder(self, backend, added):
+    def _spelling_encoder(self):
         """The backend that encodes control-token spellings as text.
 
         `encode_special_tokens` (switched on around each call) covers special tokens
         only, so a tokenizer with non-special control tokens gets a copy marking them.
         """
-        if all(t.special for t in added.values() if t.content in self.control):
+        if self._spelling is not None:
+            return self._spelling
+        backend = self._backend
+        if all(t.special for t in self._added.values() if t.content in self.control):
+            self._spelling = backend
             return backend
-        # the copy takes seconds (the whole tokenizer through JSON): made once per
+        # the copy takes about a second (the whole tokenizer through JSON): made once per
         # tokenizer and control set in a process, shared as the backend itself would be
         key = (id(backend), tuple(sorted(self.control.items())))
-        if key not in _PLAIN_COPIES:
+        if key not in _SPELLING_COPIES:
             from tokenizers import Tokenizer
 
             text = backend.to_str()
@@ -219,23 +225,37 @@ class ChatEncoder:
                 if entry["content"] in self.control:
                     entry["special"] = True
             copy = Tokenizer.from_str(text[:at] + json.dumps(entries) + text[end:])
-            _PLAIN_COPIES[key] = backend, copy  # the backend kept: its id() stays its own
-        return _PLAIN_COPIES[key][1]
+            _SPELLING_COPIES[key] = backend, copy  # the backend kept: its id() stays its own
+        self._spelling = _SPELLING_COPIES[key][1]
+        return self._spelling
 
-    def encode_text(self, texts: Sequence[str]):
-        """Encodings of plain text pieces: no control token parsed, nothing added."""
-        plain = self._plain
+    @property
+    def spelling_copy_made(self) -> bool:
+        """Whether this encoder has needed its tokenizer's copy for spellings yet."""
+        return self._spelling is not None
+
+    def encode_text(self, texts: Sequence[str], spelled: bool = True):
+        """Encodings of plain text pieces: no control token parsed, nothing added.
+        `spelled=False` promises that no piece spells a control token (a rendering cut at
+        every control token it holds; stages/chat/controltext.py restores spellings only in
+        look-alike rows)."""
         texts = list(texts)
         # An NFC normalizer leaves NFC text as it is, and nearly all text is NFC (ASCII
         # always is): it is then skipped, which saves ~8% of the encoding time (it
         # tracks the alignment of every character).
         skip = self._nfc and all(t.isascii() or unicodedata.is_normalized("NFC", t)
                                  for t in texts)
+        # Text that spells no control token, as the normalizer leaves it, finds none: the
+        # loaded backend encodes it as the spelling encoder would. (Text that is not NFC
+        # can become a spelling once normalized: U+212A KELVIN SIGN is K.)
+        loaded = not spelled and (skip or self._backend.normalizer is None)
+        plain = self._backend if loaded else self._spelling_encoder()
 
-        def encode():  # switched on the helper thread: the encodes queued there (engine_ids)
-            # run before or after, never inside the switches
+        def encode():  # switched on the helper thread, where every encode of an encoder
+            # runs (engine_ids too): before or after, never inside the switches
             old = plain.encode_special_tokens, plain.normalizer
-            plain.encode_special_tokens = True
+            if not loaded:
+                plain.encode_special_tokens = True
             if skip:
                 plain.normalizer = None
             try:
@@ -529,7 +549,8 @@ class ChatEncoder:
 
     def encode_plans(self, plans: Sequence[RenderedRow]) -> Batch:
         """Encode the text pieces of all plans in one call and assemble ids and masks."""
-        encs = self.encode_text([t for p in plans for t in p.texts])
+        encs = self.encode_text([t for p in plans for t in p.texts],
+                                spelled=any(p.lookalikes for p in plans))
         flat: list[int] = []
         seg_len: list[int] = []
         seg_sup: list[bool] = []

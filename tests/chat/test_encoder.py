@@ -518,6 +518,48 @@ def test_non_special_control_tokens_are_text_too(hf_style):
         hf_style.convert_tokens_to_ids("<think>")]
 
 
+def test_rows_without_lookalikes_need_no_copy_of_the_tokenizer(hf_style):
+    """The copy marking non-special control tokens special (about a second for a real
+    vocabulary) is made only for a batch whose pieces may spell one; the loaded tokenizer
+    encodes the rest to the same ids."""
+    enc = ChatEncoder(hf_style)
+    ref = Reference(hf_style)
+    plain = [(m, t) for m, t in conversations(200, seed=23)
+             if not any(p.lookalikes for p in enc.plan(m, t))]
+    assert len(plain) >= 5
+    for msgs, tools in plain:
+        (ids, mask, _), = enc.encode(msgs, tools)
+        check_row(ref, enc, msgs, tools, ids, mask)
+    assert not enc.spelling_copy_made
+    spelled = [{"role": "user", "content": "say <think>"}, {"role": "assistant", "content": "ok"}]
+    (ids, mask, _), = enc.encode(spelled)
+    check_row(ref, enc, spelled, None, ids, mask)
+    assert enc.spelling_copy_made
+
+
+def test_text_that_normalizes_into_a_spelling_stays_text(hf_style):
+    """NFC makes U+212A KELVIN SIGN a K: a piece that spells no control token as written
+    can spell one once normalized, so the loaded tokenizer (which would read that token)
+    is not used for it."""
+    from tokenizers import AddedToken, Tokenizer, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(hf_style.backend_tokenizer.to_str())
+    backend.normalizer = normalizers.NFC()
+    backend.add_tokens([AddedToken("<K>", special=False, normalized=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = hf_style.chat_template
+    control = fast.convert_tokens_to_ids("<K>")
+    assert backend.encode("<\u212a>", add_special_tokens=False).ids == [control]
+    enc = ChatEncoder(fast)
+    for content in ("<\u212a>", "<K>"):  # as normalized, and as written
+        msgs = [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+        (ids, _, _), = enc.encode(msgs)
+        assert control not in ids.tolist()
+        assert fast.decode(ids).count("<K>") == 1
+
+
 def test_tokenizer_adding_a_prefix_space_per_piece_is_refused(tok):
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers
     from tokenizers.models import BPE

@@ -231,6 +231,18 @@ def plain_encode(tok, text: str) -> list[int]:
     return ChatEncoder(tok).encode_text([text])[0].ids
 
 
+def test_the_bundled_config_lists_the_added_tokens_of_tokenizer_json(tok):
+    """transformers takes a config's added_tokens_decoder instead of parsing the whole
+    tokenizer.json in Python again: the two must say the same of every added token."""
+    folder = tokenizer.ensure_bundled("qwen3.6")
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    entries = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    assert len(entries) == 33
+    assert config["added_tokens_decoder"] == {str(e.pop("id")): e for e in entries}
+    assert {i: t.__getstate__() for i, t in tok.added_tokens_decoder.items()} == {
+        int(i): e for i, e in config["added_tokens_decoder"].items()}
+
+
 def test_plain_encode_helper_treats_specials_as_text(tok, qwen):
     text = "<|im_start|>user\nhi<think>x</think><|im_end|>"
     assert plain_encode(tok, text) == qwen.encode(text, allowed_special=set(),

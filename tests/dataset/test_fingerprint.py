@@ -93,3 +93,27 @@ def test_read_state_hash_is_none_for_what_it_cannot_use(tmp_path):
     for doc in ('{"_fingerprint": 5}', '[1]', '{"_fingerprint": "\\ud800"}', "{"):
         state.write_text(doc)
         assert fingerprint.read_state_hash(state) is None
+
+
+def test_build_records_the_installed_versions_without_importing_datasets():
+    """tokenize writes the fingerprint; importing datasets for its version took about a
+    second of every run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json\n"
+            "from stages.common import params\n"
+            "from stages.dataset import fingerprint\n"
+            "doc = fingerprint.build({'name': 't'}, 'x' * 64, params.Tokenize())\n"
+            "print(json.dumps({'versions': doc['versions'], 'datasets': 'datasets' in sys.modules}))")
+    got = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                    text=True).stdout)
+    assert got["datasets"] is False
+    import datasets
+    import pyarrow
+    import tokenizers
+    import transformers
+
+    assert got["versions"] == {"transformers": transformers.__version__,
+                               "tokenizers": tokenizers.__version__,
+                               "datasets": datasets.__version__, "pyarrow": pyarrow.__version__}

@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import datasets
@@ -26,7 +27,7 @@ import yaml
 from stages import merge, validate
 from stages.common import params
 from stages.common.errors import StageError
-from stages.dataset import adopt, idhashes
+from stages.dataset import adopt, baserows, idhashes
 from tests.helpers import stagecli
 from tests.helpers.repo import ROOT, git_commit, run
 from tests.helpers.sets import rows as contract_rows
@@ -256,7 +257,7 @@ def test_ids_are_the_content_whatever_the_integer_types(repo):
 
 
 def test_values_checked_and_narrowed_a_chunk_at_a_time(repo, monkeypatch):
-    monkeypatch.setattr(adopt, "CHUNK", 7)
+    monkeypatch.setattr(baserows, "CHUNK", 7)
     user = user_rows(20)
     datasets_int64(repo / "legacy", user)
     merge.run(cfg("legacy"), PATHS)
@@ -272,6 +273,41 @@ def test_values_checked_and_narrowed_a_chunk_at_a_time(repo, monkeypatch):
     assert str(e.value) == (f"merge.adopt: broken/data-00000-of-00001.arrow, row 15: "
                             f"input_ids[{last}] is {VOCAB + 5}, outside the vocabulary "
                             f"[0, {VOCAB}) of the new rows")
+
+
+def test_batches_converted_side_by_side_keep_their_order_and_the_first_error(repo,
+                                                                             monkeypatch):
+    """Parts of a file are converted by several threads at once: the shard holds them in
+    the file's order, the first row trained whole is the one counted first, and of two
+    bad rows the earlier is named even when a later part fails first."""
+    monkeypatch.setattr(adopt, "BATCH_ROWS", 3)
+    monkeypatch.setattr(adopt, "MAX_CONVERTERS", 4)
+    monkeypatch.setattr(adopt.cpus, "usable", lambda: 4)
+    user = user_rows(40)
+    data = columns(user)
+    for r in (8, 31):
+        data["loss_mask"][r] = [1] * len(data["input_ids"][r])
+    datasets.Dataset.from_dict(data).save_to_disk("legacy")
+    report = merge.run(cfg("legacy", adopt_fully_supervised="keep"), PATHS)
+    ds = datasets.load_from_disk("data/merged")
+    assert ds["input_ids"][:40] == data["input_ids"]
+    assert ds["loss_mask"][:40] == data["loss_mask"]
+    assert report["adopted"]["fully_supervised_rows"] == 2
+
+    check = baserows.inside
+
+    def inside(values, limit):  # the earlier bad part is the slower to fail
+        if VOCAB + 1 in values:
+            time.sleep(0.3)
+        return check(values, limit)
+
+    monkeypatch.setattr(baserows, "inside", inside)
+    data["input_ids"][10][0] = VOCAB + 1  # parts of 3 rows: the 4th part
+    data["input_ids"][13][0] = VOCAB + 2  # the 5th, converted beside it
+    datasets.Dataset.from_dict(data).save_to_disk("broken")
+    with pytest.raises(StageError, match=r"broken/data-00000-of-00001.arrow, row 10: "
+                                         rf"input_ids\[0\] is {VOCAB + 1}"):
+        merge.run(cfg("broken", adopt_fully_supervised="keep"), PATHS)
 
 
 def test_named_columns_and_source(repo):
@@ -451,36 +487,6 @@ def test_the_vocabulary_comes_from_the_new_rows(repo):
     datasets_int64(repo / "legacy", user_rows(3))
     with pytest.raises(StageError, match="fingerprint.json: no tokenizer.vocab_size"):
         merge.run(cfg("legacy"), PATHS)
-
-
-def test_row_sums_count_empty_rows_as_zero():
-    loss = np.array([1, 0, 1, 1, 1], np.int8)
-    offsets = np.array([0, 0, 2, 2, 5, 5], np.int32)
-    assert adopt.row_sums(loss, offsets).tolist() == [0, 1, 0, 3, 0]
-
-
-def test_per_row_rules_match_a_row_by_row_count_with_empty_rows_anywhere():
-    """row_sums and trainable_rows (reduceat over the non-empty rows) against plain Python on
-    random masks whose rows are empty, 1 token or long, first, inside and last."""
-    rng = np.random.default_rng(7)
-    for _ in range(200):
-        lengths = rng.choice([0, 0, 1, 2, 3, 50], size=int(rng.integers(1, 12)))
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        loss = (rng.random(int(offsets[-1])) < rng.random()).astype(np.int8)
-        rows = [loss[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
-        assert adopt.row_sums(loss, offsets).tolist() == [sum(r) for r in rows]
-        pairs = [any(x and y for x, y in zip(r, r[1:])) for r in rows]
-        assert adopt.trainable_rows(loss, offsets.astype(np.int64)).tolist() == pairs
-
-
-@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint64"])
-def test_inside_holds_values_to_zero_and_the_limit(dtype):
-    info = np.iinfo(dtype)
-    for limit in (2, 100, 1000, 2**31 - 1):
-        for value in (0, 1, limit - 1, limit, -1, info.min, info.max):
-            if info.min <= value <= info.max:
-                values = np.array([0, value, 0], dtype)
-                assert adopt.inside(values, limit) is (0 <= value < limit), (value, limit)
 
 
 # ------------------------------------------------------------------------- dvc repro

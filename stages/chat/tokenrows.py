@@ -26,6 +26,7 @@ from stages.serving.engineids import Served
 from stages.common import params
 from stages.common.errors import StageError
 from stages.common.reading import json_object, open_regular
+from stages.dataset import arrays
 from stages.dataset.schema import ARROW_SCHEMA
 
 # A worker's unit of work: at most CHUNK_BYTES of lines, shrinking over the file's last
@@ -228,15 +229,17 @@ def _record_batch(ids_col, src_col, pieces_ids, pieces_mask, lens, losses):
         return None
     offsets = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=offsets[1:])
-    off = pa.array(offsets, type=pa.int32())
+    off = arrays.array(offsets)
     return pa.RecordBatch.from_arrays(
         [
-            pa.array(ids_col, type=pa.string()),
-            pa.array(src_col, type=pa.string()),
-            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_ids), pa.int32())),
-            pa.ListArray.from_arrays(off, pa.array(np.concatenate(pieces_mask), pa.int8())),
-            pa.array(np.asarray(lens, dtype=np.int32), type=pa.int32()),
-            pa.array(np.asarray(losses, dtype=np.int32), type=pa.int32()),
+            arrays.strings(ids_col),
+            arrays.strings(src_col),
+            pa.ListArray.from_arrays(off, arrays.array(
+                np.concatenate(pieces_ids).astype(np.int32, copy=False))),
+            pa.ListArray.from_arrays(off, arrays.array(
+                np.concatenate(pieces_mask).astype(np.int8, copy=False))),
+            arrays.array(np.asarray(lens, dtype=np.int32)),
+            arrays.array(np.asarray(losses, dtype=np.int32)),
         ],
         schema=ARROW_SCHEMA,
     )

@@ -2,9 +2,10 @@
 
 pyarrow's `to_numpy` (and `np.asarray` of an array, which calls it) and `pa.array` of a
 numpy array pass through its pandas bridge, which imports pandas the first time in a
-process: about 0.25 s, most of a small export's run. Every `to_numpy` in stages/ and
-every conversion on export's path go through here instead (tests/dataset/test_arrays.py
-keeps them so); other stages still call `pa.array` in places.
+process: about 0.25 s, most of a small export's run, and paid again by every tokenize
+worker (forked from a process that had not imported it). Every `to_numpy` in stages/ and
+every conversion on export's and tokenize's paths go through here instead
+(tests/dataset/test_arrays.py keeps them so); other stages still call `pa.array` in places.
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ def array(values: np.ndarray) -> pa.Array:
     if type_ not in _NUMPY:
         raise TypeError(f"{values.dtype}: not a numeric type")
     return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
+
+
+def strings(texts: list[str]) -> pa.Array:
+    """Python strings as an Arrow string array without nulls (UnicodeEncodeError on a lone
+    surrogate, as pa.array raises)."""
+    data = [t.encode("utf-8") for t in texts]
+    ends = np.zeros(len(data) + 1, np.int64)
+    np.cumsum([len(d) for d in data], out=ends[1:])
+    if ends[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{ends[-1]} bytes of text: more than a string array holds")
+    return pa.Array.from_buffers(pa.string(), len(data), [
+        None, pa.py_buffer(ends.astype(np.int32)), pa.py_buffer(b"".join(data))])
 
 
 def offsets(column: pa.Array) -> np.ndarray:

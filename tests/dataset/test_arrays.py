@@ -4,6 +4,7 @@ conversions, and the export kept off pyarrow's pandas bridge."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -93,3 +94,50 @@ def test_stages_convert_arrow_arrays_here_only():
              if ".to_numpy(" in line and "get_column(" not in line
              and path.name != "arrays.py"]
     assert not found, found
+
+
+@pytest.mark.parametrize("texts", [[], ["a"], ["row-1", "", "é€😀", "x" * 300]])
+def test_strings_equal_pyarrows_own(texts):
+    got = arrays.strings(texts)
+    assert got.equals(pa.array(texts, pa.string())) and got.to_pylist() == texts
+
+
+def test_a_lone_surrogate_is_refused_as_pyarrow_refuses_it():
+    with pytest.raises(UnicodeEncodeError):
+        arrays.strings(["ok", "\ud800"])
+
+
+_TOKENIZE = """
+import json, os, sys
+
+
+class Spy:  # forked workers inherit it: any process of the stage that imports pandas
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas":
+            with open(sys.argv[4], "a") as f:
+                f.write(f"{os.getpid()}\\n")
+
+
+sys.meta_path.insert(0, Spy())
+from stages.tokenize import tokenize_file
+report = tokenize_file(sys.argv[1], sys.argv[2], num_proc=int(sys.argv[3]))
+print(json.dumps({"rows": report["rows"]}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_tokenize_never_imports_pandas(tmp_path, num_proc):
+    """Its workers are forked fresh at every run: pyarrow's pandas bridge would cost each
+    of them the import (about 0.3 s of CPU a worker, a run of a thousand rows)."""
+    src = tmp_path / "completions.jsonl"
+    rows = [{"id": f"r{i}", "source": "s", "messages": [
+        {"role": "user", "content": f"question {i}"},
+        {"role": "assistant", "content": f"an answer of some words, number {i}"}]}
+        for i in range(6)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    imports = tmp_path / "imports"
+    proc = subprocess.run([sys.executable, "-c", _TOKENIZE, str(src), str(tmp_path / "out"),
+                           str(num_proc), str(imports)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert json.loads(proc.stderr.strip().splitlines()[-1]) == {"rows": 6}, proc.stderr[-2000:]
+    assert not imports.exists(), f"pandas imported by processes {imports.read_text().split()}"

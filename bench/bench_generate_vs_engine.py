@@ -9,8 +9,9 @@
   generate_vs_sglang       the same against real SGLang (0.5.23, CPU, `.venv-sglang-cpu`)
                            and SGLang's own `python -m sglang.bench_serving` (backend
                            sglang-oai-chat: the same chat endpoint). Target >= 0.95.
-  generate_{engine,sglang}_{stage,bench}_tok_s   the figures (best of 2 rounds; each side
-                           runs first in one of them).
+  generate_{engine,sglang}_{stage,bench}_tok_s   the figures (the mean of 2 rounds; each
+                           side runs first in one of them). Each ratio is the geometric mean
+                           of the two rounds' own: see paired_rounds.
 
 Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_engine.py`
 (BENCH_QUICK=1: fewer prompts; `--engine vllm` or `--engine sglang`: that figure only).
@@ -19,8 +20,10 @@ Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_e
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -147,9 +150,12 @@ def sglang_tok_s(wd: Path, url: str, served: str, model_path: str, prompts: list
     return figures["output_throughput"]
 
 
-def best_of_two(name: str, bench, stage) -> tuple[float, float]:
-    """Each side's best of two rounds; the machine is shared and its load drifts, so each
-    side goes first once (one order would favour whoever runs in the calmer half)."""
+def paired_rounds(name: str, bench, stage) -> tuple[float, float, float]:
+    """(stage tok/s, the engine benchmark's tok/s, stage / benchmark) over two rounds run
+    A B, B A: the ratio is the geometric mean of each round's, which cancels a drift of
+    the machine's speed that is even over the four runs (these shared cores change
+    speed by themselves, by up to 2x over minutes; a best of each side would compare one
+    side's fast spell with the other's slow one); the tok/s are each side's mean."""
     ours, theirs = [], []
     for round_ in range(2):
         runs = [lambda: theirs.append(bench(round_)), lambda: ours.append(stage(round_))]
@@ -157,7 +163,8 @@ def best_of_two(name: str, bench, stage) -> tuple[float, float]:
             run()
         print(f"round {round_}: stage {ours[-1]:.1f} tok/s, {name}'s benchmark {theirs[-1]:.1f} "
               f"tok/s (load average {os.getloadavg()[0]:.1f})", flush=True)
-    return max(ours), max(theirs)
+    ratio = math.prod(a / b for a, b in zip(ours, theirs)) ** (1 / len(ours))
+    return statistics.mean(ours), statistics.mean(theirs), ratio
 
 
 def sglang_figures(prompts: list[str]) -> dict:
@@ -176,7 +183,7 @@ def sglang_figures(prompts: list[str]) -> dict:
         served = server.model_name
         sglang_tok_s(WORK / "sglang-warmup", server.url, served, server.model_path,
                      prompts[:CONCURRENCY])
-        ours, theirs = best_of_two(
+        ours, theirs, ratio = paired_rounds(
             "SGLang",
             lambda r: sglang_tok_s(WORK / f"sglang-{r}", server.url, served, server.model_path,
                                    prompts),
@@ -185,7 +192,7 @@ def sglang_figures(prompts: list[str]) -> dict:
     return {
         "generate_sglang_stage_tok_s": round(ours, 1),
         "generate_sglang_bench_tok_s": round(theirs, 1),
-        "generate_vs_sglang": round(ours / theirs, 3),
+        "generate_vs_sglang": round(ratio, 3),
         "generate_sglang_startup_s": round(startup, 1),
     }
 
@@ -216,14 +223,14 @@ def vllm_figures(prompts: list[str]) -> dict:
     with engines.EngineProcess(launch, WORK / "vllm.log") as server:
         startup = time.monotonic() - t0
         engine_tok_s(WORK / "warmup", server.url, server.model_path, prompts[:CONCURRENCY])
-        ours, theirs = best_of_two(
+        ours, theirs, ratio = paired_rounds(
             "vLLM",
             lambda r: engine_tok_s(WORK / f"vllm-{r}", server.url, server.model_path, prompts),
             lambda r: stage_tok_s(WORK / f"stage-{r}", server.url, prompts))
     return {
         "generate_engine_stage_tok_s": round(ours, 1),
         "generate_engine_bench_tok_s": round(theirs, 1),
-        "generate_vs_engine": round(ours / theirs, 3),
+        "generate_vs_engine": round(ratio, 3),
         "generate_engine_vllm_startup_s": round(startup, 1),
     }
 

@@ -6,8 +6,10 @@
 Conversations are generated with realistic length and shape for the reference run: mean
 about 2,700 tokens, mostly the thinking block; 20% with a system prompt, 20% with earlier
 turns, 5% with tools and a tool call. All figures use the bundled Qwen3.6 tokenizer, on
-this machine's cores, in one run: timings are interleaved rounds (3 quick, 4 full), best of
-each, because the 2 cores are shared with other jobs.
+this machine's cores, in one run. The stage and its baselines run in rounds (3 quick, 6
+full), each run beside its pair's other side, the order turned round every round; each
+ratio is the median over rounds of the pair's two times (the cores of a shared machine
+change speed by themselves every few seconds), the tok/s figures the best of the rounds.
 
   tokenize_vs_floor       stage tokens/s at num_proc=2 (render + encode + mask + Arrow
                           write, JSON parsing and the serve-render check of every row
@@ -40,6 +42,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -51,6 +54,8 @@ WORK = ROOT / "bench" / "work" / "tokenize"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
+
+ROUNDS, ROUNDS_QUICK = 6, 3  # timed rounds of every run (see main)
 COMMON = (
     "the of and to in is that it for as with was on be by this are or at from an but not "
     "have which can we if so all one what there when more will about into out up then them "
@@ -303,20 +308,30 @@ def main(quick: bool | None = None) -> dict:
     assert report["rows"] == n, report["dropped"]
     check = report["serve_check"]  # every row checked against its engine ids, all equal
     assert check["checked_by_ids"] == n and check["mismatches"] == 0, check
-    # Interleaved rounds, best of each: a burst of other work on the shared cores then
-    # hits one round of every figure rather than all rounds of one.
+    # Each core of these shared machines changes speed by itself every few seconds (up to
+    # 1.5x; dev/LOG.md 2026-12-06), so each ratio is the median over rounds of two runs
+    # made back to back, the order turned round every round: a slow spell then weighs on
+    # one round's pair, not on one side of the figure.
     runs = {
         "floor": lambda: backend.encode_batch_fast(texts, add_special_tokens=False),
+        "stage2": lambda: tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20),
+        "stage1": lambda: tokenize_file(path, out, num_proc=1, max_seq_len=1 << 20),
         "floor_1": lambda: bare_one(texts),
         "floor_2proc": lambda: bare_two(texts),
-        "stage1": lambda: tokenize_file(path, out, num_proc=1, max_seq_len=1 << 20),
-        "stage2": lambda: tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20),
     }
     timings: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(3 if quick else 4):
-        for name, fn in runs.items():
-            timings[name].append(_timed(fn))
-    floor, floor_1, floor_2proc, stage1, stage2 = (min(t) for t in timings.values())
+    order = list(runs)  # each neighbour pair here is one figure's pair
+    for r in range(ROUNDS_QUICK if quick else ROUNDS):
+        for name in order if r % 2 == 0 else order[::-1]:
+            timings[name].append(_timed(runs[name]))
+        print("   round", r + 1, " ".join(f"{k} {v[-1]:.2f}s" for k, v in timings.items()),
+              flush=True)
+
+    def paired(slower: str, faster: str) -> float:
+        """Median over rounds of time(slower) / time(faster)."""
+        return statistics.median(a / b for a, b in zip(timings[slower], timings[faster]))
+
+    same_tokens = report["tokens"] / tokens  # the stage's rows hold the rendered texts' tokens
 
     naive_rows = rows[:n_naive]
     naive_tokens = [0]
@@ -346,25 +361,25 @@ def main(quick: bool | None = None) -> dict:
     naive_rate = naive_tokens[0] / seconds
     seconds = _best(lambda: naive(False), repeat=1 if quick else 2)
     naive_min_rate = naive_tokens[0] / seconds
-    floor_rate = tokens / floor
+    stage2, stage1 = min(timings["stage2"]), min(timings["stage1"])
     rate1, rate2 = report["tokens"] / stage1, report["tokens"] / stage2
 
     big, small = (5_000, 1_000) if quick else (50_000, 10_000)
     rss_big = memory_run(big)
     rss_small = memory_run(small)
     return {
-        "tokenize_vs_floor": round(rate2 / floor_rate, 3),
+        "tokenize_vs_floor": round(same_tokens * paired("floor", "stage2"), 3),
         "tokenize_vs_naive": round(rate2 / naive_rate, 2),
         "tokenize_vs_naive_1proc": round(rate1 / naive_rate, 2),
         "tokenize_vs_naive_min": round(rate2 / naive_min_rate, 2),
-        "tokenize_scaling_2proc": round(rate2 / rate1, 3),
-        "tokenize_machine_scaling_2proc": round(floor_1 / floor_2proc, 3),
-        "tokenize_vs_floor_1proc": round(rate1 / (tokens / floor_1), 3),
+        "tokenize_scaling_2proc": round(paired("stage1", "stage2"), 3),
+        "tokenize_machine_scaling_2proc": round(paired("floor_1", "floor_2proc"), 3),
+        "tokenize_vs_floor_1proc": round(same_tokens * paired("floor_1", "stage1"), 3),
         "tokenize_peak_rss_mb": round(rss_big, 1),
         "tokenize_rss_growth_mb": round(rss_big - rss_small, 1),
         "tokenize_mean_tokens_per_row": round(tokens / n),
         "tokenize_stage_tok_per_s": round(rate2),
-        "tokenize_floor_tok_per_s": round(floor_rate),
+        "tokenize_floor_tok_per_s": round(tokens / min(timings["floor"])),
     }
 
 

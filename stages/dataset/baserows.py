@@ -67,7 +67,7 @@ def contract_rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, wh
     offsets32 = offsets.astype(np.int32)
     supervised = row_sums(loss, offsets32)
     row_ids, digests = _content_ids(tokens, loss, offsets32)
-    arrays = [
+    columns = [
         pa.array(row_ids, pa.string()),
         pa.array([source] * len(lengths), pa.string()),
         pa.ListArray.from_arrays(pa.array(offsets32), pa.array(tokens),
@@ -77,7 +77,7 @@ def contract_rows(part: pa.RecordBatch, lay: Layout, vocab: int, source: str, wh
         pa.array(lengths.astype(np.int32)),
         pa.array(supervised),
     ]
-    out = pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+    out = pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
     keep = trainable_rows(loss, offsets)
     fully = _fully_supervised(lengths, supervised, keep)
     refused = (~keep if not drop_invalid else False) | (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import signal
 import time
@@ -226,6 +227,8 @@ def test_the_api_key_is_never_written_anywhere(tmp_path):
         proc = stage(tmp_path, FAKE_KEY=KEY)
         text = ok(proc)
         assert "first request" in text and "$FAKE_KEY" in text
+        # the body as its first try goes: under the prompt id + "~1." + the run's tag
+        assert re.search(r'"rid": "p\d+~1\.[0-9a-f]{16}"', text), text[-2000:]
         wrong = stage(tmp_path, FAKE_KEY="not-the-key")
         missing = stage(tmp_path)
     assert wrong.returncode == 1 and "401" in wrong.stderr
@@ -240,12 +243,14 @@ def test_the_api_key_is_never_written_anywhere(tmp_path):
 
 def test_limit_runs_the_first_prompts_and_prints_the_first_request(tmp_path, capsys):
     rows = make_prompts(tmp_path, 40)
-    with spawn() as fake:
+    with spawn({"record_bodies": True}) as fake:
         write_params(tmp_path, server=url_server(fake.url), limit=3, seed=5)
         here(tmp_path)
+        sent = fake.stats()["requests"]["p00000"]["body"]
     out = capsys.readouterr().out
     body = json.loads(out[out.index("{") :])
-    assert body["rid"] == "p00000" and body["messages"] == rows[0]["messages"]
+    assert body == sent  # the first try's, its request id included
+    assert body["rid"].startswith("p00000~1.") and body["messages"] == rows[0]["messages"]
     assert body["max_tokens"] == 64 and body["seed"] == 5 and body["tools"] == rows[0]["tools"]
     assert body["chat_template_kwargs"] == {"enable_thinking": True}
     assert "Authorization: (none)" in out

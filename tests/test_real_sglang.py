@@ -11,6 +11,7 @@ the ids test passes a recording proxy, so rows are compared with SGLang's raw re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import yaml
 from stages import tokenize
 from stages.common import params, reports
 from stages.serving import engines, probes
+from stages.serving.client import ChatClient, Failure, RetryPolicy, Sampling, build_body
 from stages.serving.toolshape import served_tools
 from stages.serving.turns import sample_id
 from tests.helpers import stagecli
@@ -279,18 +281,14 @@ def test_tools_take_the_shape_sglangs_own_tool_model_dumps():
     assert [json.dumps(t) for t in ours] == [json.dumps(t) for t in theirs]
 
 
-def test_a_try_that_times_out_runs_on_in_sglang_and_its_retry_is_not_refused(sglang, tmp_path):
-    """A request that times out on our side keeps running in SGLang (it checks for a gone
-    client only while no output arrives), and SGLang refuses its rid until it ends
-    (400 "Duplicate request ID detected"). Each retry goes under `<id>~N`: with a
-    timeout shorter than a generation every try reaches the engine and times out; a
-    re-run at once meets the first run's tries still running, and completes."""
-    # answers that take ~12 s on this machine, whatever its speed
-    probe = {"model": sglang.model_name, "max_tokens": 16, "ignore_eos": True,
-             "messages": [{"role": "user", "content": "x"}]}
-    t0 = time.monotonic()
-    assert probes.ask(f"{sglang.url}/v1/chat/completions", probe, timeout=120).status == 200
-    n_tokens = min(4000, max(64, int(16 / (time.monotonic() - t0) * 12)))
+def test_a_try_that_times_out_takes_no_retry_or_rerun_with_it(sglang, tmp_path):
+    """A try that times out on our side runs on in SGLang, which refuses its rid until it
+    ends (400 "Duplicate request ID detected"); when SGLang sees the client gone it aborts
+    every request whose rid begins with that try's. Each try goes under `<id>~N.RUN`:
+    with a timeout shorter than a generation every try reaches the engine and times out;
+    a re-run at once, meeting the first run's tries still running, completes, none of
+    its tries refused or aborted."""
+    n_tokens = _tokens_taking(sglang, 12)
     write_prompts(tmp_path, user_prompts(2, prefix="slow"))
     slow = dict(max_tokens=n_tokens, ignore_eos=True, concurrency=2, backoff_base=0.1,
                 backoff_max=0.2, max_retries=1, max_transient_failures=0)
@@ -299,19 +297,53 @@ def test_a_try_that_times_out_runs_on_in_sglang_and_its_retry_is_not_refused(sgl
     assert done.returncode == 1, done.stderr[-3000:]
     assert "still failing after retries" in done.stderr and "timeout" in done.stderr
     assert "duplicate" not in done.stderr.lower(), done.stderr[-3000:]
-    # the first try's rid, still running: what a retry under it would have met
-    body = {"model": sglang.model_name, "rid": "slow000", "max_tokens": 4,
-            "messages": [{"role": "user", "content": "x"}]}
-    status, raw = probes.ask(f"{sglang.url}/v1/chat/completions", body)
-    assert status == 400 and b"Duplicate request ID" in raw, raw[:300]
 
-    write_params(tmp_path, {"url": sglang.url, "engine": "sglang"}, request_timeout=600, **slow)
+    once = dict(slow, max_retries=0)  # a try refused or aborted fails the run
+    write_params(tmp_path, {"url": sglang.url, "engine": "sglang"}, request_timeout=600, **once)
     done = stage(tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = reports.read(tmp_path / "reports", "generate")
-    assert report["completed"] == 2 and report["failed"] == 0
+    assert report["completed"] == 2 and report["failed"] == 0, done.stderr[-3000:]
     assert all(r["usage"]["completion_tokens"] == n_tokens
                for r in rows(tmp_path / "data/completions/completions.jsonl"))
+
+
+def _tokens_taking(sglang, seconds: float) -> int:
+    """max_tokens of an answer that takes about `seconds` here, whatever the machine's speed."""
+    probe = {"model": sglang.model_name, "max_tokens": 16, "ignore_eos": True,
+             "messages": [{"role": "user", "content": "x"}]}
+    t0 = time.monotonic()
+    assert probes.ask(f"{sglang.url}/v1/chat/completions", probe, timeout=120).status == 200
+    return min(4000, max(64, int(16 / (time.monotonic() - t0) * seconds)))
+
+
+def test_a_gone_try_takes_no_request_its_id_begins(sglang):
+    """Through the stage's client: when SGLang sees a try's client gone (at its next 50
+    tokens) it aborts every request whose rid begins with that try's. A try of prompt
+    "p1" that times out takes neither prompt "p10", running beside it, nor "p1" sent
+    again at once, as it would if a try went under its bare prompt id."""
+    n_tokens = _tokens_taking(sglang, 12)
+    sampling = Sampling(n_tokens, 0.7, 0.95, 20, None, False, True, ignore_eos=True)
+
+    def body(pid: str) -> bytes:
+        prompt = {"id": pid, "messages": [{"role": "user", "content": f"count {pid}"}]}
+        return json.dumps(build_body(prompt, sglang.model_name, sampling, "sglang")).encode()
+
+    def client(timeout: float) -> ChatClient:
+        return ChatClient([sglang.url], api_key=None, concurrency=4, request_timeout=timeout,
+                          retry=RetryPolicy(max_retries=0), unreachable_deadline=30)
+
+    async def go():
+        async with client(1.0) as quick, client(600.0) as patient:
+            beside = asyncio.ensure_future(patient.complete(body("p10")))
+            with pytest.raises(Failure) as gone:
+                await quick.complete(body("p1"))
+            again = await patient.complete(body("p1"))
+            return gone.value, await beside, again
+
+    gone, beside, again = asyncio.run(go())
+    assert gone.kind == "timeout", gone
+    assert beside.finish_reason == again.finish_reason == "length"  # ran to max_tokens
 
 
 # ----------------------------------------------------------------------- router

@@ -36,6 +36,9 @@ from stages.common.secrets import Redactor, strip_url_credentials
 from stages.serving import replies
 
 CHAT_PATH = "/v1/chat/completions"
+# the request id field each engine reads (build_body); `transformers serve` takes none
+ID_FIELDS = {"sglang": "rid", "vllm": "request_id"}
+TRY_MARK = "~"  # in a request id, what follows it names the try (with_attempt_id)
 CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "exceeds the")
 # (context, prompt tokens) in the engines' context errors, in the order they appear
 CONTEXT_ERRORS = (  # SGLang: prompt + max_new_tokens over the context
@@ -198,13 +201,13 @@ def build_body(prompt: dict, model: str, sampling: Sampling, engine: str) -> dic
     body["chat_template_kwargs"] = {"enable_thinking": sampling.enable_thinking}
     if engine == "sglang":
         body["separate_reasoning"] = sampling.separate_reasoning
-        body["rid"] = prompt["id"]
-    elif engine == "vllm":
-        body["request_id"] = prompt["id"]
     # the engine's own token ids come back: tokenize checks its render against them, and
     # may train on them (stages/serving/engineids.py)
     body.update(engineids.request_fields(engine))
     body["stream"] = False
+    id_field = ID_FIELDS.get(engine)
+    if id_field:  # last: with_attempt_id adds each try's suffix to it
+        body[id_field] = prompt["id"]
     return body
 
 
@@ -282,7 +285,7 @@ def classify(status: int, message: str) -> tuple[str, str]:
         # a redirect is never followed: the API key would go wherever it points
         return "rejected", "fatal"
     if status == 400 and "duplicate" in low and ("rid" in low or "request id" in low):
-        return "duplicate_rid", "transient"  # still running from an earlier run of ours
+        return "duplicate_rid", "transient"  # ours are unique per try: another client's
     if status in (400, 413, 422) or (400 <= status < 500 and status not in (408, 429)):
         if any(h in low for h in CONTEXT_HINTS):
             return "context_overflow", "permanent"
@@ -315,18 +318,19 @@ def with_max_tokens(body: bytes, max_tokens: int) -> bytes:
 
 
 def with_attempt_id(body: bytes, attempt: int, run: str) -> bytes:
-    """The request as try number `attempt` of run `run` sends it: from the second on,
-    under a request id of its own (`rid` or `request_id` + "~N.RUN"). A try that timed
-    out on our side may still run on the engine, and SGLang refuses a rid it is running
-    (400 "Duplicate request ID detected"), an earlier run's retries included. The cache
-    key never holds the id."""
-    if attempt == 1:
+    """The request as try number `attempt` of run `run` sends it: under the request id
+    `<prompt id>~<attempt>.<run>`, every try its own.
+
+    SGLang refuses a rid it is running (400 "Duplicate request ID detected"), and a try
+    that timed out on our side runs on there until SGLang sees the client gone. Then it
+    aborts every request whose rid *starts with* that rid (its scheduler matches by
+    prefix), so no id we send may begin another: prompt ids hold no TRY_MARK (the prompt
+    index refuses one that does), and `run` is of fixed length. The cache key never holds
+    the id.
+    """
+    if not body.endswith(b'"}'):  # no id field: build_body puts it last, a string
         return body
-    data = json.loads(body)
-    for name in ("rid", "request_id"):
-        if isinstance(data.get(name), str):
-            data[name] = f"{data[name]}~{attempt}.{run}"
-    return json.dumps(data, ensure_ascii=False).encode()
+    return b"".join((body[:-2], f"{TRY_MARK}{attempt}.{run}".encode(), b'"}'))
 
 
 def _error_message(raw: bytes) -> str:
@@ -403,7 +407,7 @@ class ChatClient:
         self._rng = random.Random()
         self.last_contact = time.monotonic()
         self.retries = 0
-        self.run_tag = os.urandom(4).hex()  # in a retry's request id (with_attempt_id)
+        self.run_tag = os.urandom(8).hex()  # in every try's request id (with_attempt_id)
         self.clamped = 0  # requests resent with max_tokens lowered to fit the context
         self.session: Optional[aiohttp.ClientSession] = None
 

@@ -22,6 +22,7 @@ from stages.chat import conversation
 from stages.common.errors import StageError
 from stages.common.reading import json_object, open_regular
 from stages.serving.cacherecords import cached_record
+from stages.serving.client import TRY_MARK
 from stages.serving.requestcache import KeyIndex, RequestCache, request_key
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ def _parse_prompt(line: bytes, path: Path, lineno: int) -> dict:
     prompt = json_object(line, where)
     if not isinstance(prompt.get("id"), str) or not prompt["id"]:
         raise StageError(f"{where}: missing string 'id'")
+    if TRY_MARK in prompt["id"]:  # request ids are made prefix-free with it
+        raise StageError(f"{where}: id {prompt['id'][:80]!r} holds {TRY_MARK!r}, which "
+                         "the request ids sent to the engine reserve (prepare's ids are hex)")
     bad = conversation.problem(prompt.get("messages"), prompt.get("tools")) or \
         conversation.unicode_problem(line, prompt)
     if bad:

@@ -28,6 +28,7 @@ from stages.serving.client import (
     Reply,
     Sampling,
     build_body,
+    with_attempt_id,
 )
 from stages.serving.server import ServerHandle
 from stages.serving.progress import Progress, Throughput
@@ -37,10 +38,13 @@ from stages.serving.watchdog import UrlWatchdog, Watchdog
 
 
 def print_first_request(
-    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: params.Generate
+    prompt: dict, server: ServerHandle, sampling: Sampling, cfg: params.Generate,
+    run: str = "RUN",
 ) -> None:
-    """The dry run's view: exactly the body sent (or that would be), the key redacted."""
-    body = build_body(prompt, server.request_model or server.label, sampling, server.engine)
+    """The dry run's view: exactly the body its first try sends, the key redacted (`run`:
+    the sending client's tag; when nothing is sent there is none)."""
+    built = build_body(prompt, server.request_model or server.label, sampling, server.engine)
+    body = json.loads(with_attempt_id(json.dumps(built, ensure_ascii=False).encode(), 1, run))
     launched = getattr(server.launched, "url", "") or "<launched>"
     where = server.shown_urls()[0] if server.urls else launched
     auth = f"Bearer <${cfg.server.api_key_env}, redacted>" if cfg.server.api_key_env else "(none)"
@@ -93,7 +97,7 @@ class Generation:
         data = self.encoder.encode(prompt, fit)
         if self.tally.sent == 0 and self.cfg.limit is not None:
             sampling = self.sampling if fit is None else dataclasses.replace(self.sampling, max_tokens=fit)
-            print_first_request(prompt, self.server, sampling, self.cfg)
+            print_first_request(prompt, self.server, sampling, self.cfg, self.client.run_tag)
         self.tally.sent += 1
         try:
             reply = await self.client.complete(data)

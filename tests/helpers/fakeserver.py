@@ -84,6 +84,10 @@ Fault spec: a JSON object, every key optional.
   outlives_client   number  0      seconds a request whose client went away still runs
                                    under its rid. As SGLang, a rid that is running is
                                    refused: 400 "Duplicate request ID detected."
+                                   When it ends (at once if 0), it takes every request
+                                   running under a rid that *starts with* its own with
+                                   it: they end with finish_reason "abort" (SGLang
+                                   0.5.23's scheduler aborts by prefix)
   rules             list    []     faults, first matching rule wins:
       {"fault": KIND, "match": REGEX on rid, "first": N (only attempts 1..N of each
        id), "prob": P (0..1), "seconds": S (hang/slow), "status": CODE, "message": STR}
@@ -124,7 +128,7 @@ password of Basic auth, or its user part when there is no password: a token-only
 {auth} the whole Authorization header, {auth_b64} that header in base64; each
 optionally sliced like {key[:9]} or {key_url[3:]}.
 
-A request without `rid` is tracked under "sha:" + a hash of its messages; a retry's rid
+A request without `rid` is tracked under "sha:" + a hash of its messages; a try's rid
 (`ID~N.RUN`, stages/serving/client.py) is counted as an attempt of ID.
 """
 
@@ -177,7 +181,7 @@ KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "length", "unclosed_think", "abort", "tool_call", "patch",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
-RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a retry's rid: its own + "~ATTEMPT.RUN"
+RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a try's rid: the prompt's + "~ATTEMPT.RUN"
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(
     r"\{(key|auth)(_json|_ujson|_url|_pct|_b64|_hex|_htmlx|_html)?(?:\[(-?\d*):(-?\d*)\])?\}")
@@ -274,6 +278,7 @@ class _State:
         self.attempts: dict[str, int] = {}
         self.running: set = set()  # rids being answered
         self.abandoned: dict[str, float] = {}  # rid -> until when it runs without a client
+        self.aborted: set = set()  # running rids a gone client's rid began: they abort
         self.stalled = False
         self.dying = False
         self.last_body: Any = None
@@ -290,6 +295,10 @@ class _State:
             now = time.monotonic()
             self.abandoned = {r: t for r, t in self.abandoned.items() if t > now}
         return rid in self.abandoned
+
+    def abort_begun_by(self, rid: str) -> None:
+        """SGLang's abort of a gone client's request: every running rid it begins."""
+        self.aborted.update(r for r in self.running if r != rid and r.startswith(rid))
 
     def fire_once(self) -> bool:
         """True when a one-shot fault (exit/stall) may fire now; records that it did."""
@@ -689,9 +698,15 @@ def build_app(spec: dict, die) -> web.Application:
         except asyncio.CancelledError:  # the client went away: the request may run on
             if running is not None and spec["outlives_client"] > 0:
                 state.abandoned[running] = time.monotonic() + spec["outlives_client"]
+                # SGLang sees the client gone when the request yields output: its end
+                asyncio.get_running_loop().call_later(
+                    spec["outlives_client"], state.abort_begun_by, running)
+            elif running is not None:
+                state.abort_begun_by(running)
             raise
         finally:
             state.running.discard(running)
+            state.aborted.discard(running)
             state.in_flight -= 1
             state.faults[outcome[0]] = state.faults.get(outcome[0], 0) + 1
             if record is not None:
@@ -761,6 +776,8 @@ def build_app(spec: dict, die) -> web.Application:
             await decode(delay)
         if state.dying or state.stalled:
             await forever()
+        if body.get("rid") in state.aborted:
+            fault = outcome[0] = "abort"
         if fault == "malformed":
             text = json.dumps(reply_for(body, spec))
             return web.Response(text=text[: len(text) // 2], content_type="application/json"), fault

@@ -263,22 +263,47 @@ def test_a_hung_request_times_out_and_does_not_stall_the_others(fake):
     assert failure.kind == "timeout" and not failure.permanent
 
 
-def test_a_retry_after_a_timeout_goes_under_a_rid_of_its_own(fake):
-    """A try that timed out on our side runs on in SGLang, which refuses its rid until it
-    ends (400 "Duplicate request ID detected"): each retry is sent as `<id>~<attempt>.<run>`,
-    the vLLM request_id alike. Real SGLang: tests/test_real_sglang.py."""
+def test_every_try_goes_under_a_request_id_of_its_own(fake):
+    """Each try is sent as `<id>~<attempt>.<run>`, the vLLM request_id alike; the body
+    is otherwise the one encoded. Real SGLang: tests/test_real_sglang.py."""
     hang = {"fault": "hang", "match": "p1$", "first": 1, "seconds": 60}
     s = fake({"outlives_client": 60, "record_bodies": True, "rules": [hang]})
     c = client(s.url, request_timeout=1.0, retry=RetryPolicy(1, 0, 0.01, 0.01))
     (reply,) = run(send(c, body(1)))
     assert reply.attempts == 2 == s.attempts("p1") and reply.content
     assert s.stats()["requests"]["p1"]["body"]["rid"] == f"p1~2.{c.run_tag}"
-    assert json.loads(with_attempt_id(body(2, engine="vllm"), 3, "ab"))["request_id"] == "p2~3.ab"
-    assert with_attempt_id(body(2), 1, "ab") == body(2)  # a first try is sent as encoded
-    # what the first try's rid meets while it runs on
-    (dup,) = run(send(client(s.url, retry=RetryPolicy(0, 0, 0.01, 0.01)), body(1)))
-    assert (dup.kind, dup.status, dup.permanent) == ("duplicate_rid", 400, False)
-    assert "Duplicate request ID" in dup.message
+    assert len(c.run_tag) == 16
+    for engine, field in (("sglang", "rid"), ("vllm", "request_id")):
+        sent = json.loads(with_attempt_id(body(2, engine=engine), 3, "ab"))
+        assert sent == {**json.loads(body(2, engine=engine)), field: "p2~3.ab"}
+    assert with_attempt_id(body(2, engine="transformers"), 2, "ab") == body(2, engine="transformers")
+
+
+def test_a_gone_try_takes_no_other_request_with_it(fake):
+    """SGLang refuses a rid it is running, and when it sees a try's client gone it aborts
+    every request whose rid begins with that try's (the fake does both, as SGLang 0.5.23).
+    A prompt sent again at once while its timed-out try runs on, and a prompt whose id
+    the first one's begins ("p1", "p10"), are both answered. Either fails when a try goes
+    under its bare prompt id."""
+    hang = {"fault": "hang", "match": "p1$", "first": 1, "seconds": 60}
+    slow = {"fault": "slow", "match": "p1$|p10$", "seconds": 3}
+    s = fake({"outlives_client": 1, "rules": [hang, slow]})
+    once = RetryPolicy(0, 0, 0.01, 0.01)
+    quick = client(s.url, request_timeout=1.0, retry=once)
+    patient = client(s.url, request_timeout=30.0, retry=once)
+
+    async def go():
+        async with quick, patient:
+            p10 = asyncio.ensure_future(patient.complete(body(10)))
+            with pytest.raises(Failure) as gone:  # runs on 1 s more, then SGLang aborts it
+                await quick.complete(body(1))
+            again = await patient.complete(body(1))
+            return gone.value, await p10, again
+
+    gone, p10, again = run(go())
+    assert gone.kind == "timeout"
+    assert p10.content and again.content and again.finish_reason == "stop"
+    assert s.attempts("p1") == 2 and s.stats()["outcomes"].get("abort", 0) == 0
 
 
 def test_api_key_is_sent_and_a_wrong_one_stops_the_run(fake):

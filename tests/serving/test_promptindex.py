@@ -39,5 +39,9 @@ def test_tools_are_noticed_and_a_bad_line_is_named(tmp_path):
     path.write_text(prompt("a", "q") + json.dumps({"messages": []}) + "\n")
     with pytest.raises(StageError, match=rf"^{path}:2: missing string 'id'$"):
         PromptLocations(path, None, "ns")
+    path.write_text(prompt("a", "q") + prompt("b~1.0123456789abcdef", "q"))
+    with pytest.raises(StageError, match=rf"^{path}:2: id 'b~1.0123456789abcdef' holds '~', "
+                                         "which the request ids sent to the engine reserve"):
+        PromptLocations(path, None, "ns")  # client.with_attempt_id
     with pytest.raises(StageError, match="not found .run the prepare stage first"):
         PromptLocations(tmp_path / "absent.jsonl", None, "ns")

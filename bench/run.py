@@ -3,6 +3,7 @@
   python bench/run.py                 all benchmarks
   python bench/run.py tokenize merge  only these
   BENCH_QUICK=1 python bench/run.py   smaller inputs, for a quick look
+  BENCH_RESULTS=PATH ...              the figures go to PATH instead (tests/test_bench.py)
 
 Each benchmark measures its baselines in the same run and reports ratios; absolute
 times on a shared 2-core machine are noise, ratios are not.
@@ -10,8 +11,9 @@ times on a shared 2-core machine are noise, ratios are not.
 
 from __future__ import annotations
 
-import subprocess
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -63,7 +65,7 @@ def run_one(path: Path) -> dict:
 
 
 def main(names: list[str]) -> int:
-    out = HERE / "results.json"
+    out = Path(os.environ.get("BENCH_RESULTS") or HERE / "results.json")
     results = json.loads(out.read_text()) if out.exists() and names else {}
     failed = []
     for path in sorted(HERE.glob("bench_*.py")):
@@ -83,7 +85,7 @@ def main(names: list[str]) -> int:
         results.update(figures)
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
     out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out}")
     measured = {key: results[key] for key in TARGETS if key in results}
     missed = [f"{key} = {value} (target {' '.join(map(str, TARGETS[key]))})"
               for key, value in measured.items() if not _meets(value, *TARGETS[key])]

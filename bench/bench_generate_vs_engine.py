@@ -133,14 +133,15 @@ def sglang_tok_s(wd: Path, url: str, served: str, model_path: str, prompts: list
         for t in prompts), encoding="utf-8")
     result = wd / "result.jsonl"
     result.unlink(missing_ok=True)
-    extra = {"top_k": SAMPLING["top_k"], "chat_template_kwargs": {"enable_thinking": True}}
+    # the chat backend takes its sampling from the extra body alone: its --temperature and
+    # --top-p feed SGLang's native backend only, and without a temperature it sends 0 (greedy)
+    extra = {**SAMPLING, "chat_template_kwargs": {"enable_thinking": True}}
     argv = [
         str(SGLANG_PYTHON), "-m", "sglang.bench_serving", "--backend", "sglang-oai-chat",
         "--base-url", url, "--model", served, "--tokenizer", model_path,
         "--dataset-name", "custom", "--dataset-path", str(data),
         "--num-prompts", str(len(prompts)), "--sharegpt-output-len", str(MAX_TOKENS),
-        "--max-concurrency", str(CONCURRENCY), "--temperature", str(SAMPLING["temperature"]),
-        "--top-p", str(SAMPLING["top_p"]), "--extra-request-body", json.dumps(extra),
+        "--max-concurrency", str(CONCURRENCY), "--extra-request-body", json.dumps(extra),
         "--output-file", str(result), "--disable-tqdm", "--warmup-requests", "0",
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, cwd=wd,

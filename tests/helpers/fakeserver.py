@@ -181,7 +181,7 @@ KINDS = set(ERRORS) | HOSTILE | TRANSPORT | {
     "length", "unclosed_think", "abort", "tool_call", "patch",
 }  # fmt: skip
 NO_WORKER = "No models available - no workers registered"  # sglang-router's words
-RETRY_ID = re.compile(r"~\d+\.[0-9a-f]+$")  # a try's rid: the prompt's + "~ATTEMPT.RUN"
+TRY_ID = re.compile(r"~(\d+)\.[0-9a-f]+$")  # a try's rid: the prompt's + "~ATTEMPT.RUN"
 DECODE_RATE = 20.0  # tokens/s a decoding request adds to /metrics
 SECRET_REF = re.compile(
     r"\{(key|auth)(_json|_ujson|_url|_pct|_b64|_hex|_htmlx|_html)?(?:\[(-?\d*):(-?\d*)\])?\}")
@@ -668,7 +668,7 @@ def build_app(spec: dict, die) -> web.Application:
             return _error(400, "BadRequestError", "Field 'messages' must be a list.")
         running = rid = body.get("rid")
         if isinstance(rid, str):
-            rid = RETRY_ID.sub("", rid)
+            rid = TRY_ID.sub("", rid)
         else:
             running = None
             rid = "sha:" + hashlib.blake2b(

@@ -10,7 +10,6 @@ import http.client
 import http.server
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -24,10 +23,10 @@ import yaml
 from stages.common import params
 from stages.serving import engines
 from tests.helpers import stagecli
+from tests.helpers.fakeserver import TRY_ID
 from tests.helpers.repo import env as repo_env
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_TRY = re.compile(r"~1\.[0-9a-f]+$")  # a request id of a first try (client.with_attempt_id)
 
 
 def env() -> dict:
@@ -175,7 +174,7 @@ class RecordingProxy:
         try answered 200: what a test shows when its counts are off."""
         return [(x["request"].get("rid"), x["status"], x["raw"][:300])
                 for x in list(self.exchanges)
-                if x["status"] != 200 or not FIRST_TRY.search(str(x["request"].get("rid")))]
+                if x["status"] != 200 or _attempt(x["request"].get("rid")) != 1]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -185,3 +184,9 @@ class RecordingProxy:
 def asked(messages: list, tools: list | None) -> str:
     """A request's messages and tools as one key (`RecordingProxy.replies`)."""
     return json.dumps([messages, tools or None], sort_keys=True)
+
+
+def _attempt(rid) -> int | None:
+    """Which try of its prompt a request id names (client.with_attempt_id's form)."""
+    found = TRY_ID.search(rid) if isinstance(rid, str) else None
+    return int(found.group(1)) if found else None

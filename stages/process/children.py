@@ -61,13 +61,24 @@ class _SilentWhenOrphaned:
         return getattr(self._stream, name)
 
 
+class _Pool(multiprocessing.pool.Pool):
+    """A pool whose worker-keeping thread sleeps while results flow. CPython's also waits
+    on the results pipe, readable for as long as a result is not wholly read: it woke
+    ~6,000 times in a 1.2 s tokenize run (0.05 s of CPU, and the GIL taken from the
+    thread reading that result). Workers never replaces a worker, so that thread needs
+    to wake only when a worker ends or the pool changes state, as ThreadPool's does."""
+
+    def _get_sentinels(self) -> list:
+        return [self._change_notifier._reader]
+
+
 class Workers:
     """A multiprocessing pool of `n` workers (`context`: "fork" or "spawn") set up with
     `init_worker`, whose results are awaited with an eye on the workers."""
 
     def __init__(self, context: str, n: int):
-        self.pool = multiprocessing.get_context(context).Pool(
-            n, initializer=init_worker, initargs=(os.getpid(),))
+        self.pool = _Pool(n, initializer=init_worker, initargs=(os.getpid(),),
+                          context=multiprocessing.get_context(context))
         # the processes it started with (CPython keeps them in `_pool`): any of them
         # that ends while results are awaited is an error, so replacements need no watch
         self.procs = list(self.pool._pool)

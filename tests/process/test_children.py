@@ -109,3 +109,28 @@ def test_a_worker_killed_or_stopped_is_one_line_not_a_wait_for_ever(how, monkeyp
         for proc in workers.procs:
             if proc.exitcode is None:
                 os.kill(proc.pid, signal.SIGKILL)
+
+
+def _bytes(n: int) -> bytes:
+    return bytes(n)
+
+
+def test_the_pool_keeper_sleeps_while_a_big_result_flows(monkeypatch):
+    """CPython's pool thread that keeps the workers also waits on the results pipe, and
+    wakes at once again and again while a result is in it (hundreds of times for this
+    one); Workers' pool wakes only for a worker's end or its own state."""
+    import multiprocessing.pool
+
+    from stages.process import children
+
+    wakes = []
+    keep = multiprocessing.pool.Pool._wait_for_updates
+    monkeypatch.setattr(multiprocessing.pool.Pool, "_wait_for_updates", staticmethod(
+        lambda *args, **kwargs: (wakes.append(1), keep(*args, **kwargs))[1]))
+    workers = children.Workers("fork", 1)
+    try:
+        assert len(workers.result(workers.submit(_bytes, 256 << 20), "tokenize")) == 256 << 20
+        workers.close()
+    finally:
+        workers.terminate()
+    assert 0 < len(wakes) <= 5, len(wakes)

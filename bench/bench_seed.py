@@ -364,12 +364,12 @@ def _run(scale: float, pool: Pool, tok, foreign: bool, floor: bool) -> dict:
                "completions_mb": round(_size(repo / "data/completions") / 1e6, 1),
                "base_mb": round(_size(repo / "data/base") / 1e6, 1)}
         reports = {}
-        floors = [_floor(repo, tok)] if floor else []  # around the stage: the load moves
+        floors = [_floor(repo)] if floor else []  # around the stage: the load moves
         for stage in ("tokenize", "merge", "validate"):
             reports[stage], figures = _stage(stage, repo)
             out.update({f"{stage}_{k}": v for k, v in figures.items()})
             if floor and stage == "tokenize":
-                floors.append(_floor(repo, tok))
+                floors.append(_floor(repo))
         out.update(_totals(reports, out))
         out.update(_versioned(repo))
         if floor:
@@ -541,21 +541,38 @@ def _versioned(repo: Path) -> dict:
             "dvc_pushed_bytes": _size(WORK / "remote")}
 
 
-def _floor(repo: Path, tok) -> tuple[float, float]:
-    """encode_batch_fast on the pre-rendered first FLOOR_ROWS answers: (tok/s in as many
-    single-threaded processes as tokenize's workers, forked as the stage's, over
-    FLOOR_RUNS runs and the pool's start; tok per CPU
-    second on one thread, what the machine's other load does not move)."""
+FLOOR_CODE = """
+import json, sys
+sys.path[:0] = ["bench"]
+import bench_seed
+print(json.dumps(bench_seed.floor_here(sys.argv[1])))
+"""
+
+
+def _floor(repo: Path) -> tuple[float, float]:
+    """`floor_here` in a process of its own, as the stage's is: forked workers inherit
+    their parent's C heap, and workers forked from this one, after its own encoding,
+    spent ~10% more CPU (dev/LOG.md, 2026-12-06)."""
+    figures = harness.python_json(FLOOR_CODE, str(repo))
+    return figures["rate"], figures["per_cpu"]
+
+
+def floor_here(repo: str) -> dict:
+    """encode_batch_fast on the pre-rendered first FLOOR_ROWS answers: `rate`, tok/s in as
+    many single-threaded processes as tokenize's workers, forked as the stage's, over
+    FLOOR_RUNS runs and the pool's start; `per_cpu`, tok per CPU second on one thread,
+    what the machine's other load does not move."""
     import multiprocessing
 
+    from stages.models.tokenizer import load_once
+
+    tok = load_once("bundled:qwen3.6")
     texts = []
-    with open(repo / "data/completions/completions.jsonl", "rb") as f:
+    with open(Path(repo) / "data/completions/completions.jsonl", "rb") as f:
         for _, line in zip(range(FLOOR_ROWS), f):
             row = json.loads(line)
             texts.append(tok.apply_chat_template(row["messages"], tools=row.get("tools"),
                                                  tokenize=False))
-    tokens = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch_fast(
-        texts, add_special_tokens=False))
     procs = cpus.usable()
     bench_tokenize._TEXTS[:] = texts
     step = math.ceil(len(texts) / procs)
@@ -565,11 +582,11 @@ def _floor(repo: Path, tok) -> tuple[float, float]:
     start = time.perf_counter()
     with bench_tokenize.single_threaded(), multiprocessing.get_context("fork").Pool(procs) as pool:
         for _ in range(FLOOR_RUNS):
-            pool.map(bench_tokenize._encode_part, parts)
-    rate = FLOOR_RUNS * tokens / (time.perf_counter() - start)
+            counts = pool.map(bench_tokenize._encode_part, parts)
+    rate = FLOOR_RUNS * sum(counts) / (time.perf_counter() - start)
     start = time.process_time()
     bench_tokenize.bare_one(texts)  # one thread, off the main one as the stage's
-    return rate, tokens / (time.process_time() - start)
+    return {"rate": rate, "per_cpu": sum(counts) / (time.process_time() - start)}
 
 
 # ------------------------------------------------------------------------- files

@@ -6,7 +6,8 @@
 Conversations are generated with realistic length and shape for the reference run: mean
 about 2,700 tokens, mostly the thinking block; 20% with a system prompt, 20% with earlier
 turns, 5% with tools and a tool call. All figures use the bundled Qwen3.6 tokenizer, on
-this machine's cores, in one run. The stage and its baselines run in rounds (3 quick, 6
+this machine's cores, in one run. Each kind of run but the in-process floor repeats in a
+process of its own (Side), as `python -m stages.tokenize` runs alone. The stage and its baselines run in rounds (3 quick, 6
 full), each run beside its pair's other side, the order turned round every round; each
 ratio is the median over rounds of the pair's two times (the cores of a shared machine
 change speed by themselves every few seconds), the tok/s figures the best of the rounds.
@@ -198,14 +199,16 @@ def _timed(fn) -> float:
 _TEXTS: list[str] = []
 
 
-def _encode_part(part: tuple[int, int]) -> None:
+def _encode_part(part: tuple[int, int]) -> int:
+    """Tokens of the texts _TEXTS[lo:hi], encoded."""
     from stages.chat.encoder import off_main_thread
     from stages.models.tokenizer import load_once
 
     tok = load_once("bundled:qwen3.6")  # inherited through fork
     # off the main thread, as the stage does (the main thread's heap is slower)
-    off_main_thread(tok.backend_tokenizer.encode_batch_fast, _TEXTS[part[0]:part[1]],
-                    add_special_tokens=False)
+    encoded = off_main_thread(tok.backend_tokenizer.encode_batch_fast,
+                              _TEXTS[part[0]:part[1]], add_special_tokens=False)
+    return sum(map(len, encoded))
 
 
 class single_threaded:
@@ -275,14 +278,77 @@ def _peak_memory(cmd: list[str], env: dict) -> float:
     return peak
 
 
+# a side: one kind of timed run, repeated on demand in a process of its own (see Side)
+SIDE = """
+import json, logging, sys
+logging.disable(logging.WARNING)
+sys.path[:0] = ["bench"]
+import bench_tokenize
+job = bench_tokenize.side_job(*sys.argv[1:])
+print(json.dumps(job()), flush=True)  # a warm-up run and what it returned
+for _ in sys.stdin:
+    job()
+    print("done", flush=True)
+"""
+
+
+def rendered(path: Path) -> list[str]:
+    """The completions' conversations as the chat template writes them."""
+    from stages.models.tokenizer import load_once
+
+    tok = load_once("bundled:qwen3.6")
+    return [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
+            for r in map(json.loads, path.open(encoding="utf-8"))]
+
+
+def side_job(what: str, path: str, out: str):
+    """The run a side repeats: `stage1`/`stage2` the stage at that num_proc, `bare1`/
+    `bare2` the bare tokenizer on one thread / in 2 processes."""
+    if what.startswith("stage"):
+        from stages.tokenize import tokenize_file
+
+        procs = int(what[len("stage"):])
+        return lambda: tokenize_file(path, out, num_proc=procs, max_seq_len=1 << 20)
+    texts = rendered(Path(path))
+    bare = {"bare1": bare_one, "bare2": bare_two}[what]
+    return lambda: bare(texts)
+
+
+class Side:
+    """Runs of one kind (`side_job`) on demand in a process that does nothing else, as
+    `python -m stages.tokenize` does nothing but tokenize. Forked workers inherit their
+    parent's C heap: run in this process, beside the in-process floor's own encoding, the
+    stage's workers took ~10% more CPU for the same chunks (dev/LOG.md, 2026-12-06)."""
+
+    def __init__(self, what: str, path: Path, out: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SIDE, what, str(path), str(out)], cwd=ROOT,
+            env=harness.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.first = json.loads(self._reply())
+
+    def _reply(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the side process ended (exit {self.proc.wait()})")
+        return line
+
+    def run(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        assert self._reply() == "done\n"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def memory_run(rows: int) -> float:
     path = WORK / f"short-v2-{rows}.jsonl"
     make_completions(path, rows, scale=0.06, seed=rows)
     out = WORK / f"out-mem-{rows}"
     code = ("import sys; from stages.tokenize import tokenize_file; "
             f"tokenize_file({str(path)!r}, {str(out)!r}, num_proc=2, max_seq_len=1 << 20)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    return _peak_memory([sys.executable, "-c", code], env)
+    return _peak_memory([sys.executable, "-c", code], harness.env())
 
 
 def main(quick: bool | None = None) -> dict:
@@ -290,7 +356,6 @@ def main(quick: bool | None = None) -> dict:
         quick = harness.quick()
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.models.tokenizer import load_once
-    from stages.tokenize import tokenize_file
 
     n = 300 if quick else 1000
     n_naive = 60 if quick else 150
@@ -298,13 +363,13 @@ def main(quick: bool | None = None) -> dict:
     path = WORK / f"realistic-v3-{n}.jsonl"  # v3: Qwen3.6 format, engine token ids kept
     make_completions(path, n, tok=tok)
     rows = [json.loads(line) for line in path.open(encoding="utf-8")]
-    texts = [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
-             for r in rows]
+    texts = rendered(path)
     backend = tok.backend_tokenizer
     tokens = sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
 
-    out = WORK / "out"
-    report = tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20)  # warm up
+    sides = {what: Side(what, path, WORK / f"out-{what}")
+             for what in ("stage2", "stage1", "bare1", "bare2")}
+    report = sides["stage2"].first
     assert report["rows"] == n, report["dropped"]
     check = report["serve_check"]  # every row checked against its engine ids, all equal
     assert check["checked_by_ids"] == n and check["mismatches"] == 0, check
@@ -314,10 +379,10 @@ def main(quick: bool | None = None) -> dict:
     # one round's pair, not on one side of the figure.
     runs = {
         "floor": lambda: backend.encode_batch_fast(texts, add_special_tokens=False),
-        "stage2": lambda: tokenize_file(path, out, num_proc=2, max_seq_len=1 << 20),
-        "stage1": lambda: tokenize_file(path, out, num_proc=1, max_seq_len=1 << 20),
-        "floor_1": lambda: bare_one(texts),
-        "floor_2proc": lambda: bare_two(texts),
+        "stage2": sides["stage2"].run,
+        "stage1": sides["stage1"].run,
+        "floor_1": sides["bare1"].run,
+        "floor_2proc": sides["bare2"].run,
     }
     timings: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)  # each neighbour pair here is one figure's pair
@@ -326,6 +391,9 @@ def main(quick: bool | None = None) -> dict:
             timings[name].append(_timed(runs[name]))
         print("   round", r + 1, " ".join(f"{k} {v[-1]:.2f}s" for k, v in timings.items()),
               flush=True)
+
+    for side in sides.values():
+        side.close()
 
     def paired(slower: str, faster: str) -> float:
         """Median over rounds of time(slower) / time(faster)."""

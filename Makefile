@@ -24,6 +24,14 @@ SGLANG_PINS := sglang==0.5.23
 SGLANG_REQUIREMENTS := engines/sglang_cpu/requirements.txt
 SGLANG_STAMP := $(SGLANG_VENV)/.stamp-$(subst ==,-,$(SGLANG_PINS))-lean
 SGLANG_CPU := $(SGLANG_VENV)/sglang-cpu/sgl_kernel/__init__.py
+# axolotl's own dataset loading, preprocessing and sample packing, for the export test
+# (tests/helpers/axolotlcpu.py). axolotl 0.19.0 pins transformers 5.16.1 (ours is newer) and
+# asks for a GPU stack that code never imports, so it comes --no-deps into a venv of its own
+# on exactly what that code imports, CPU torch included: engines/axolotl/requirements.txt.
+AXOLOTL_VENV := .venv-axolotl
+AXOLOTL_PINS := axolotl==0.19.0
+AXOLOTL_REQUIREMENTS := engines/axolotl/requirements.txt
+AXOLOTL_STAMP := $(AXOLOTL_VENV)/.stamp-$(subst ==,-,$(AXOLOTL_PINS))
 
 # Stage commands in dvc.yaml run `python`: make it the venv's. Nothing reaches the Hub.
 export PATH := $(BIN):$(PATH)
@@ -33,7 +41,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 # again costs more than the bytecode on disk (.dvcignore keeps it out of the deps)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install engine-venv demo check test bench clean-demo
+.PHONY: install engine-venv trainer-venv demo check test bench clean-demo
 
 # pip install in venv $(1) of $(2), tried again whole where it fails: a download cut off
 # mid-wheel (CI once lost a 286 MB wheel at 102 MB, each of pip's resumes refused) needs a
@@ -85,6 +93,16 @@ $(SGLANG_CPU): engines/sglang_cpu/sgl_kernel/__init__.py engines/sglang_cpu/sgla
 	cp engines/sglang_cpu/sglang_cpu.pth "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(SGLANG_VENV)/bin/python -c "import sgl_kernel, sglang.srt.mem_cache.allocation as a; assert a.assign_req_to_token_pool_cpu.__module__ == 'sgl_kernel' and 'sglang-cpu' in sgl_kernel.__file__, sgl_kernel.__file__"
 
+trainer-venv: $(AXOLOTL_STAMP)
+
+$(AXOLOTL_STAMP): $(AXOLOTL_REQUIREMENTS)
+	rm -rf $(AXOLOTL_VENV)
+	$(PYTHON) -m venv $(AXOLOTL_VENV)
+	$(call pip_install,$(AXOLOTL_VENV),--upgrade "pip>=24$(comma)<27")
+	$(call pip_install,$(AXOLOTL_VENV),--no-deps -r $(AXOLOTL_REQUIREMENTS) $(AXOLOTL_PINS))
+	AXOLOTL_DO_NOT_TRACK=1 $(AXOLOTL_VENV)/bin/python -c "import torch, axolotl.common.datasets, axolotl.utils.collators; assert torch.version.cuda is None, 'not the CPU torch: ' + torch.__version__"
+	touch $@
+
 demo: install
 	$(BIN)/python -m stages.demo
 
@@ -95,7 +113,7 @@ check: install
 
 # the quick tests on every CPU, then the slow ones one at a time (real engines and whole
 # pipelines: each keeps a CPU busy, and their time limits assume it does not wait for one)
-test: install engine-venv
+test: install engine-venv trainer-venv
 	$(BIN)/python -m pytest -m "not slow" -n auto --dist loadfile
 	$(BIN)/python -m pytest -m slow
 

@@ -1,5 +1,5 @@
 """Shared fixtures: the fake SGLang server (tests/helpers/fakeserver.py), in-process or as a
-process; and the summary line of each real engine (`real_engine` marker): ran, or why not."""
+process; and the summary line of each real engine or trainer (`real_engine` marker): ran, or why not."""
 
 from __future__ import annotations
 

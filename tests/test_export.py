@@ -255,6 +255,82 @@ def test_axolotl_has_exactly_its_three_columns(pipeline_set, tmp_path):
                                  for t, m in zip(r["input_ids"], r["loss_mask"])]
 
 
+AXOLOTL_PYTHON = ROOT / ".venv-axolotl" / "bin" / "python"
+
+
+def axolotl_own_run(export: Path, sequence_len: int, work: Path) -> dict:
+    """axolotl 0.19.0's own loading, preprocessing and packing of `export`, in its venv
+    (tests/helpers/axolotlcpu.py says what runs)."""
+    out = work / "axolotl-run.json"
+    proc = subprocess.run(
+        [str(AXOLOTL_PYTHON), "-m", "tests.helpers.axolotlcpu", str(export), "--sequence-len",
+         str(sequence_len), "--work", str(work), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+def as_rows(rows) -> collections.Counter:
+    return collections.Counter((tuple(r["input_ids"]), tuple(r["labels"])) for r in rows)
+
+
+@pytest.mark.slow  # a real tokenize and merge, then axolotl twice: ~20 s
+@pytest.mark.real_engine("axolotl 0.19.0 (CPU): its dataset loading, preprocessing, packing")
+@pytest.mark.skipif(not AXOLOTL_PYTHON.exists() and not os.environ.get("CI"),
+                    reason="no axolotl venv (.venv-axolotl): run `make trainer-venv` (make test does)")
+def test_axolotl_own_code_drops_what_the_export_names_and_packs_labels_in_place(
+        pipeline_set, tmp_path):
+    """axolotl's `load_datasets` on the export, packing off and on: the rows it keeps are the
+    exported rows export.json does not name as dropped (by length; with packing on, also
+    those without a supervised token), `input_ids` and `labels` unchanged; its multipack
+    sampler and collator put every kept row in one bin once, its labels where they were."""
+    root, rows = pipeline_set
+    median = sorted(len(r["input_ids"]) for r in rows)[len(rows) // 2]
+    sets = {"edge": (write_merged(tmp_path / "edge", [EDGE_ROWS[:3], EDGE_ROWS[3:]]),
+                     EDGE_ROWS, L),
+            "pipeline": (root / "data/merged", rows, median)}
+    for name, (merged, source, sequence_len) in sets.items():
+        export = tmp_path / f"{name}-axolotl"
+        report, _ = run_export("axolotl", merged, export, "--max-length", sequence_len)
+        # every row in dataset order, labels the token where the mask is 1 (else -100)
+        exported = datasets.load_from_disk(str(export)).to_list()
+        assert [(e["input_ids"], e["labels"]) for e in exported] == [
+            (r["input_ids"], [t if m else IGNORE for t, m in zip(r["input_ids"], r["loss_mask"])])
+            for r in source]
+        ids = {key: set(effect["ids"]) for key, effect in report["trainer_will"].items()}
+        assert all(len(ids[k]) == e["rows"] for k, e in report["trainer_will"].items())
+        by_length = ids["longer_than_max_length"] | ids["shorter_than_min_sample_len"]
+        dropped = {"no_packing": by_length, "packing": by_length | ids["no_supervised_token"]}
+        if name == "edge":
+            assert dropped["packing"] - by_length == {"silent"}
+        assert by_length and len(dropped["packing"]) < len(source), (name, dropped)
+        run = axolotl_own_run(export, sequence_len, tmp_path / f"{name}-work")
+        assert run["axolotl"] == "0.19.0"
+        for key, gone in dropped.items():
+            kept = [e for e, r in zip(exported, source) if r["id"] not in gone]
+            assert as_rows(run["runs"][key]["rows"]) == as_rows(kept), (name, key)
+            assert all(r["attention_mask"] == [1] * len(r["input_ids"])
+                       for r in run["runs"][key]["rows"])
+        packed = run["runs"]["packing"]
+        kept = packed["rows"]
+        assert sorted(i for b in packed["batches"] for rows_ in b["bins"] for i in rows_) == \
+            list(range(len(kept))), (name, packed["batches"])
+        for batch in packed["batches"]:
+            for bin_, tokens, labels, attention, positions in zip(
+                    batch["bins"], batch["input_ids"], batch["labels"],
+                    batch["attention_mask"], batch["position_ids"]):
+                at = 0
+                for k, index in enumerate(bin_):
+                    n = len(kept[index]["input_ids"])
+                    assert tokens[at:at + n] == kept[index]["input_ids"], (name, bin_)
+                    assert labels[at:at + n] == kept[index]["labels"], (name, bin_)
+                    assert attention[at:at + n] == [k + 1] * n
+                    assert positions[at:at + n] == list(range(n))
+                    at += n
+                assert set(labels[at:]) <= {IGNORE} and set(attention[at:]) <= {0}
+
+
 # ------------------------------------------------ rows a trainer cuts or drops, named
 
 

@@ -7,10 +7,11 @@ Conversations are generated with realistic length and shape for the reference ru
 about 2,700 tokens, mostly the thinking block; 20% with a system prompt, 20% with earlier
 turns, 5% with tools and a tool call. All figures use the bundled Qwen3.6 tokenizer, on
 this machine's cores, in one run. Each kind of run but the in-process floor repeats in a
-process of its own (Side), as `python -m stages.tokenize` runs alone. The stage and its baselines run in rounds (3 quick, 6
-full), each run beside its pair's other side, the order turned round every round; each
-ratio is the median over rounds of the pair's two times (the cores of a shared machine
-change speed by themselves every few seconds), the tok/s figures the best of the rounds.
+process of its own (Side), as `python -m stages.tokenize` runs alone. The stage and its
+baselines run in rounds (3 quick, 6 full), each run beside its pair's other side, the
+order turned round every round; each ratio is the median over rounds of the pair's two
+times (the cores of a shared machine change speed by themselves every few seconds), the
+tok/s figures the best of the rounds.
 
   tokenize_vs_floor       stage tokens/s at num_proc=2 (render + encode + mask + Arrow
                           write, JSON parsing and the serve-render check of every row

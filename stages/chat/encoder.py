@@ -103,8 +103,9 @@ def off_main_thread(fn, *args, **kwargs):
 def _end_helper() -> None:
     """Before this process forks, its helper thread ends (the next call starts another).
     Workers forked while the parent's helper was alive, after it had encoded, spent ~7%
-    more CPU on the same chunks (2.33-2.38 s against 2.12-2.20, whether the helper was
-    ended first or had never run); why, in glibc or the tokenizer, was not pinned down."""
+    more CPU on the same chunks: 2.33-2.38 s, against 2.12-2.20 s with the helper ended
+    before the fork or never started. Why (glibc's heap, the tokenizer) was not pinned
+    down (dev/LOG.md, 2026-12-06)."""
     global _helper
     if _helper is not None and _helper[0] == os.getpid():
         _helper[1].shutdown(wait=True)

@@ -89,7 +89,7 @@ def main() -> dict:
     os.chdir(ROOT)  # the bundled tokenizer is cached under ./.cache
     from stages.models.tokenizer import load_once
 
-    tok = load_once("bundled:qwen3.6")
+    tok = load_once(bench_tokenize.TOKENIZER)
     pool = Pool(tok)
     figures = {"seed_scale": scale, "seed_base": "foreign" if foreign else "contract"}
     half = _run(scale / 2, pool, tok, foreign, floor=False)
@@ -155,7 +155,8 @@ class Conversations:
 
         self.tok, self.pool = tok, pool
         self.rng = np.random.default_rng(seed)
-        self.encoder = ChatEncoder(tok, enable_thinking=True, name="bundled:qwen3.6")
+        self.encoder = ChatEncoder(tok, enable_thinking=True,
+                                   name=bench_tokenize.TOKENIZER)
         self.overhead = {}
         for system in (False, True):  # template tokens around the contents, counted once
             picks = self._picks(40)
@@ -564,15 +565,8 @@ def floor_here(repo: str) -> dict:
     what the machine's other load does not move."""
     import multiprocessing
 
-    from stages.models.tokenizer import load_once
-
-    tok = load_once("bundled:qwen3.6")
-    texts = []
-    with open(Path(repo) / "data/completions/completions.jsonl", "rb") as f:
-        for _, line in zip(range(FLOOR_ROWS), f):
-            row = json.loads(line)
-            texts.append(tok.apply_chat_template(row["messages"], tools=row.get("tools"),
-                                                 tokenize=False))
+    texts = bench_tokenize.rendered(Path(repo) / "data/completions/completions.jsonl",
+                                    FLOOR_ROWS)
     procs = cpus.usable()
     bench_tokenize._TEXTS[:] = texts
     step = math.ceil(len(texts) / procs)

@@ -56,8 +56,10 @@ WORK = ROOT / "bench" / "work" / "tokenize"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import harness  # noqa: E402
+from stages.common import params  # noqa: E402
 
 ROUNDS, ROUNDS_QUICK = 6, 3  # timed rounds of every run (see main)
+TOKENIZER = params.Tokenize.tokenizer  # the stage's default: the bundled Qwen3.6 one
 COMMON = (
     "the of and to in is that it for as with was on be by this are or at from an but not "
     "have which can we if so all one what there when more will about into out up then them "
@@ -205,7 +207,7 @@ def _encode_part(part: tuple[int, int]) -> int:
     from stages.chat.encoder import off_main_thread
     from stages.models.tokenizer import load_once
 
-    tok = load_once("bundled:qwen3.6")  # inherited through fork
+    tok = load_once(TOKENIZER)  # inherited through fork
     # off the main thread, as the stage does (the main thread's heap is slower)
     encoded = off_main_thread(tok.backend_tokenizer.encode_batch_fast,
                               _TEXTS[part[0]:part[1]], add_special_tokens=False)
@@ -293,13 +295,15 @@ for _ in sys.stdin:
 """
 
 
-def rendered(path: Path) -> list[str]:
-    """The completions' conversations as the chat template writes them."""
+def rendered(path: Path, rows: int | None = None) -> list[str]:
+    """The completions' conversations (the first `rows` of them) as the chat template
+    writes them."""
     from stages.models.tokenizer import load_once
 
-    tok = load_once("bundled:qwen3.6")
-    return [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
-            for r in map(json.loads, path.open(encoding="utf-8"))]
+    tok = load_once(TOKENIZER)
+    with open(path, encoding="utf-8") as f:
+        return [tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False)
+                for r in map(json.loads, itertools.islice(f, rows))]
 
 
 def side_job(what: str, path: str, out: str):
@@ -360,13 +364,13 @@ def main(quick: bool | None = None) -> dict:
 
     n = 300 if quick else 1000
     n_naive = 60 if quick else 150
-    tok = load_once("bundled:qwen3.6")
+    tok = load_once(TOKENIZER)
     path = WORK / f"realistic-v3-{n}.jsonl"  # v3: Qwen3.6 format, engine token ids kept
     make_completions(path, n, tok=tok)
     rows = [json.loads(line) for line in path.open(encoding="utf-8")]
     texts = rendered(path)
     backend = tok.backend_tokenizer
-    tokens = sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
+    tokens = sum(map(len, backend.encode_batch_fast(texts, add_special_tokens=False)))
 
     sides = {what: Side(what, path, WORK / f"out-{what}")
              for what in ("stage2", "stage1", "bare1", "bare2")}
